@@ -1,0 +1,41 @@
+"""The contract between the engine and the model: one flattened batch per step.
+
+The scheduler packs the new tokens of every scheduled sequence (a prefill
+chunk of one, a single decode token of another) into one flat batch, so a
+single forward serves both. Everything here is integer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """New tokens of B sequences, concatenated in sequence order (T tokens in all).
+
+    Sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of the
+    token tensors; its context after this step is ``seq_lens[i]`` tokens, the
+    last ``query_lens[i]`` of which are new.
+    """
+
+    input_ids: torch.Tensor  # [T] int64 token ids
+    positions: torch.Tensor  # [T] int64 absolute position of each token in its sequence
+    query_start_loc: torch.Tensor  # [B+1] int32 prefix sums of new-token counts
+    seq_lens: torch.Tensor  # [B] int32 context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32 KV block ids of each sequence, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 cache slot (block_id * block_size + offset) for each new token
+    logits_indices: torch.Tensor  # [S] int64 rows of T whose next-token logits are wanted
+    # Host-side copies, so attention can loop over sequences without device syncs.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
