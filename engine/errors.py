@@ -1,0 +1,40 @@
+"""Exceptions the engine raises for requests it will not run.
+
+The server maps each to a gRPC status; the engine itself knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of the engine's request errors."""
+
+
+class InvalidRequestError(EngineError):
+    """Invalid request parameters: ``violations`` lists (field, problem) pairs."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        super().__init__("; ".join(f"{f}: {p}" for f, p in violations))
+
+
+class ContextLengthError(EngineError):
+    """The prompt (plus max_tokens under the reject policy) does not fit the context window."""
+
+    def __init__(self, requested: int, limit: int, message: str) -> None:
+        self.requested = requested
+        self.limit = limit
+        super().__init__(message)
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its configured maximum; retry after ``retry_after_s``."""
+
+    def __init__(self, queue_len: int, retry_after_s: float = 1.0) -> None:
+        self.queue_len = queue_len
+        self.retry_after_s = retry_after_s
+        super().__init__(f"the waiting queue is full ({queue_len} requests); retry later")
+
+
+class EngineStoppedError(EngineError):
+    """The engine is shutting down and takes no new requests."""

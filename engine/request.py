@@ -1,0 +1,99 @@
+"""What callers hand the engine and what it streams back (plain data only)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling_params import ContextPolicy, SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to generate from, already tokenized.
+
+    ``cache_salt`` keys the prefix cache: the server derives it from the
+    authenticated identity so two identities never share cached KV blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    context_policy: ContextPolicy = ContextPolicy.ALLOW_CONTEXT_STOP
+    priority: int = 0  # higher runs first; FCFS within a level
+    cache_salt: bytes = b""
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+class FinishReason(str, Enum):
+    """Why a choice ended."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    CANCELLED = "cancelled"  # abort(), client gone, deadline
+
+
+@dataclass
+class TokenLogprob:
+    """Log probability of one token under the distribution sampled from."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class PositionLogprobs:
+    """The chosen token's logprob and the most likely alternatives, best first."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class CompletionDelta:
+    """New output of one choice since the previous RequestOutput.
+
+    ``text`` never ends inside a UTF-8 character: bytes of an incomplete
+    character are held back until the character is complete.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestStats:
+    """Where a request's time went and what it held (seconds, tokens, blocks)."""
+
+    queue_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    e2e_time_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    kv_blocks: int = 0  # most blocks held at once
+    kv_bytes: int = 0
+    preemptions: int = 0
+    truncated_prompt_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """One update of a request: deltas of the choices that advanced this step."""
+
+    request_id: str
+    deltas: list[CompletionDelta]
+    finished: bool = False
+    num_prompt_tokens: int = 0
+    stats: RequestStats | None = None  # set on the finishing output

@@ -1,0 +1,91 @@
+"""SamplingParams: how tokens are chosen and when a request stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ContextPolicy(str, Enum):
+    """What to do when the prompt plus max_tokens does not fit the context window."""
+
+    ALLOW_CONTEXT_STOP = "allow_context_stop"  # generate until the context is full, then finish with length
+    REJECT = "reject"  # refuse when prompt + max_tokens exceeds the context
+    TRUNCATE_LEFT = "truncate_left"  # drop the prompt's start until it fits
+    TRUNCATE_RIGHT = "truncate_right"  # drop the prompt's end until it fits
+    RESERVE_GENERATION = "reserve_generation"  # drop the prompt's start so max_tokens always fits
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters (defaults as vLLM/OpenAI).
+
+    ``temperature == 0`` means greedy. ``max_tokens=None`` means "until the
+    context window is full". Validation lives in ``validate()`` so the server
+    can turn each problem into a field violation.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def validate(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
+        """Return (field, problem) pairs for every invalid parameter; empty when valid."""
+        bad: list[tuple[str, str]] = []
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad.append(("max_tokens", "must be at least 1"))
+        if self.min_tokens < 0:
+            bad.append(("min_tokens", "must be non-negative"))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad.append(("min_tokens", "must not exceed max_tokens"))
+        if not 0.0 <= self.temperature <= 100.0:
+            bad.append(("temperature", "must be in [0, 100]"))
+        if self.top_k < 0:
+            bad.append(("top_k", "must be non-negative (0 disables)"))
+        if not 0.0 < self.top_p <= 1.0:
+            bad.append(("top_p", "must be in (0, 1]"))
+        if not 0.0 <= self.min_p <= 1.0:
+            bad.append(("min_p", "must be in [0, 1]"))
+        if not 0.0 < self.typical_p <= 1.0:
+            bad.append(("typical_p", "must be in (0, 1]"))
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            bad.append(("repetition_penalty", "must be in (0, 100]"))
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad.append(("frequency_penalty", "must be in [-2, 2]"))
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad.append(("presence_penalty", "must be in [-2, 2]"))
+        for token_id, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                bad.append(("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"))
+            if not -100.0 <= bias <= 100.0:
+                bad.append(("logit_bias", f"bias {bias} for token {token_id} must be in [-100, 100]"))
+        for token_id in self.stop_token_ids:
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                bad.append(("stop_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"))
+        if any(s == "" for s in self.stop):
+            bad.append(("stop", "stop strings must not be empty"))
+        if not 1 <= self.n <= 16:
+            bad.append(("n", "must be in [1, 16]"))
+        if not 0 <= self.top_logprobs <= 20:
+            bad.append(("top_logprobs", "must be in [0, 20]"))
+        return bad
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
