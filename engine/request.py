@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from engine.sampling_params import ContextPolicy, SamplingParams
 
@@ -26,7 +26,7 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why a choice ended."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string

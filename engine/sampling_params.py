@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class ContextPolicy(str, Enum):
+class ContextPolicy(StrEnum):
     """What to do when the prompt plus max_tokens does not fit the context window."""
 
     ALLOW_CONTEXT_STOP = "allow_context_stop"  # generate until the context is full, then finish with length
