@@ -1,0 +1,201 @@
+"""Request failures and their gRPC form: a ``google.rpc.Status`` with typed details.
+
+Every error a handler reports goes through :func:`to_rpc_status`, so clients get
+the same shape everywhere (unary calls, streams, per-item Batch results):
+``google.rpc.ErrorInfo`` (reason = ``ErrorReason`` name without its prefix,
+domain "protoserve") always, plus ``google.rpc.BadRequest`` field violations for
+invalid parameters and ``google.rpc.RetryInfo`` for RESOURCE_EXHAUSTED.
+Unexpected exceptions become INTERNAL with a reference id; the traceback stays
+in the server log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from protoserve.v1 import inference_pb2
+
+from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
+
+log = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "protoserve"
+_REASON_PREFIX = "ERROR_REASON_"
+
+
+class ServiceError(Exception):
+    """A failure the server reports to the caller as a gRPC status with details.
+
+    ``reason`` is an ``inference_pb2.ErrorReason`` value. ``violations`` are
+    (field path, problem) pairs for INVALID_ARGUMENT; ``retry_after_s`` adds a
+    RetryInfo detail.
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        reason: int,
+        message: str,
+        *,
+        violations: Iterable[tuple[str, str]] = (),
+        retry_after_s: float | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.violations = list(violations)
+        self.retry_after_s = retry_after_s
+        self.metadata = dict(metadata or {})
+
+
+def invalid_argument(violations: Iterable[tuple[str, str]]) -> ServiceError:
+    """INVALID_ARGUMENT naming every bad field."""
+    violations = list(violations)
+    summary = "; ".join(f"{f}: {p}" for f, p in violations)
+    return ServiceError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        inference_pb2.ERROR_REASON_INVALID_PARAMETER,
+        f"invalid request: {summary}",
+        violations=violations,
+    )
+
+
+def model_not_found(name: str, available: Iterable[str]) -> ServiceError:
+    """NOT_FOUND for a model this server has not loaded."""
+    names = ", ".join(available) or "none"
+    return ServiceError(
+        grpc.StatusCode.NOT_FOUND,
+        inference_pb2.ERROR_REASON_MODEL_NOT_FOUND,
+        f"model {name!r} is not loaded (loaded: {names})",
+        metadata={"model": name},
+    )
+
+
+def request_not_found(request_id: str) -> ServiceError:
+    """NOT_FOUND for a request id the caller does not own (or that never existed)."""
+    return ServiceError(
+        grpc.StatusCode.NOT_FOUND,
+        inference_pb2.ERROR_REASON_REQUEST_NOT_FOUND,
+        f"no request {request_id!r} belongs to the caller",
+    )
+
+
+def no_chat_template(model: str) -> ServiceError:
+    """FAILED_PRECONDITION: chat input for a model without a chat template."""
+    return ServiceError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        inference_pb2.ERROR_REASON_NO_CHAT_TEMPLATE,
+        f"model {model!r} has no chat template; send a plain prompt or token ids",
+        metadata={"model": model},
+    )
+
+
+def unauthenticated(message: str) -> ServiceError:
+    """UNAUTHENTICATED for a missing or unknown API key."""
+    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, inference_pb2.ERROR_REASON_UNAUTHENTICATED, message)
+
+
+def draining() -> ServiceError:
+    """UNAVAILABLE while the server shuts down."""
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        inference_pb2.ERROR_REASON_SERVER_DRAINING,
+        "the server is shutting down and takes no new requests",
+    )
+
+
+def not_ready() -> ServiceError:
+    """UNAVAILABLE while the model is still loading."""
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        inference_pb2.ERROR_REASON_NOT_READY,
+        "the server is still loading its model",
+    )
+
+
+def to_service_error(exc: BaseException) -> ServiceError:
+    """Map any exception to the ServiceError the caller should see.
+
+    Unknown exceptions are logged with their traceback and become INTERNAL with
+    only a reference id in the message, so nothing of the server's internals leaks.
+    """
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return invalid_argument(exc.violations)
+    if isinstance(exc, ContextLengthError):
+        message = str(exc)
+        if str(exc.limit) not in message:
+            # The caller needs the limit to budget its prompt; the engine's text may omit it.
+            message = f"{message} (context window: {exc.limit} tokens)"
+        return ServiceError(
+            grpc.StatusCode.OUT_OF_RANGE,
+            inference_pb2.ERROR_REASON_CONTEXT_LENGTH_EXCEEDED,
+            message,
+            metadata={"requested_tokens": str(exc.requested), "max_model_len": str(exc.limit)},
+        )
+    if isinstance(exc, QueueFullError):
+        return ServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            inference_pb2.ERROR_REASON_QUEUE_FULL,
+            str(exc),
+            retry_after_s=exc.retry_after_s,
+            metadata={"queue_len": str(exc.queue_len)},
+        )
+    if isinstance(exc, EngineStoppedError):
+        return draining()
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error (ref %s)", ref, exc_info=(type(exc), exc, exc.__traceback__))
+    return ServiceError(
+        grpc.StatusCode.INTERNAL,
+        inference_pb2.ERROR_REASON_INTERNAL,
+        f"internal server error (ref {ref})",
+        metadata={"ref": ref},
+    )
+
+
+def _pack(message) -> any_pb2.Any:
+    detail = any_pb2.Any()
+    detail.Pack(message)
+    return detail
+
+
+def to_rpc_status(exc: BaseException) -> status_pb2.Status:
+    """The ``google.rpc.Status`` for an exception, with ErrorInfo and the other details."""
+    err = to_service_error(exc)
+    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message)
+    reason = inference_pb2.ErrorReason.Name(err.reason).removeprefix(_REASON_PREFIX)
+    status.details.append(
+        _pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=err.metadata))
+    )
+    if err.violations:
+        status.details.append(
+            _pack(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                        for f, d in err.violations
+                    ]
+                )
+            )
+        )
+    if err.retry_after_s is not None:
+        seconds = max(0.0, err.retry_after_s)
+        whole = math.floor(seconds)
+        delay = duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+        status.details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+    return status
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with the status for ``exc`` (details travel in the trailers)."""
+    await context.abort_with_status(rpc_status.to_status(to_rpc_status(exc)))

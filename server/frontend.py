@@ -1,0 +1,445 @@
+"""Frontend: the API's view of one loaded model.
+
+It turns request messages into engine ``GenerationRequest``s (validation with
+field violations, tokenization, chat templating) and engine output into
+``protoserve.v1`` messages. Both gRPC servicers (InferenceService and
+OpenAIService) build on it, so every surface validates and tokenizes the same
+way. It knows the engine's plain-data API and nothing of tensors; it raises
+:class:`server.errors.ServiceError` and never touches a gRPC context.
+
+Field paths in violations are the request's own: ``sampling.temperature`` for
+InferenceService, ``temperature`` for OpenAIService (callers pass a rename map).
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from protoserve.v1 import inference_pb2 as pb
+
+from engine.request import (
+    CompletionDelta,
+    FinishReason,
+    GenerationRequest,
+    PositionLogprobs,
+    RequestOutput,
+    RequestStats,
+)
+from engine.sampling_params import ContextPolicy, SamplingParams
+from server import errors
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+# Longest client-chosen request id; ids travel in logs and metadata.
+MAX_REQUEST_ID_LEN = 256
+# Roles the chat templates of supported models understand.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+CONTEXT_POLICIES: dict[int, ContextPolicy] = {
+    pb.CONTEXT_POLICY_UNSPECIFIED: ContextPolicy.ALLOW_CONTEXT_STOP,
+    pb.CONTEXT_POLICY_ALLOW_CONTEXT_STOP: ContextPolicy.ALLOW_CONTEXT_STOP,
+    pb.CONTEXT_POLICY_REJECT: ContextPolicy.REJECT,
+    pb.CONTEXT_POLICY_TRUNCATE_LEFT: ContextPolicy.TRUNCATE_LEFT,
+    pb.CONTEXT_POLICY_TRUNCATE_RIGHT: ContextPolicy.TRUNCATE_RIGHT,
+    pb.CONTEXT_POLICY_RESERVE_GENERATION: ContextPolicy.RESERVE_GENERATION,
+}
+
+FINISH_REASONS: dict[FinishReason | None, int] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the server knows about a loaded model beyond the engine: how it was loaded."""
+
+    dtype: str
+    quantization: str
+    source: str  # file or directory name of the weights
+    loaded_at: float = field(default_factory=time.time)  # unix seconds
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message, whichever API it came from."""
+
+    role: str
+    content: str
+    name: str = ""
+
+
+def new_request_id(prefix: str = "req") -> str:
+    """A server-assigned request id, unique enough for logs and Cancel."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def stop_reason_text(stop_reason: str | int | None) -> str:
+    """The stop string, or the stop token id as text, or ""."""
+    return "" if stop_reason is None else str(stop_reason)
+
+
+def stats_to_proto(stats: RequestStats | None) -> pb.RequestStats:
+    """Engine RequestStats → proto RequestStats."""
+    if stats is None:
+        return pb.RequestStats()
+    return pb.RequestStats(
+        queue_time_s=stats.queue_time_s,
+        time_to_first_token_s=stats.time_to_first_token_s,
+        prefill_time_s=stats.prefill_time_s,
+        decode_time_s=stats.decode_time_s,
+        e2e_time_s=stats.e2e_time_s,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+        prompt_tokens=stats.prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
+        kv_blocks=stats.kv_blocks,
+        kv_bytes=stats.kv_bytes,
+        preemptions=stats.preemptions,
+        truncated_prompt_tokens=stats.truncated_prompt_tokens,
+    )
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class RequestResult:
+    """One engine request's outputs folded together: choices, prompt size and stats.
+
+    Streaming handlers feed it as they forward deltas, unary handlers read it at
+    the end; either way usage comes from one place.
+    """
+
+    n: int
+    choices: list[ChoiceState] = field(init=False)
+    num_prompt_tokens: int = 0
+    stats: RequestStats | None = None
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.choices = [ChoiceState(i) for i in range(self.n)]
+
+    def add(self, output: RequestOutput) -> None:
+        for delta in output.deltas:
+            self.choices[delta.index].add(delta)
+        if output.num_prompt_tokens:
+            self.num_prompt_tokens = output.num_prompt_tokens
+        if output.stats is not None:
+            self.stats = output.stats
+        self.finished = self.finished or output.finished
+
+    @property
+    def prompt_tokens(self) -> int:
+        if self.stats is not None and self.stats.prompt_tokens:
+            return self.stats.prompt_tokens
+        return self.num_prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return self.stats.cached_prompt_tokens if self.stats is not None else 0
+
+    def usage(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+        )
+
+
+class Frontend:
+    """One loaded model as the API sees it: request validation, tokenization, output protos."""
+
+    def __init__(self, engine: AsyncEngine, card: ModelCard) -> None:
+        self.engine = engine
+        self.card = card
+        self.tokenizer = engine.tokenizer
+        self.vocab_size: int = engine.tokenizer.vocab_size
+        # Decoding one id is pure; logprob-heavy streams ask for the same ids over and over.
+        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(self._token_text)
+
+    # ---- the model ---------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def model_info(self) -> pb.ModelInfo:
+        """ListModels/GetModel description of this model."""
+        config = self.engine.model_config
+        return pb.ModelInfo(
+            name=self.name,
+            architecture=config.architecture,
+            max_model_len=self.max_model_len,
+            vocab_size=config.vocab_size,
+            dtype=self.card.dtype,
+            quantization=self.card.quantization,
+            num_parameters=int(getattr(self.engine, "num_parameters", 0) or 0),
+            has_chat_template=bool(self.tokenizer.has_chat_template),
+            source=self.card.source,
+        )
+
+    # ---- input ---------------------------------------------------------------------
+
+    def check_sampling(
+        self,
+        params: SamplingParams,
+        rename: Mapping[str, str] | Callable[[str], str],
+        extra: Iterable[tuple[str, str]] = (),
+    ) -> None:
+        """Raise INVALID_ARGUMENT naming every bad field of ``params`` (plus ``extra``).
+
+        ``rename`` maps the engine's field names to the request's field paths.
+        """
+        to_path = rename if callable(rename) else (lambda f: rename.get(f, f))
+        violations = list(extra)
+        violations += [(to_path(f), problem) for f, problem in params.validate(self.vocab_size)]
+        if violations:
+            raise errors.invalid_argument(violations)
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of plain text."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, turns: Sequence[ChatTurn], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        if not self.tokenizer.has_chat_template:
+            raise errors.no_chat_template(self.name)
+        messages: list[dict[str, Any]] = []
+        for turn in turns:
+            message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+            if turn.name:
+                message["name"] = turn.name
+            messages.append(message)
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        if isinstance(rendered, str):
+            # The template writes any BOS itself; adding special tokens again would double it.
+            return self.encode_text(rendered, add_special_tokens=False)
+        return list(rendered)
+
+    def token_id_violations(self, ids: Sequence[int], path: str) -> list[tuple[str, str]]:
+        """Violations for token ids outside the vocabulary (first few named)."""
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if not bad:
+            return []
+        shown = ", ".join(str(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        return [(path, f"token ids {shown} are outside the vocabulary [0, {self.vocab_size})")]
+
+    def sampling_from_proto(self, sp: pb.SamplingParams) -> SamplingParams:
+        """InferenceService SamplingParams → engine SamplingParams (proto defaults applied, unvalidated)."""
+        return SamplingParams(
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+            min_tokens=sp.min_tokens,
+            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+            top_k=sp.top_k,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            min_p=sp.min_p,
+            typical_p=sp.typical_p if sp.HasField("typical_p") else 1.0,
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            logit_bias=dict(sp.logit_bias),
+            seed=sp.seed if sp.HasField("seed") else None,
+            stop=list(sp.stop),
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+            n=sp.n if sp.HasField("n") else 1,
+            logprobs=sp.logprobs,
+            top_logprobs=sp.top_logprobs,
+            skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        )
+
+    def prompt_from_proto(self, req: pb.GenerateRequest | pb.TokenizeRequest) -> tuple[list[int], str]:
+        """Token ids of a request's input oneof, and the field path they came from.
+
+        Raises INVALID_ARGUMENT for a missing input, an empty prompt, token ids
+        outside the vocabulary or malformed chat messages.
+        """
+        kind = req.WhichOneof("input")
+        if kind is None:
+            fields = "prompt, token_ids or chat" if isinstance(req, pb.GenerateRequest) else "text or chat"
+            raise errors.invalid_argument([("input", f"one of {fields} is required")])
+        if kind == "token_ids":
+            ids = list(req.token_ids.ids)
+            violations = self.token_id_violations(ids, "token_ids.ids")
+            if not ids:
+                violations.append(("token_ids.ids", "must not be empty"))
+            if violations:
+                raise errors.invalid_argument(violations)
+            return ids, "token_ids.ids"
+        if kind == "chat":
+            violations = []
+            if not req.chat.messages:
+                violations.append(("chat.messages", "must not be empty"))
+            for i, m in enumerate(req.chat.messages):
+                if m.role not in CHAT_ROLES:
+                    violations.append((f"chat.messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}"))
+            if violations:
+                raise errors.invalid_argument(violations)
+            turns = [ChatTurn(m.role, m.content, m.name) for m in req.chat.messages]
+            add_prompt = (
+                req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
+            )
+            return self.render_chat(turns, add_generation_prompt=add_prompt), "chat"
+        add_special = True
+        if isinstance(req, pb.TokenizeRequest) and req.HasField("add_special_tokens"):
+            add_special = req.add_special_tokens
+        text = getattr(req, kind)  # "prompt" or "text"
+        return self.encode_text(text, add_special_tokens=add_special), kind
+
+    def generation_request(
+        self, req: pb.GenerateRequest, *, request_id: str, cache_salt: bytes, path_prefix: str = ""
+    ) -> GenerationRequest:
+        """Validate an InferenceService GenerateRequest and build the engine request.
+
+        ``request_id`` is the engine's id (the caller keeps the public one);
+        ``cache_salt`` comes from the authenticated identity, never the body.
+        ``path_prefix`` prefixes violation paths (e.g. ``requests[3].`` in Batch).
+        """
+        violations: list[tuple[str, str]] = []
+        if len(req.request_id) > MAX_REQUEST_ID_LEN:
+            violations.append(("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters"))
+        if req.context_policy not in CONTEXT_POLICIES:
+            violations.append(("context_policy", f"unknown value {req.context_policy}"))
+        params = self.sampling_from_proto(req.sampling)
+        if params.top_logprobs and not params.logprobs:
+            violations.append(("sampling.top_logprobs", "requires sampling.logprobs"))
+        try:
+            self.check_sampling(params, lambda f: f"sampling.{f}", violations)
+            prompt_ids, source = self.prompt_from_proto(req)
+        except errors.ServiceError as exc:
+            if path_prefix and exc.violations:
+                raise errors.invalid_argument([(path_prefix + f, p) for f, p in exc.violations]) from None
+            raise
+        if not prompt_ids:
+            raise errors.invalid_argument([(path_prefix + source, "must produce at least one token")])
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=params,
+            context_policy=CONTEXT_POLICIES[req.context_policy],
+            priority=req.priority,
+            cache_salt=cache_salt,
+        )
+
+    # ---- output ----------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw UTF-8 bytes a token stands for (may be part of a character)."""
+        return bytes(self.tokenizer.token_bytes(token_id))
+
+    def logprobs_to_proto(self, positions: Iterable[PositionLogprobs]) -> list[pb.PositionLogprobs]:
+        """Engine logprobs → proto PositionLogprobs with token texts."""
+        out = []
+        for pos in positions:
+            out.append(
+                pb.PositionLogprobs(
+                    chosen=self._token_logprob(pos.chosen.token_id, pos.chosen.logprob),
+                    top=[self._token_logprob(t.token_id, t.logprob) for t in pos.top],
+                )
+            )
+        return out
+
+    def _token_logprob(self, token_id: int, logprob: float) -> pb.TokenLogprob:
+        return pb.TokenLogprob(token_id=token_id, token=self.token_text(token_id), logprob=logprob)
+
+    def delta_to_proto(self, delta: CompletionDelta) -> pb.GenerateDelta:
+        """One engine delta → proto GenerateDelta."""
+        return pb.GenerateDelta(
+            index=delta.index,
+            text=delta.text,
+            token_ids=delta.token_ids,
+            logprobs=self.logprobs_to_proto(delta.logprobs),
+        )
+
+    def final_to_proto(self, result: RequestResult) -> pb.GenerateFinal:
+        """The last stream message: finish reasons, usage and stats."""
+        return pb.GenerateFinal(
+            choices=[
+                pb.ChoiceFinish(
+                    index=c.index,
+                    finish_reason=FINISH_REASONS[c.finish_reason],
+                    stop_reason=stop_reason_text(c.stop_reason),
+                )
+                for c in result.choices
+            ],
+            usage=result.usage(),
+            stats=stats_to_proto(result.stats),
+            model=self.name,
+        )
+
+    def response_to_proto(self, request_id: str, result: RequestResult) -> pb.GenerateResponse:
+        """A finished request → proto GenerateResponse."""
+        return pb.GenerateResponse(
+            request_id=request_id,
+            model=self.name,
+            choices=[
+                pb.Choice(
+                    index=c.index,
+                    text=c.text,
+                    token_ids=c.token_ids,
+                    logprobs=self.logprobs_to_proto(c.logprobs),
+                    finish_reason=FINISH_REASONS[c.finish_reason],
+                    stop_reason=stop_reason_text(c.stop_reason),
+                )
+                for c in result.choices
+            ],
+            usage=result.usage(),
+            stats=stats_to_proto(result.stats),
+        )
+
+    # ---- tokenizer RPCs ----------------------------------------------------------------
+
+    def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Tokenize RPC: text or chat → ids and their texts."""
+        ids, _ = self.prompt_from_proto(req)
+        return pb.TokenizeResponse(
+            token_ids=ids, tokens=[self.token_text(i) for i in ids], max_model_len=self.max_model_len
+        )
+
+    def detokenize(self, req: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        """Detokenize RPC: ids → text."""
+        violations = self.token_id_violations(req.token_ids, "token_ids")
+        if violations:
+            raise errors.invalid_argument(violations)
+        skip = req.skip_special_tokens if req.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(
+            text=self.tokenizer.decode(list(req.token_ids), skip_special_tokens=skip)
+        )
