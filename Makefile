@@ -67,9 +67,9 @@ proto-check: $(VENV)/.installed
 
 lint: install
 	$(BUF) lint
-	@if git rev-parse -q --verify HEAD~1 >/dev/null; then \
-	  $(BUF) breaking --against '.git#ref=HEAD~1' ; \
-	else echo "buf breaking: no previous commit to compare against"; fi
+	@if git cat-file -e HEAD~1:buf.yaml 2>/dev/null; then \
+	  $(BUF) breaking --against '.git#ref=HEAD~1' && echo "buf breaking: no breaking change since HEAD~1"; \
+	else echo "buf breaking: no previous commit with protos to compare against"; fi
 	$(VENV)/bin/ruff check .
 
 test: install proto-check lint
