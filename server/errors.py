@@ -11,6 +11,8 @@ in the server log.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import uuid
@@ -20,9 +22,9 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from protoserve.v1 import inference_pb2
 
 from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
+from protoserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
 
@@ -199,3 +201,35 @@ def to_rpc_status(exc: BaseException) -> status_pb2.Status:
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """End the call with the status for ``exc`` (details travel in the trailers)."""
     await context.abort_with_status(rpc_status.to_status(to_rpc_status(exc)))
+
+
+def reports_errors(handler):
+    """Decorate an RPC handler so any exception ends the call with its rich status.
+
+    Works for unary handlers (coroutines) and server-streaming handlers (async
+    generators). Cancellation is not an error and passes through untouched.
+    """
+    if inspect.isasyncgenfunction(handler):
+
+        @functools.wraps(handler)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for message in handler(self, request, context):
+                    yield message
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the RPC boundary: everything becomes a status
+                await abort(context, exc)
+
+        return stream_wrapper
+
+    @functools.wraps(handler)
+    async def unary_wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the RPC boundary: everything becomes a status
+            await abort(context, exc)
+
+    return unary_wrapper

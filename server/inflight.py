@@ -1,0 +1,157 @@
+"""Requests in flight: who owns them, how they end, and when the server is idle.
+
+Every API call that generates opens a :class:`Call` here. The call owns the
+engine requests it starts, so
+
+* the Cancel RPC can find them, but only for the identity that started them;
+* leaving the call for any reason (the client went away, an error, the handler
+  finished) closes their engine generators, which aborts them in the engine and
+  frees their KV cache;
+* a deadline aborts them when it passes, even if gRPC has not cancelled the
+  handler yet;
+* shutdown can stop admitting calls and wait for the running ones to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.request import GenerationRequest, RequestOutput
+from server import errors
+from server.auth import Identity
+from server.usage import UsageLedger
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+# How many finished (identity, request id) pairs to remember so that a late
+# Cancel answers cancelled=false instead of NOT_FOUND.
+_FINISHED_MEMORY = 4096
+
+
+@dataclass
+class Call:
+    """One API call and the engine requests it runs."""
+
+    identity: Identity
+    public_id: str
+    deadline: float | None  # event-loop time, or None
+    engine_requests: dict[str, AsyncEngine] = field(default_factory=dict)
+    generators: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
+    cancelled: bool = False
+
+    def abort(self) -> bool:
+        """Abort every engine request of the call; True if any was still running."""
+        self.cancelled = True
+        return any([engine.abort(rid) for rid, engine in list(self.engine_requests.items())])
+
+
+class InflightRequests:
+    """The registry of running calls, keyed by (identity, public request id)."""
+
+    def __init__(self, usage: UsageLedger) -> None:
+        self.usage = usage
+        self._calls: dict[tuple[str, str], Call] = {}
+        self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    @contextlib.asynccontextmanager
+    async def call(self, identity: Identity, public_id: str, deadline: float | None) -> AsyncIterator[Call]:
+        """Open a call; on exit every engine request it started is closed (and so aborted)."""
+        if not self._accepting:
+            raise errors.draining()
+        key = (identity.id, public_id)
+        if key in self._calls:
+            raise errors.invalid_argument(
+                [("request_id", f"{public_id!r} is already in use by a running request")]
+            )
+        call = Call(identity, public_id, deadline)
+        self._calls[key] = call
+        self._idle.clear()
+        try:
+            yield call
+        finally:
+            # Shielded so a cancelled handler still aborts its engine requests.
+            for gen in call.generators:
+                await asyncio.shield(gen.aclose())
+            del self._calls[key]
+            self._finished[key] = None
+            if len(self._finished) > _FINISHED_MEMORY:
+                self._finished.popitem(last=False)
+            if not self._calls:
+                self._idle.set()
+
+    def generate(
+        self, call: Call, engine: AsyncEngine, request: GenerationRequest
+    ) -> AsyncIterator[RequestOutput]:
+        """Run ``request`` for ``call``: the engine's outputs, with deadline and usage handled."""
+        gen = self._generate(call, engine, request)
+        call.generators.append(gen)
+        return gen
+
+    async def _generate(
+        self, call: Call, engine: AsyncEngine, request: GenerationRequest
+    ) -> AsyncIterator[RequestOutput]:
+        rid = request.request_id
+        call.engine_requests[rid] = engine
+        timer = None
+        if call.deadline is not None:
+            timer = asyncio.get_running_loop().call_at(call.deadline, engine.abort, rid)
+        prompt_tokens = 0
+        generated = 0
+        try:
+            async with contextlib.aclosing(engine.generate(request)) as outputs:
+                if call.cancelled:
+                    # Cancel arrived between opening the call and submitting this request.
+                    engine.abort(rid)
+                async for output in outputs:
+                    prompt_tokens = output.num_prompt_tokens or prompt_tokens
+                    generated += sum(len(d.token_ids) for d in output.deltas)
+                    yield output
+                    if output.finished:
+                        break
+        finally:
+            if timer is not None:
+                timer.cancel()
+            del call.engine_requests[rid]
+            if prompt_tokens or generated:
+                self.usage.record(call.identity.id, prompt_tokens, generated)
+
+    def cancel(self, identity: Identity, public_id: str) -> bool:
+        """Cancel the caller's request; NOT_FOUND if the caller has no such request."""
+        key = (identity.id, public_id)
+        call = self._calls.get(key)
+        if call is None:
+            if key in self._finished:
+                return False
+            raise errors.request_not_found(public_id)
+        return call.abort()
+
+    def stop_accepting(self) -> None:
+        """Refuse new calls (UNAVAILABLE) from now on."""
+        self._accepting = False
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every call to finish; True if they did."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def abort_all(self) -> int:
+        """Abort every running call (end of the grace period); returns how many."""
+        calls = list(self._calls.values())
+        for call in calls:
+            call.abort()
+        return len(calls)

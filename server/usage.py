@@ -1,0 +1,40 @@
+"""Per-identity usage: requests finished and tokens in and out.
+
+The identity (not the user id) is the key, so the count cannot be spoofed by
+a request body; the metrics service reads these totals.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class IdentityUsage:
+    """Totals of one identity."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class UsageLedger:
+    """Usage totals by identity id; safe to read from another thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._usage: dict[str, IdentityUsage] = {}
+
+    def record(self, identity_id: str, input_tokens: int, output_tokens: int) -> None:
+        with self._lock:
+            usage = self._usage.setdefault(identity_id, IdentityUsage())
+            usage.requests += 1
+            usage.input_tokens += input_tokens
+            usage.output_tokens += output_tokens
+
+    def snapshot(self) -> dict[str, IdentityUsage]:
+        with self._lock:
+            return {
+                k: IdentityUsage(v.requests, v.input_tokens, v.output_tokens) for k, v in self._usage.items()
+            }
