@@ -12,7 +12,6 @@ in the server log.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 import uuid
@@ -206,25 +205,12 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 def reports_errors(handler):
     """Decorate an RPC handler so any exception ends the call with its rich status.
 
-    Works for unary handlers (coroutines) and server-streaming handlers (async
-    generators). Cancellation is not an error and passes through untouched.
+    Handlers are coroutines (streaming ones write with ``context.write``).
+    Cancellation is not an error and passes through untouched.
     """
-    if inspect.isasyncgenfunction(handler):
-
-        @functools.wraps(handler)
-        async def stream_wrapper(self, request, context):
-            try:
-                async for message in handler(self, request, context):
-                    yield message
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the RPC boundary: everything becomes a status
-                await abort(context, exc)
-
-        return stream_wrapper
 
     @functools.wraps(handler)
-    async def unary_wrapper(self, request, context):
+    async def wrapper(self, request, context):
         try:
             return await handler(self, request, context)
         except grpc.aio.AbortError:
@@ -232,4 +218,4 @@ def reports_errors(handler):
         except Exception as exc:  # noqa: BLE001 - the RPC boundary: everything becomes a status
             await abort(context, exc)
 
-    return unary_wrapper
+    return wrapper

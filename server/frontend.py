@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protoserve.v1 import inference_pb2 as pb
-
 from engine.request import (
     CompletionDelta,
     FinishReason,
@@ -31,6 +29,7 @@ from engine.request import (
     RequestStats,
 )
 from engine.sampling_params import ContextPolicy, SamplingParams
+from protoserve.v1 import inference_pb2 as pb
 from server import errors
 
 if TYPE_CHECKING:

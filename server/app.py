@@ -1,0 +1,247 @@
+"""ServerApp: builds the grpc.aio server, loads the model behind it, and drains it on shutdown.
+
+The order matters for health: the gRPC server and the health service start
+first (NOT_SERVING), the model loads in a worker thread while probes get
+answers, and only then does health turn SERVING. Shutdown reverses it: health
+goes NOT_SERVING, new calls get UNAVAILABLE, in-flight calls get the grace
+period to finish, the rest are aborted, then the server and the engine stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import EngineConfig
+from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
+from protoserve.v1 import inference_pb2, inference_pb2_grpc
+from server.auth import Authenticator
+from server.frontend import Frontend, ModelCard
+from server.health import Readiness
+from server.inference_service import InferenceService
+from server.inflight import InflightRequests
+from server.model_registry import ModelRegistry
+from server.openai_service import OpenAIService
+from server.usage import UsageLedger
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+# Large enough for long prompts as token ids and big Batch calls; bounded so one
+# message cannot exhaust the server's memory.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# After in-flight calls are done (or aborted), how long the gRPC server may take
+# to flush their last messages.
+SERVER_STOP_GRACE_S = 2.0
+
+SERVICE_NAMES = (
+    inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+    openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,
+)
+
+
+class HttpGatewayStarter(Protocol):
+    """Starts the REST gateway in front of the gRPC server; returns a coroutine function that stops it."""
+
+    def __call__(
+        self, grpc_target: str, host: str, port: int
+    ) -> Awaitable[Callable[[], Awaitable[None]]]: ...
+
+
+@dataclass
+class ServerConfig:
+    """Everything ``protoserve serve`` can be told."""
+
+    model_path: str | None = None  # None: the default model
+    model_name: str | None = None  # None: derived by the engine from the checkpoint
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    http_port: int | None = 8000  # None: no REST gateway
+    dtype: str = "float32"
+    quantization: str = "none"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api_keys_file: str | None = None
+    grace_period_s: float = 10.0
+    progress: bool = True
+
+
+class ServerApp:
+    """The gRPC server with InferenceService, OpenAIService, health and reflection."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        auth: Authenticator | None = None,
+        http_gateway: HttpGatewayStarter | None = None,
+    ) -> None:
+        self.config = config
+        self.auth = auth if auth is not None else Authenticator.from_config(config.api_keys_file)
+        self.usage = UsageLedger()
+        self.models = ModelRegistry()
+        self.inflight = InflightRequests(self.usage)
+        self.readiness = Readiness(SERVICE_NAMES)
+        self.http_gateway = http_gateway
+        self.engine: AsyncEngine | None = None
+        self.port: int | None = None
+        self.http_port: int | None = None
+        self._owns_engine = False
+        self._stop_http: Callable[[], Awaitable[None]] | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and start serving health (NOT_SERVING) and reflection; returns the bound port."""
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # A second server on the same port must fail, not silently share it.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        services = (self.models, self.auth, self.inflight, self.readiness)
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
+        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(*services), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
+        reflection.enable_server_reflection(
+            (
+                *SERVICE_NAMES,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self.readiness.start()
+        await server.start()
+        self._server = server
+        if self.http_gateway is not None and self.config.http_port is not None:
+            self._stop_http = await self.http_gateway(
+                self.grpc_target, self.config.host, self.config.http_port
+            )
+            self.http_port = self.config.http_port
+        return self.port
+
+    async def load_model(self) -> None:
+        """Load the configured model in a worker thread (health keeps answering), then serve it."""
+        from engine.async_engine import AsyncEngine
+        from engine.loader.default_model import default_model_path
+
+        path = self.config.model_path or default_model_path()
+        engine = await asyncio.to_thread(
+            AsyncEngine.from_pretrained,
+            path,
+            dtype=self.config.dtype,
+            quantization=self.config.quantization,
+            config=self.config.engine,
+            progress=self.config.progress,
+            model_name=self.config.model_name,
+        )
+        self._owns_engine = True
+        card = ModelCard(
+            dtype=self.config.dtype, quantization=self.config.quantization, source=os.fspath(path)
+        )
+        await self.attach_engine(engine, card)
+
+    async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:
+        """Serve an engine (started here if not yet running) and turn health SERVING."""
+        engine.start()
+        self.engine = engine
+        self.models.add(Frontend(engine, card))
+        await self.readiness.set_serving()
+        log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)
+
+    async def drain(self, grace_period_s: float | None = None) -> bool:
+        """Graceful shutdown; True when every in-flight call finished within the grace period."""
+        grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+        await self.readiness.set_draining()
+        self.inflight.stop_accepting()
+        log.info("draining: %d calls in flight, grace period %.1fs", len(self.inflight), grace)
+        clean = await self.inflight.wait_idle(grace)
+        if not clean:
+            log.warning("grace period over: aborting %d calls", self.inflight.abort_all())
+            await self.inflight.wait_idle(SERVER_STOP_GRACE_S)
+        await self.stop()
+        return clean
+
+    async def stop(self) -> None:
+        """Stop the gateway, the gRPC server and the engine this app loaded (no waiting for calls)."""
+        if self._stop_http is not None:
+            await self._stop_http()
+            self._stop_http = None
+        await self.readiness.close()
+        if self._server is not None:
+            await self._server.stop(SERVER_STOP_GRACE_S)
+            self._server = None
+        if self.engine is not None and self._owns_engine:
+            await self.engine.shutdown()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = None) -> int:
+    """Run a server until SIGTERM/SIGINT, then drain; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.info("received %s: shutting down", signal.Signals(signum).name)
+            stop.set()
+        else:
+            # A second signal means "now": skip the rest of the grace period.
+            log.warning("received %s again: aborting in-flight calls", signal.Signals(signum).name)
+            app.inflight.abort_all()
+
+    app = ServerApp(config, http_gateway=http_gateway)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await app.start()
+    http = f", http on {config.host}:{app.http_port}" if app.http_port is not None else ""
+    print(f"protoserve listening on {app.grpc_target} (grpc){http}", flush=True)
+
+    load = asyncio.create_task(app.load_model())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        exc = load.exception()
+        log.error("could not load the model: %s", exc, exc_info=exc if not isinstance(exc, OSError) else None)
+        print(f"protoserve: could not load the model: {exc}", file=sys.stderr, flush=True)
+        stopping.cancel()
+        await app.stop()
+        return 1
+    if not load.done():
+        # Shutdown asked for while loading: stop serving now; the loading thread
+        # cannot be interrupted, so the process exits when it returns.
+        await app.readiness.set_draining()
+        await app.stop()
+        load.cancel()
+        return 0
+    await stopping
+    await app.drain()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,253 @@
+"""The ``protoserve`` command: ``serve`` runs the gRPC server, ``generate`` runs one prompt locally."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.request import GenerationRequest, RequestStats
+from engine.sampling_params import ContextPolicy, SamplingParams
+from server.app import HttpGatewayStarter, ServerConfig, serve
+from server.errors import ServiceError, to_service_error
+from server.frontend import ChatTurn, Frontend, ModelCard, new_request_id
+
+log = logging.getLogger("protoserve")
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags that were given; the engine's defaults for the rest."""
+    config = EngineConfig()
+    for flag, attr in (
+        ("max_kv_blocks", "max_kv_blocks"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("max_batch_tokens", "max_num_batched_tokens"),
+        ("max_queue", "max_queue"),
+        ("max_model_len", "max_model_len"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(config, attr, value)
+    config.validate()
+    return config
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PATH", help="GGUF file or Hugging Face directory [default model]")
+    parser.add_argument("--model-name", help="name clients use for the model [from the checkpoint]")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype [float32]")
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="none", help="weight quantization [none]"
+    )
+    parser.add_argument("--max-kv-blocks", type=int, help="KV cache size in blocks [from the memory budget]")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
+    parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")
+    parser.add_argument("--max-model-len", type=int, help="context window cap in tokens [the model's]")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="protoserve", description="gRPC-first LLM inference server.")
+    parser.add_argument("--log-level", default=os.environ.get("PROTOSERVE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the gRPC server (and the REST gateway when available)")
+    _add_model_flags(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
+    s.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one [50051]")
+    s.add_argument("--http-port", type=int, default=8000, help="REST gateway port [8000]")
+    s.add_argument("--no-http", action="store_true", help="do not start the REST gateway")
+    s.add_argument(
+        "--max-queue", type=int, help="waiting requests before RESOURCE_EXHAUSTED [engine default]"
+    )
+    s.add_argument(
+        "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
+    )
+    s.add_argument(
+        "--grace-period", type=float, default=10.0, help="seconds in-flight calls get on shutdown [10]"
+    )
+
+    g = sub.add_parser("generate", help="generate from one prompt without a server, streaming to stdout")
+    _add_model_flags(g)
+    g.add_argument(
+        "--prompt", help="the prompt (read from stdin when neither --prompt nor --message is given)"
+    )
+    g.add_argument(
+        "--chat", action="store_true", help="send --prompt as a user message through the chat template"
+    )
+    g.add_argument(
+        "--message",
+        action="append",
+        default=[],
+        metavar="ROLE:CONTENT",
+        help="a chat message (repeatable, implies --chat)",
+    )
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy [1.0]")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="[256]")
+    g.add_argument("--context-policy", choices=[p.value for p in ContextPolicy], default="allow_context_stop")
+    g.add_argument("--show-stats", action="store_true", help="print request stats to stderr")
+    return parser
+
+
+def _http_gateway() -> HttpGatewayStarter | None:
+    """The REST gateway's entry point, ``gateway.app.start_gateway``, when that module exists."""
+    if importlib.util.find_spec("gateway.app") is None:
+        return None
+    module = importlib.import_module("gateway.app")
+    return getattr(module, "start_gateway", None)
+
+
+def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    config = ServerConfig(
+        model_path=args.model,
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        http_port=None if args.no_http else args.http_port,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        engine=engine_config,
+        api_keys_file=args.api_keys_file,
+        grace_period_s=args.grace_period,
+        progress=not args.no_progress,
+    )
+    gateway = None if args.no_http else _http_gateway()
+    if gateway is None and not args.no_http:
+        log.info("REST gateway not available; serving gRPC only")
+    return asyncio.run(serve(config, http_gateway=gateway))
+
+
+def _chat_turns(args: argparse.Namespace, prompt: str | None) -> list[ChatTurn]:
+    turns = []
+    for message in args.message:
+        role, sep, content = message.partition(":")
+        if not sep:
+            raise SystemExit(f"protoserve generate: --message must be ROLE:CONTENT, got {message!r}")
+        turns.append(ChatTurn(role.strip(), content))
+    if prompt is not None:
+        turns.append(ChatTurn("user", prompt))
+    return turns
+
+
+def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
+    if stats is None:
+        return
+    rows = [
+        ("prompt tokens", f"{stats.prompt_tokens or num_prompt_tokens}"),
+        ("cached prompt tokens", f"{stats.cached_prompt_tokens}"),
+        ("truncated prompt tokens", f"{stats.truncated_prompt_tokens}"),
+        ("generated tokens", f"{stats.generated_tokens}"),
+        ("queue time", f"{stats.queue_time_s * 1000:.1f} ms"),
+        ("time to first token", f"{stats.time_to_first_token_s * 1000:.1f} ms"),
+        ("prefill time", f"{stats.prefill_time_s * 1000:.1f} ms"),
+        ("decode time", f"{stats.decode_time_s * 1000:.1f} ms"),
+        ("decode speed", f"{stats.decode_tokens_per_s:.1f} tokens/s"),
+        ("end to end", f"{stats.e2e_time_s * 1000:.1f} ms"),
+        ("KV blocks (peak)", f"{stats.kv_blocks} ({stats.kv_bytes / 2**20:.2f} MiB)"),
+        ("preemptions", f"{stats.preemptions}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n--- stats ---", file=sys.stderr)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}", file=sys.stderr)
+
+
+async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    from engine.async_engine import AsyncEngine
+    from engine.loader.default_model import default_model_path
+
+    prompt = args.prompt
+    if prompt is None and not args.message:
+        if sys.stdin.isatty():
+            raise SystemExit("protoserve generate: give --prompt, --message or a prompt on stdin")
+        prompt = sys.stdin.read()
+    path = args.model or default_model_path()
+    engine = await asyncio.to_thread(
+        AsyncEngine.from_pretrained,
+        path,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        config=engine_config,
+        progress=not args.no_progress,
+        model_name=args.model_name,
+    )
+    engine.start()
+    try:
+        frontend = Frontend(engine, ModelCard(args.dtype, args.quantization, os.fspath(path)))
+        sampling = SamplingParams(
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=list(args.stop),
+        )
+        frontend.check_sampling(sampling, lambda f: "--" + f.replace("_", "-"))
+        if args.chat or args.message:
+            prompt_ids = frontend.render_chat(_chat_turns(args, prompt))
+        else:
+            prompt_ids = frontend.encode_text(prompt)
+        request = GenerationRequest(
+            request_id=new_request_id("cli"),
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            context_policy=ContextPolicy(args.context_policy),
+        )
+        stats, num_prompt_tokens = None, len(prompt_ids)
+        async for output in engine.generate(request):
+            for delta in output.deltas:
+                if delta.text:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+            if output.stats is not None:
+                stats = output.stats
+            num_prompt_tokens = output.num_prompt_tokens or num_prompt_tokens
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if args.show_stats:
+            _print_stats(stats, num_prompt_tokens)
+        return 0
+    finally:
+        await engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``protoserve`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine_config = _engine_config(args)
+    except ValueError as exc:
+        print(f"protoserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "serve":
+            return _serve(args, engine_config)
+        return asyncio.run(_generate(args, engine_config))
+    except (ServiceError, EngineError) as exc:
+        print(f"protoserve: {to_service_error(exc).message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

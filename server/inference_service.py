@@ -1,0 +1,177 @@
+"""InferenceService: protoserve's own gRPC API on top of the frontend and the engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from protoserve.v1 import inference_pb2 as pb
+from protoserve.v1 import inference_pb2_grpc
+from server import errors
+from server.auth import Authenticator, Identity
+from server.frontend import RequestResult, new_request_id
+from server.health import Readiness
+from server.inflight import Call, InflightRequests
+from server.model_registry import ModelRegistry
+
+# Requests in one Batch call; each holds engine memory while it waits.
+MAX_BATCH_REQUESTS = 256
+
+
+def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline in event-loop time, or None when the client set none."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return asyncio.get_running_loop().time() + max(0.0, remaining)
+
+
+class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+    """Generate, stream, batch, cancel, tokenize and describe models over gRPC."""
+
+    def __init__(
+        self,
+        models: ModelRegistry,
+        auth: Authenticator,
+        inflight: InflightRequests,
+        readiness: Readiness,
+    ) -> None:
+        self.models = models
+        self.auth = auth
+        self.inflight = inflight
+        self.readiness = readiness
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> Identity:
+        """Authenticate and check the server takes work; every RPC but CheckHealth starts here."""
+        identity = self.auth.identify(context.invocation_metadata())
+        self.readiness.check()
+        return identity
+
+    async def _run(self, call: Call, request: pb.GenerateRequest, request_id: str, path_prefix: str = ""):
+        """Validate and run one GenerateRequest inside ``call``; returns its RequestResult."""
+        frontend = self.models.get(request.model)
+        gen_request = frontend.generation_request(
+            request,
+            request_id=f"{request_id}.{new_request_id('e')}",
+            cache_salt=call.identity.cache_salt,
+            path_prefix=path_prefix,
+        )
+        result = RequestResult(n=gen_request.sampling.n)
+        async for output in self.inflight.generate(call, frontend.engine, gen_request):
+            result.add(output)
+        return frontend, result
+
+    @errors.reports_errors
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        """Run one request to completion and return every choice."""
+        identity = self._admit(context)
+        request_id = request.request_id or new_request_id()
+        async with self.inflight.call(identity, request_id, call_deadline(context)) as call:
+            frontend, result = await self._run(call, request, request_id)
+        return frontend.response_to_proto(request_id, result)
+
+    @errors.reports_errors
+    async def GenerateStream(
+        self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Stream each delta as soon as the engine yields it, then one final message."""
+        # Written with context.write (not yield) so a client going away cancels this
+        # coroutine at the write and the engine request is aborted right there.
+        identity = self._admit(context)
+        inner = request.request
+        request_id = inner.request_id or new_request_id()
+        async with self.inflight.call(identity, request_id, call_deadline(context)) as call:
+            frontend = self.models.get(inner.model)
+            gen_request = frontend.generation_request(
+                inner, request_id=f"{request_id}.{new_request_id('e')}", cache_salt=identity.cache_salt
+            )
+            result = RequestResult(n=gen_request.sampling.n)
+            async for output in self.inflight.generate(call, frontend.engine, gen_request):
+                result.add(output)
+                for delta in output.deltas:
+                    # A delta may only carry a finish reason; that goes in the final message.
+                    if delta.text or delta.token_ids or delta.logprobs:
+                        await context.write(
+                            pb.GenerateStreamResponse(
+                                request_id=request_id, delta=frontend.delta_to_proto(delta)
+                            )
+                        )
+        await context.write(
+            pb.GenerateStreamResponse(request_id=request_id, final=frontend.final_to_proto(result))
+        )
+
+    @errors.reports_errors
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        """Stop the caller's own running or queued request; others' requests are NOT_FOUND."""
+        identity = self.auth.identify(context.invocation_metadata())
+        if not request.request_id:
+            raise errors.invalid_argument([("request_id", "is required")])
+        return pb.CancelResponse(cancelled=self.inflight.cancel(identity, request.request_id))
+
+    @errors.reports_errors
+    async def Batch(self, request: pb.BatchRequest, context: grpc.aio.ServicerContext) -> pb.BatchResponse:
+        """Run every request concurrently; a failing request fails only its own result."""
+        identity = self._admit(context)
+        if len(request.requests) > MAX_BATCH_REQUESTS:
+            raise errors.invalid_argument([("requests", f"at most {MAX_BATCH_REQUESTS} requests per batch")])
+        ids = [r.request_id or new_request_id() for r in request.requests]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise errors.invalid_argument(
+                [("requests", f"request ids must be unique; repeated: {duplicates}")]
+            )
+        deadline = call_deadline(context)
+
+        async def one(index: int) -> pb.BatchResult:
+            try:
+                async with self.inflight.call(identity, ids[index], deadline) as call:
+                    frontend, result = await self._run(
+                        call, request.requests[index], ids[index], path_prefix=f"requests[{index}]."
+                    )
+                return pb.BatchResult(response=frontend.response_to_proto(ids[index], result))
+            except Exception as exc:  # noqa: BLE001 - reported in this item's result, as the unary RPC would
+                return pb.BatchResult(error=errors.to_rpc_status(exc))
+
+        # A TaskGroup (not gather) so a cancelled Batch waits for every item to abort.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(i)) for i in range(len(request.requests))]
+        return pb.BatchResponse(results=[t.result() for t in tasks])
+
+    @errors.reports_errors
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        """Text or chat → token ids and their texts."""
+        self._admit(context)
+        return self.models.get(request.model).tokenize(request)
+
+    @errors.reports_errors
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        """Token ids → text."""
+        self._admit(context)
+        return self.models.get(request.model).detokenize(request)
+
+    @errors.reports_errors
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        """Every loaded model, the default first."""
+        self._admit(context)
+        return pb.ListModelsResponse(models=[f.model_info() for f in self.models.all()])
+
+    @errors.reports_errors
+    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext):
+        """One loaded model by name."""
+        self._admit(context)
+        if not request.name:
+            raise errors.invalid_argument([("name", "is required")])
+        return pb.GetModelResponse(model=self.models.get(request.name).model_info())
+
+    @errors.reports_errors
+    async def CheckHealth(self, request: pb.CheckHealthRequest, context: grpc.aio.ServicerContext):
+        """SERVING with the model names, or UNAVAILABLE while loading or draining (no auth: it is a probe)."""
+        self.readiness.check()
+        return pb.CheckHealthResponse(status=pb.SERVING_STATUS_SERVING, models=self.models.names)

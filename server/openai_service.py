@@ -1,0 +1,608 @@
+"""OpenAIService: OpenAI's completions and chat completions over gRPC.
+
+Built on the same frontend (validation, tokenization, chat template) and
+in-flight registry (cancel, deadline, abort on disconnect) as InferenceService,
+so only the shapes differ: ids ``cmpl-…``/``chatcmpl-…``, ``created`` unix
+seconds, ``object`` strings, ``system_fingerprint``, OpenAI's logprob layouts
+and its defaults (completions: ``max_tokens`` 16; chat: unset means until
+EOS or the context is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from engine.request import CompletionDelta, FinishReason, GenerationRequest, PositionLogprobs, RequestOutput
+from engine.sampling_params import ContextPolicy, SamplingParams
+from protoserve.openai.v1 import openai_pb2 as oa
+from protoserve.openai.v1 import openai_pb2_grpc
+from server import errors
+from server.auth import Authenticator, Identity
+from server.frontend import ChatTurn, Frontend, RequestResult, new_request_id
+from server.health import Readiness
+from server.inference_service import call_deadline
+from server.inflight import Call, InflightRequests
+from server.model_registry import ModelRegistry
+
+SERVER_VERSION = "protoserve-0.1.0"
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` range is 0-5
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "cancelled",
+}
+
+T = TypeVar("T")
+
+
+def system_fingerprint(frontend: Frontend) -> str:
+    """Identifies the server build and how the model was loaded, as OpenAI's fingerprint does."""
+    card = frontend.card
+    key = f"{SERVER_VERSION}|{frontend.name}|{card.dtype}|{card.quantization}|{card.source}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def finish_reason_text(reason: FinishReason | None) -> str:
+    return FINISH_REASONS.get(reason, "") if reason is not None else ""
+
+
+def _python_value(value: struct_pb2.Value) -> Any:
+    return json_format.MessageToDict(value)
+
+
+def _as_token_ids(items: list[Any]) -> list[int] | None:
+    """A JSON list of integral numbers as ints; None when it is anything else."""
+    if not all(
+        isinstance(x, float | int) and not isinstance(x, bool) and float(x).is_integer() for x in items
+    ):
+        return None
+    return [int(x) for x in items]
+
+
+def _stop_strings(req: Any, has_stop: bool, violations: list[tuple[str, str]]) -> list[str]:
+    if not has_stop:
+        return []
+    stop = _python_value(req.stop)
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            violations.append(("stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+        return stop
+    violations.append(("stop", "must be a string or a list of strings"))
+    return []
+
+
+def _logit_bias(bias: Any, violations: list[tuple[str, str]]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            violations.append(("logit_bias", f"key {key!r} is not a token id"))
+    return out
+
+
+def _top_k(top_k: int, violations: list[tuple[str, str]]) -> int:
+    if top_k < -1:
+        violations.append(("top_k", "must be -1, 0 (disabled) or positive"))
+    return max(top_k, 0)
+
+
+async def _merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several streams as they come, tagged with the stream's index.
+
+    The first stream to fail fails the merge; leaving early cancels the rest.
+    """
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item, None))
+            queue.put_nowait((index, done, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a request: its token ids and, for echo, its text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class _Prepared:
+    """A validated OpenAI request, ready for the engine."""
+
+    frontend: Frontend
+    prompts: list[_Prompt]
+    sampling: SamplingParams
+    echo: bool = False
+
+
+class _OffsetTracker:
+    """Character offsets of completion tokens (OpenAI's ``text_offset``), per choice."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[int, int] = {}
+
+    def take(self, choice: int, texts: list[str], start: int = 0) -> list[int]:
+        offset = self.offsets.setdefault(choice, start)
+        out = []
+        for text in texts:
+            out.append(offset)
+            offset += len(text)
+        self.offsets[choice] = offset
+        return out
+
+
+class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
+    """OpenAI-compatible completions, chat completions and models over gRPC."""
+
+    def __init__(
+        self,
+        models: ModelRegistry,
+        auth: Authenticator,
+        inflight: InflightRequests,
+        readiness: Readiness,
+    ) -> None:
+        self.models = models
+        self.auth = auth
+        self.inflight = inflight
+        self.readiness = readiness
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> Identity:
+        identity = self.auth.identify(context.invocation_metadata())
+        self.readiness.check()
+        return identity
+
+    # ---- request preparation -----------------------------------------------------------
+
+    def _prepare_completion(self, req: oa.CreateCompletionRequest) -> _Prepared:
+        frontend = self.models.get(req.model)
+        violations: list[tuple[str, str]] = []
+        prompts = self._completion_prompts(frontend, req, violations)
+        if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+            violations.append(("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}]"))
+        if req.echo and req.HasField("logprobs"):
+            # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
+            violations.append(("echo", "cannot be combined with logprobs"))
+        sampling = SamplingParams(
+            max_tokens=req.max_tokens if req.HasField("max_tokens") else DEFAULT_COMPLETION_MAX_TOKENS,
+            min_tokens=req.min_tokens,
+            temperature=req.temperature if req.HasField("temperature") else 1.0,
+            top_k=_top_k(req.top_k, violations),
+            top_p=req.top_p if req.HasField("top_p") else 1.0,
+            min_p=req.min_p,
+            typical_p=req.typical_p if req.HasField("typical_p") else 1.0,
+            repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            logit_bias=_logit_bias(req.logit_bias, violations),
+            seed=req.seed if req.HasField("seed") else None,
+            stop=_stop_strings(req, req.HasField("stop"), violations),
+            ignore_eos=req.ignore_eos,
+            n=req.n if req.HasField("n") else 1,
+            logprobs=req.HasField("logprobs"),
+            top_logprobs=min(max(req.logprobs, 0), MAX_COMPLETION_LOGPROBS),
+        )
+        frontend.check_sampling(sampling, {"top_logprobs": "logprobs"}, violations)
+        return _Prepared(frontend, prompts, sampling, echo=req.echo)
+
+    def _completion_prompts(
+        self, frontend: Frontend, req: oa.CreateCompletionRequest, violations: list[tuple[str, str]]
+    ) -> list[_Prompt]:
+        """OpenAI's prompt forms: a string, strings, token ids, or lists of token ids."""
+        value = _python_value(req.prompt) if req.HasField("prompt") else None
+        if isinstance(value, str):
+            value = [value]
+        elif isinstance(value, list) and value and _as_token_ids(value) is not None:
+            value = [value]
+        if not isinstance(value, list) or not value:
+            violations.append(("prompt", "must be a string, a list of strings or a list of token id lists"))
+            return []
+        prompts = []
+        for i, item in enumerate(value):
+            path = "prompt" if len(value) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                ids = frontend.encode_text(item)
+                if not ids:
+                    violations.append((path, "must produce at least one token"))
+                prompts.append(_Prompt(ids, item))
+                continue
+            ids = _as_token_ids(item) if isinstance(item, list) else None
+            if not ids:
+                violations.append((path, "must be a non-empty string or a non-empty list of token ids"))
+                continue
+            bad = frontend.token_id_violations(ids, path)
+            violations.extend(bad)
+            if not bad:
+                prompts.append(_Prompt(ids, frontend.tokenizer.decode(ids, skip_special_tokens=False)))
+        return prompts
+
+    def _prepare_chat(self, req: oa.CreateChatCompletionRequest) -> _Prepared:
+        frontend = self.models.get(req.model)
+        violations: list[tuple[str, str]] = []
+        turns = self._chat_turns(req, violations)
+        if req.HasField("top_logprobs") and req.top_logprobs and not req.logprobs:
+            violations.append(("top_logprobs", "requires logprobs"))
+        if req.HasField("max_completion_tokens"):
+            max_tokens: int | None = req.max_completion_tokens
+            max_field = "max_completion_tokens"
+        elif req.HasField("max_tokens"):
+            max_tokens, max_field = req.max_tokens, "max_tokens"
+        else:
+            max_tokens, max_field = None, "max_completion_tokens"  # until EOS or the context is full
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            temperature=req.temperature if req.HasField("temperature") else 1.0,
+            top_k=_top_k(req.top_k, violations),
+            top_p=req.top_p if req.HasField("top_p") else 1.0,
+            min_p=req.min_p,
+            typical_p=req.typical_p if req.HasField("typical_p") else 1.0,
+            repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            logit_bias=_logit_bias(req.logit_bias, violations),
+            seed=req.seed if req.HasField("seed") else None,
+            stop=_stop_strings(req, req.HasField("stop"), violations),
+            ignore_eos=req.ignore_eos,
+            n=req.n if req.HasField("n") else 1,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else 0,
+        )
+        frontend.check_sampling(sampling, {"max_tokens": max_field}, violations)
+        prompt_ids = frontend.render_chat(turns)
+        return _Prepared(frontend, [_Prompt(prompt_ids, "")], sampling)
+
+    def _chat_turns(
+        self, req: oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]
+    ) -> list[ChatTurn]:
+        if not req.messages:
+            violations.append(("messages", "must not be empty"))
+        turns = []
+        for i, message in enumerate(req.messages):
+            role = CHAT_ROLES.get(message.role)
+            if role is None:
+                violations.append((f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}"))
+                continue
+            content = _python_value(message.content) if message.HasField("content") else None
+            if content is None:
+                text = ""
+            elif isinstance(content, str):
+                text = content
+            elif isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                text = "".join(p["text"] for p in content)
+            else:
+                violations.append((f"messages[{i}].content", "must be a string or a list of text parts"))
+                continue
+            turns.append(ChatTurn(role, text, message.name))
+        return turns
+
+    def _engine_requests(
+        self, public_id: str, prepared: _Prepared, identity: Identity
+    ) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                request_id=f"{public_id}.{i}",
+                prompt_token_ids=prompt.token_ids,
+                sampling=dataclasses.replace(prepared.sampling),
+                context_policy=ContextPolicy.ALLOW_CONTEXT_STOP,
+                cache_salt=identity.cache_salt,
+            )
+            for i, prompt in enumerate(prepared.prompts)
+        ]
+
+    async def _outputs(
+        self, call: Call, prepared: _Prepared, requests: list[GenerationRequest]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every prompt's engine outputs, concurrently, tagged with the prompt index."""
+        streams = [self.inflight.generate(call, prepared.frontend.engine, r) for r in requests]
+        async for item in _merge(streams):
+            yield item
+
+    # ---- logprob shapes -------------------------------------------------------------------
+
+    def _completion_logprobs(
+        self, frontend: Frontend, positions: list[PositionLogprobs], offsets: list[int]
+    ) -> oa.CompletionLogprobs:
+        out = oa.CompletionLogprobs()
+        for pos, offset in zip(positions, offsets, strict=True):
+            out.tokens.append(frontend.token_text(pos.chosen.token_id))
+            out.token_logprobs.append(pos.chosen.logprob)
+            top = struct_pb2.Struct()
+            for alt in pos.top:
+                top[frontend.token_text(alt.token_id)] = alt.logprob
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+        return out
+
+    def _chat_logprobs(self, frontend: Frontend, positions: list[PositionLogprobs]) -> oa.ChatChoiceLogprobs:
+        return oa.ChatChoiceLogprobs(
+            content=[
+                oa.ChatCompletionTokenLogprob(
+                    token=frontend.token_text(pos.chosen.token_id),
+                    logprob=pos.chosen.logprob,
+                    bytes=list(frontend.token_bytes(pos.chosen.token_id)),
+                    top_logprobs=[
+                        oa.TopLogprob(
+                            token=frontend.token_text(alt.token_id),
+                            logprob=alt.logprob,
+                            bytes=list(frontend.token_bytes(alt.token_id)),
+                        )
+                        for alt in pos.top
+                    ],
+                )
+                for pos in positions
+            ]
+        )
+
+    @staticmethod
+    def _usage(results: list[RequestResult]) -> oa.Usage:
+        prompt = sum(r.prompt_tokens for r in results)
+        completion = sum(r.completion_tokens for r in results)
+        return oa.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    # ---- completions ------------------------------------------------------------------------
+
+    @errors.reports_errors
+    async def CreateCompletion(
+        self, request: oa.CreateCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> oa.CreateCompletionResponse:
+        """Complete one or more prompts; choice i*n+j is choice j of prompt i."""
+        identity = self._admit(context)
+        prepared = self._prepare_completion(request)
+        frontend, n = prepared.frontend, prepared.sampling.n
+        public_id = new_request_id("cmpl")
+        created = int(time.time())
+        requests = self._engine_requests(public_id, prepared, identity)
+        results = [RequestResult(n=n) for _ in requests]
+        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
+            async for index, output in self._outputs(call, prepared, requests):
+                results[index].add(output)
+        choices = []
+        for p, (prompt, result) in enumerate(zip(prepared.prompts, results, strict=True)):
+            for choice in result.choices:
+                prefix = prompt.text if prepared.echo else ""
+                logprobs = None
+                if prepared.sampling.logprobs:
+                    texts = [frontend.token_text(pos.chosen.token_id) for pos in choice.logprobs]
+                    offsets = _OffsetTracker().take(0, texts, start=len(prefix))
+                    logprobs = self._completion_logprobs(frontend, choice.logprobs, offsets)
+                choices.append(
+                    oa.CompletionChoice(
+                        text=prefix + choice.text,
+                        index=p * n + choice.index,
+                        logprobs=logprobs,
+                        finish_reason=finish_reason_text(choice.finish_reason),
+                    )
+                )
+        return oa.CreateCompletionResponse(
+            id=public_id,
+            object="text_completion",
+            created=created,
+            model=frontend.name,
+            choices=choices,
+            usage=self._usage(results),
+            system_fingerprint=system_fingerprint(frontend),
+        )
+
+    @errors.reports_errors
+    async def CreateCompletionStream(
+        self, request: oa.CreateCompletionStreamRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Stream completion chunks; the last chunk of each choice carries its finish_reason."""
+        identity = self._admit(context)
+        inner = request.request
+        prepared = self._prepare_completion(inner)
+        frontend, n = prepared.frontend, prepared.sampling.n
+        public_id = new_request_id("cmpl")
+        created = int(time.time())
+        fingerprint = system_fingerprint(frontend)
+
+        def chunk(choices: list[oa.CompletionChoice], usage: oa.Usage | None = None):
+            return oa.CreateCompletionStreamResponse(
+                id=public_id,
+                object="text_completion",
+                created=created,
+                model=frontend.name,
+                choices=choices,
+                usage=usage,
+                system_fingerprint=fingerprint,
+            )
+
+        requests = self._engine_requests(public_id, prepared, identity)
+        results = [RequestResult(n=n) for _ in requests]
+        offsets = _OffsetTracker()
+        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
+            if prepared.echo:
+                for p, prompt in enumerate(prepared.prompts):
+                    for j in range(n):
+                        await context.write(chunk([oa.CompletionChoice(text=prompt.text, index=p * n + j)]))
+            async for p, output in self._outputs(call, prepared, requests):
+                results[p].add(output)
+                for delta in output.deltas:
+                    choice = self._completion_chunk_choice(frontend, prepared, p, delta, offsets)
+                    if choice is not None:
+                        await context.write(chunk([choice]))
+        if inner.stream_options.include_usage:
+            await context.write(chunk([], self._usage(results)))
+
+    def _completion_chunk_choice(
+        self,
+        frontend: Frontend,
+        prepared: _Prepared,
+        prompt_index: int,
+        delta: CompletionDelta,
+        offsets: _OffsetTracker,
+    ) -> oa.CompletionChoice | None:
+        if not (delta.text or delta.token_ids or delta.finish_reason is not None):
+            return None
+        index = prompt_index * prepared.sampling.n + delta.index
+        choice = oa.CompletionChoice(text=delta.text, index=index)
+        if prepared.sampling.logprobs and delta.logprobs:
+            texts = [frontend.token_text(pos.chosen.token_id) for pos in delta.logprobs]
+            start = len(prepared.prompts[prompt_index].text) if prepared.echo else 0
+            choice.logprobs.CopyFrom(
+                self._completion_logprobs(frontend, delta.logprobs, offsets.take(index, texts, start))
+            )
+        if delta.finish_reason is not None:
+            choice.finish_reason = finish_reason_text(delta.finish_reason)
+        return choice
+
+    # ---- chat completions -----------------------------------------------------------------
+
+    @errors.reports_errors
+    async def CreateChatCompletion(
+        self, request: oa.CreateChatCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> oa.CreateChatCompletionResponse:
+        """Answer a conversation with n choices."""
+        identity = self._admit(context)
+        prepared = self._prepare_chat(request)
+        frontend = prepared.frontend
+        public_id = new_request_id("chatcmpl")
+        created = int(time.time())
+        requests = self._engine_requests(public_id, prepared, identity)
+        result = RequestResult(n=prepared.sampling.n)
+        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
+            async for _, output in self._outputs(call, prepared, requests):
+                result.add(output)
+        choices = [
+            oa.ChatCompletionChoice(
+                index=c.index,
+                message=oa.ChatCompletionMessage(role="assistant", content=c.text),
+                logprobs=self._chat_logprobs(frontend, c.logprobs) if prepared.sampling.logprobs else None,
+                finish_reason=finish_reason_text(c.finish_reason),
+            )
+            for c in result.choices
+        ]
+        return oa.CreateChatCompletionResponse(
+            id=public_id,
+            object="chat.completion",
+            created=created,
+            model=frontend.name,
+            choices=choices,
+            usage=self._usage([result]),
+            system_fingerprint=system_fingerprint(frontend),
+        )
+
+    @errors.reports_errors
+    async def CreateChatCompletionStream(
+        self, request: oa.CreateChatCompletionStreamRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Stream chat chunks: role first, then content, then an empty delta with finish_reason."""
+        identity = self._admit(context)
+        inner = request.request
+        prepared = self._prepare_chat(inner)
+        frontend = prepared.frontend
+        public_id = new_request_id("chatcmpl")
+        created = int(time.time())
+        fingerprint = system_fingerprint(frontend)
+
+        def chunk(choices: list[oa.ChatCompletionChunkChoice], usage: oa.Usage | None = None):
+            return oa.CreateChatCompletionStreamResponse(
+                id=public_id,
+                object="chat.completion.chunk",
+                created=created,
+                model=frontend.name,
+                choices=choices,
+                usage=usage,
+                system_fingerprint=fingerprint,
+            )
+
+        requests = self._engine_requests(public_id, prepared, identity)
+        result = RequestResult(n=prepared.sampling.n)
+        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
+            # The role goes out before any token, so clients can render the turn at once.
+            for i in range(prepared.sampling.n):
+                delta = oa.ChatCompletionDelta(role="assistant", content="")
+                await context.write(chunk([oa.ChatCompletionChunkChoice(index=i, delta=delta)]))
+            async for _, output in self._outputs(call, prepared, requests):
+                result.add(output)
+                for d in output.deltas:
+                    if d.text or d.logprobs:
+                        choice = oa.ChatCompletionChunkChoice(
+                            index=d.index, delta=oa.ChatCompletionDelta(content=d.text)
+                        )
+                        if prepared.sampling.logprobs:
+                            choice.logprobs.CopyFrom(self._chat_logprobs(frontend, d.logprobs))
+                        await context.write(chunk([choice]))
+                    if d.finish_reason is not None:
+                        finish = oa.ChatCompletionChunkChoice(
+                            index=d.index,
+                            delta=oa.ChatCompletionDelta(),
+                            finish_reason=finish_reason_text(d.finish_reason),
+                        )
+                        await context.write(chunk([finish]))
+        if inner.stream_options.include_usage:
+            await context.write(chunk([], self._usage([result])))
+
+    # ---- models ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _model(frontend: Frontend) -> oa.Model:
+        return oa.Model(
+            id=frontend.name, object="model", created=int(frontend.card.loaded_at), owned_by="protoserve"
+        )
+
+    @errors.reports_errors
+    async def ListModels(self, request: oa.ListModelsRequest, context: grpc.aio.ServicerContext):
+        """OpenAI's model list."""
+        self._admit(context)
+        return oa.ListModelsResponse(object="list", data=[self._model(f) for f in self.models.all()])
+
+    @errors.reports_errors
+    async def RetrieveModel(self, request: oa.RetrieveModelRequest, context: grpc.aio.ServicerContext):
+        """One model by id; NOT_FOUND when it is not loaded."""
+        self._admit(context)
+        if not request.model:
+            raise errors.invalid_argument([("model", "is required")])
+        return oa.RetrieveModelResponse(model=self._model(self.models.get(request.model)))
