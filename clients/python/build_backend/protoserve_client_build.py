@@ -1,0 +1,128 @@
+"""Build backend of protoserve-client: setuptools plus one protoc step for wheels.
+
+The gRPC stubs are generated from the repo's ``proto/`` tree whenever a wheel
+is built, never committed. ``setup.py``'s ``build_py`` calls
+:func:`generate_stubs`, which runs ``grpc_tools.protoc`` into
+``protoserve_client/_pb/`` inside the build directory and rewrites the
+generated absolute imports (``from protoserve.v1 ...``) to that private
+package, so an installed wheel cannot clash with any other ``protoserve``
+top-level package.
+
+Only wheel builds need the generator: :func:`get_requires_for_build_wheel`
+adds ``grpcio-tools`` (pinned, so the same protos always give the same code and
+the runtime floors in ``pyproject.toml`` stay true). Editable installs in the
+repo skip generation and use ``gen/python`` from ``make proto``, so they need
+nothing beyond setuptools. An sdist carries a copy of the protos under
+``protos/`` so a wheel can be built from it away from the repo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from setuptools import build_meta as _setuptools
+from setuptools.build_meta import *  # noqa: F403 - re-export every PEP 517/660 hook
+
+# grpcio-tools 1.81.1 bundles protoc for protobuf 6.33.5 gencode; the generated
+# modules refuse older runtimes, hence grpcio>=1.81.1 and protobuf>=6.33.5 in
+# pyproject.toml. Change all three together.
+GRPC_TOOLS_REQUIREMENT = "grpcio-tools==1.81.1"
+
+# Directory of the sdist's proto copy, relative to the project root.
+SDIST_PROTO_DIR = "protos"
+
+PACKAGE = "protoserve_client._pb"
+
+_IMPORT = re.compile(r"^(\s*)(from|import) protoserve\.", re.MULTILINE)
+_BUILDER_MODULE = re.compile(r"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')protoserve\.")
+
+
+def get_requires_for_build_wheel(config_settings: dict[str, str | list[str]] | None = None) -> list[str]:
+    """Setuptools' requirements plus the pinned protoc that generates the stubs."""
+    return [*_setuptools.get_requires_for_build_wheel(config_settings), GRPC_TOOLS_REQUIREMENT]
+
+
+def find_proto_roots(project_dir: Path) -> tuple[Path, Path]:
+    """The protoserve proto root and the vendored googleapis root to compile against.
+
+    Looks in ``$PROTOSERVE_PROTO_ROOT`` (a repo checkout), then the sdist's
+    copy, then the repo around ``clients/python``.
+    """
+    candidates = []
+    if env := os.environ.get("PROTOSERVE_PROTO_ROOT"):
+        candidates.append(Path(env))
+    candidates += [project_dir / SDIST_PROTO_DIR, project_dir.parent.parent]
+    for root in candidates:
+        protos, googleapis = root / "proto", root / "third_party" / "googleapis"
+        if (protos / "protoserve" / "v1" / "inference.proto").is_file() and googleapis.is_dir():
+            return protos, googleapis
+    raise FileNotFoundError(
+        "protoserve protos not found; build from the repo (clients/python) or an sdist, "
+        "or set PROTOSERVE_PROTO_ROOT to a protoserve checkout"
+    )
+
+
+def copy_protos(project_dir: Path, dest_root: Path) -> None:
+    """Copy the protos an sdist needs to ``dest_root/protos`` in the repo's layout."""
+    protos, googleapis = find_proto_roots(project_dir)
+    base = dest_root / SDIST_PROTO_DIR
+    shutil.copytree(protos, base / "proto", dirs_exist_ok=True)
+    shutil.copytree(googleapis, base / "third_party" / "googleapis", dirs_exist_ok=True)
+
+
+def _rewrite(source: str) -> str:
+    """Point generated imports and module names at the private ``_pb`` package."""
+    source = _IMPORT.sub(rf"\1\2 {PACKAGE}.protoserve.", source)
+    return _BUILDER_MODULE.sub(rf"\1{PACKAGE}.protoserve.", source)
+
+
+def generate_stubs(out_dir: Path, project_dir: Path) -> list[Path]:
+    """Generate messages, ``.pyi`` stubs and gRPC stubs for every protoserve proto into ``out_dir``.
+
+    ``out_dir`` becomes the ``protoserve_client._pb`` package. The google
+    protos are only compile-time includes: their Python modules come from
+    googleapis-common-protos and protobuf at run time.
+
+    Raises:
+        RuntimeError: when protoc fails.
+    """
+    import grpc_tools
+    from grpc_tools import protoc
+
+    protos, googleapis = find_proto_roots(project_dir)
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    files = sorted(p.relative_to(protos).as_posix() for p in protos.rglob("*.proto"))
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{protos}",
+                f"-I{googleapis}",
+                f"-I{well_known}",
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                *files,
+            ]
+        )
+        if rc != 0:
+            raise RuntimeError(f"grpc_tools.protoc failed with exit code {rc}")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        shutil.copytree(tmp, out_dir)
+    written: list[Path] = []
+    for path in sorted(out_dir.rglob("*")):
+        if path.suffix in (".py", ".pyi"):
+            path.write_text(_rewrite(path.read_text(encoding="utf-8")), encoding="utf-8")
+            written.append(path)
+    # protoc writes no __init__.py; the private tree must be regular packages
+    # so it imports the same from a wheel, a zip or an unpacked sdist.
+    for directory in [out_dir, *(d for d in out_dir.rglob("*") if d.is_dir())]:
+        init = directory / "__init__.py"
+        init.write_text('"""Generated from protoserve protos at build time; do not edit."""\n')
+        written.append(init)
+    return written
