@@ -1,0 +1,77 @@
+"""EngineConfig: the knobs of the batching engine (memory, batch shape, queueing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """How much KV memory to hold and how big one engine step may get.
+
+    The KV pool is either ``max_kv_blocks`` blocks, or as many blocks as fit in
+    ``kv_cache_bytes``. ``max_model_len=None`` takes the model's context window,
+    capped by what the pool can hold, so one sequence always fits alone (which is
+    what lets preemption guarantee progress).
+    """
+
+    block_size: int = 16  # tokens per KV block
+    max_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_bytes
+    kv_cache_bytes: int = 512 * 1024 * 1024  # pool budget when max_kv_blocks is None
+    max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
+    max_num_batched_tokens: int = 512  # new tokens per step: the chunked-prefill budget
+    max_queue: int = 1024  # waiting requests beyond this are shed with QueueFullError
+    max_model_len: int | None = None  # prompt + generated tokens of one sequence
+    enable_prefix_caching: bool = True
+    deterministic: bool = True  # batch-invariant model kernels: same tokens alone or batched
+    # A waiting or running sequence gains one priority level per this many steps
+    # it has existed, so a steady stream of high-priority work cannot starve it. 0 disables.
+    priority_aging_steps: int = 512
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent setting."""
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if self.max_kv_blocks is not None and self.max_kv_blocks < 1:
+            raise ValueError("max_kv_blocks must be at least 1")
+        if self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2 (one prompt token and one generated)")
+        if self.priority_aging_steps < 0:
+            raise ValueError("priority_aging_steps must be non-negative")
+
+
+def kv_block_bytes(
+    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Bytes of one KV block across all layers: K and V, each [block_size, kv_heads, head_dim]."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def resolve_num_blocks(config: EngineConfig, block_bytes: int) -> int:
+    """Pool size in blocks: the explicit count, else as many as the byte budget holds."""
+    if config.max_kv_blocks is not None:
+        return config.max_kv_blocks
+    return max(1, config.kv_cache_bytes // block_bytes)
+
+
+def resolve_max_model_len(config: EngineConfig, model_max: int, num_blocks: int) -> int:
+    """The context limit the engine enforces; raises when the pool cannot hold one such sequence."""
+    pool_tokens = num_blocks * config.block_size
+    if config.max_model_len is None:
+        return min(model_max, pool_tokens)
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
+    if config.max_model_len > pool_tokens:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} needs {-(-config.max_model_len // config.block_size)} "
+            f"KV blocks but the pool has {num_blocks}: one sequence must always fit alone"
+        )
+    return config.max_model_len
