@@ -20,9 +20,9 @@ import pytest
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc as pb_grpc
-
 from protoserve_client import (
     AsyncClient,
     ChatMessage,
@@ -51,7 +51,9 @@ BAD_MAX_TOKENS = _rich_status(
     error_details_pb2.ErrorInfo(reason="INVALID_PARAMETER", domain="protoserve", metadata={"k": "v"}),
     error_details_pb2.BadRequest(
         field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field="sampling.max_tokens", description="must be >= 1")
+            error_details_pb2.BadRequest.FieldViolation(
+                field="sampling.max_tokens", description="must be >= 1"
+            )
         ]
     ),
 )
@@ -82,13 +84,17 @@ class FakeInferenceService(pb_grpc.InferenceServiceServicer):
         if request.prompt == "slow":
             await asyncio.sleep(5)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
         await self._fail_for(request, context)
         return pb.GenerateResponse(
             request_id=request.request_id,
             model="fake",
             choices=[
-                pb.Choice(index=0, text=self._echo(context), token_ids=[1, 2], finish_reason=pb.FINISH_REASON_STOP)
+                pb.Choice(
+                    index=0, text=self._echo(context), token_ids=[1, 2], finish_reason=pb.FINISH_REASON_STOP
+                )
             ],
             usage=pb.Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5),
             stats=pb.RequestStats(e2e_time_s=0.5, generated_tokens=2),
@@ -127,10 +133,14 @@ class FakeInferenceService(pb_grpc.InferenceServiceServicer):
                 results.append(pb.BatchResult(error=BAD_MAX_TOKENS))
             else:
                 choice = pb.Choice(text=r.prompt.upper(), finish_reason=pb.FINISH_REASON_LENGTH)
-                results.append(pb.BatchResult(response=pb.GenerateResponse(request_id=r.request_id, choices=[choice])))
+                results.append(
+                    pb.BatchResult(response=pb.GenerateResponse(request_id=r.request_id, choices=[choice]))
+                )
         return pb.BatchResponse(results=results)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
         text = request.text or "".join(m.content for m in request.chat.messages)
         return pb.TokenizeResponse(token_ids=list(text.encode()), tokens=list(text), max_model_len=99)
 
@@ -140,7 +150,9 @@ class FakeInferenceService(pb_grpc.InferenceServiceServicer):
         return pb.DetokenizeResponse(text=bytes(request.token_ids).decode())
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        return pb.ListModelsResponse(models=[pb.ModelInfo(name="fake", max_model_len=99, has_chat_template=True)])
+        return pb.ListModelsResponse(
+            models=[pb.ModelInfo(name="fake", max_model_len=99, has_chat_template=True)]
+        )
 
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext):
         if request.name != "fake":
@@ -247,7 +259,9 @@ def test_rich_status_details_are_decoded(client: Client) -> None:
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.message == BAD_MAX_TOKENS.message and err.status == BAD_MAX_TOKENS
     assert (err.reason, err.domain, err.error_metadata) == ("INVALID_PARAMETER", "protoserve", {"k": "v"})
-    assert [(v.field, v.description) for v in err.field_violations] == [("sampling.max_tokens", "must be >= 1")]
+    assert [(v.field, v.description) for v in err.field_violations] == [
+        ("sampling.max_tokens", "must be >= 1")
+    ]
     assert err.retry_delay is None
     assert "INVALID_ARGUMENT" in str(err)
 
@@ -263,7 +277,11 @@ def test_rich_status_details_are_decoded(client: Client) -> None:
 def test_plain_status_and_local_deadline(client: Client) -> None:
     with pytest.raises(ProtoserveError) as info:
         client.get_model("nope")
-    assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.status is None and info.value.details == ()
+    assert (
+        info.value.code == grpc.StatusCode.NOT_FOUND
+        and info.value.status is None
+        and info.value.details == ()
+    )
 
     with pytest.raises(ProtoserveError) as info:
         client.generate("slow", timeout=0.2)
