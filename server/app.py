@@ -156,6 +156,7 @@ class ServerApp:
             progress=self.config.progress,
             model_name=self.config.model_name,
         )
+        engine.start()
         self._owns_engine = True
         card = ModelCard(
             dtype=self.config.dtype, quantization=self.config.quantization, source=os.fspath(path)
@@ -163,8 +164,7 @@ class ServerApp:
         await self.attach_engine(engine, card)
 
     async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:
-        """Serve an engine (started here if not yet running) and turn health SERVING."""
-        engine.start()
+        """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
         self.models.add(Frontend(engine, card))
         await self.readiness.set_serving()

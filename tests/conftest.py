@@ -1,0 +1,303 @@
+"""Shared session fixtures: real protoserve servers with the real default model.
+
+Fixture API (all session-scoped and started lazily, on first use):
+
+``live_server`` -> :class:`LiveServer`
+    ``protoserve serve`` in a subprocess, auth off. ``.grpc_target`` is
+    "127.0.0.1:PORT"; ``.http_port`` is the REST gateway's port, or None when
+    the gateway is not available; ``.process`` is the Popen; ``.log_path`` holds
+    its stderr. ``.channel()`` opens a grpc.aio channel (close it yourself),
+    ``.sync_channel()`` a blocking one.
+
+``live_server_auth`` -> :class:`LiveServer`
+    The same with auth on: ``.api_keys`` are the accepted keys and
+    ``.metadata(key=..., user_id=...)`` builds call metadata.
+
+``spawn_server`` -> callable(*extra_args, env=None, wait_ready=True) -> LiveServer
+    A private server process for tests that stop it (signals, drain); killed at
+    session end if still running.
+
+``inproc_server`` -> :class:`InProcessServer`
+    A ServerApp in this process on a background event-loop thread, with the
+    real engine reachable as ``.engine`` (for KV-cache checks via
+    ``.engine.stats()``) and a small queue (``max_num_seqs=2``, ``max_queue=2``)
+    so load shedding is easy to trigger. ``.auth_target`` is a second server on
+    the same engine with auth on (``.api_keys``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+LOAD_TIMEOUT_S = 180.0
+_LISTEN_RE = re.compile(r"protoserve listening on (\S+) \(grpc\)(?:, http on \S+:(\d+))?")
+TEST_API_KEYS = ("test-key-alpha", "test-key-beta")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for the HTTP gateway, which cannot report its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    """A protoserve server process."""
+
+    grpc_target: str
+    http_port: int | None
+    process: subprocess.Popen
+    log_path: Path
+    api_keys: tuple[str, ...] = ()
+    stdout_lines: list[str] = field(default_factory=list)
+
+    def channel(self) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(self.grpc_target)
+
+    def sync_channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.grpc_target)
+
+    def metadata(self, key: str | None = None, user_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """Call metadata with a bearer key (the first one by default when auth is on) and a user id."""
+        md: list[tuple[str, str]] = []
+        key = key if key is not None else (self.api_keys[0] if self.api_keys else None)
+        if key:
+            md.append(("authorization", f"Bearer {key}"))
+        if user_id is not None:
+            md.append(("x-user-id", user_id))
+        return tuple(md)
+
+    def health(self, service: str = "") -> int | None:
+        """grpc.health.v1 status now, or None when the server does not answer."""
+        with self.sync_channel() as ch:
+            try:
+                reply = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=2
+                )
+            except grpc.RpcError:
+                return None
+        return reply.status
+
+    def wait_serving(self, timeout: float = LOAD_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while self.health() != health_pb2.HealthCheckResponse.SERVING:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {timeout}s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the process and wait for it; kills it after ``timeout``. Returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server_process(
+    *extra_args: str,
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+    api_keys: tuple[str, ...] = (),
+) -> LiveServer:
+    """Run ``protoserve serve --port 0`` and wait for its listen line (and for SERVING if asked)."""
+    log_file = tempfile.NamedTemporaryFile(prefix="protoserve-", suffix=".log", delete=False)
+    args = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--port",
+        "0",
+        "--http-port",
+        str(free_port()),
+        "--no-progress",
+        *extra_args,
+    ]
+    process = subprocess.Popen(
+        args,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+    )
+    lines: list[str] = []
+    found = threading.Event()
+    match: list[re.Match[str]] = []
+
+    def read_stdout() -> None:
+        # Keeps draining stdout for the process's whole life so it never blocks on a full pipe.
+        for line in process.stdout:
+            lines.append(line)
+            m = _LISTEN_RE.search(line)
+            if m and not match:
+                match.append(m)
+                found.set()
+        found.set()
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    if not found.wait(LOAD_TIMEOUT_S) or not match:
+        process.kill()
+        raise RuntimeError(
+            f"server printed no listen line:\n{Path(log_file.name).read_text(errors='replace')}"
+        )
+    target, http = match[0].group(1), match[0].group(2)
+    server = LiveServer(
+        grpc_target=target,
+        http_port=int(http) if http else None,
+        process=process,
+        log_path=Path(log_file.name),
+        api_keys=api_keys,
+        stdout_lines=lines,
+    )
+    if wait_ready:
+        server.wait_serving()
+    return server
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    """The shared real server, auth off."""
+    server = start_server_process()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server_auth():
+    """The shared real server with auth on (keys in ``.api_keys``)."""
+    keys = TEST_API_KEYS
+    server = start_server_process(env={"PROTOSERVE_API_KEYS": ",".join(keys)}, api_keys=keys)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def spawn_server():
+    """Start private server processes; whatever is still running at session end is killed."""
+    started: list[LiveServer] = []
+
+    def spawn(*extra_args: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> LiveServer:
+        server = start_server_process(*extra_args, env=env, wait_ready=wait_ready)
+        started.append(server)
+        return server
+
+    yield spawn
+    for server in started:
+        server.stop(signal.SIGKILL, timeout=5)
+
+
+class InProcessServer:
+    """ServerApps on a private event loop in a background thread, sharing one real engine."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="inproc-server", daemon=True)
+        self._thread.start()
+        self.engine: Any = None
+        self.apps: list[Any] = []
+        self.grpc_target = ""
+        self.auth_target = ""
+        self.api_keys = TEST_API_KEYS
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = LOAD_TIMEOUT_S) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Call a function on the server's loop (engine state is owned by that thread)."""
+
+        async def invoke() -> Any:
+            return fn()
+
+        return self.run(invoke())
+
+    def kv_all_free(self) -> bool:
+        stats = self.call(self.engine.stats)
+        return stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0 and stats.waiting == 0
+
+    def wait_kv_free(self, timeout: float = 5.0) -> float:
+        """Seconds until every KV block is free again; fails after ``timeout``."""
+        start = time.monotonic()
+        while not self.kv_all_free():
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"KV not freed within {timeout}s: {self.call(self.engine.stats)}")
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    async def _start(self) -> None:
+        from engine.async_engine import AsyncEngine
+        from engine.config import EngineConfig
+        from engine.loader.default_model import default_model_path
+        from server.app import ServerApp, ServerConfig
+        from server.auth import Authenticator
+        from server.frontend import ModelCard
+
+        path = default_model_path()
+        config = EngineConfig(max_num_seqs=2, max_queue=2)
+        self.engine = await asyncio.to_thread(
+            AsyncEngine.from_pretrained, path, config=config, progress=False
+        )
+        self.engine.start()
+        card = ModelCard("float32", "none", os.fspath(path))
+        for auth in (Authenticator(), Authenticator(self.api_keys)):
+            app = ServerApp(ServerConfig(port=0, http_port=None, grace_period_s=2.0), auth=auth)
+            await app.start()
+            await app.attach_engine(self.engine, card)
+            self.apps.append(app)
+        self.grpc_target, self.auth_target = (a.grpc_target for a in self.apps)
+
+    async def _stop(self) -> None:
+        for app in self.apps:
+            await app.stop()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    def start(self) -> None:
+        self.run(self._start())
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run(self._stop(), timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def inproc_server():
+    """Real engine + servers in this process (auth off at ``.grpc_target``, on at ``.auth_target``)."""
+    server = InProcessServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
