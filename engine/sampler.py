@@ -1,0 +1,144 @@
+"""Sampler: the next token of each sequence from its logits row.
+
+Every row is processed on its own with the same operations whatever the batch
+holds, and random draws come from the sequence's own ``torch.Generator``: a
+seeded request gets the same tokens alone or batched. Control flow is integer;
+floats only carry logits and probabilities.
+
+Order, per row: logit bias -> min_tokens masking -> repetition / frequency /
+presence penalties -> (greedy: argmax) temperature -> top-k -> top-p ->
+typical-p -> min-p -> draw.
+
+Logprobs are the log-softmax of the row after bias, masking, penalties and
+temperature (unscaled when greedy), before the truncation filters: the
+distribution the sampler drew from, before it was cut down. Impossible tokens
+report -9999.0 instead of -inf, as OpenAI does, so they serialize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.penalties import apply_frequency_presence, apply_logit_bias, apply_repetition_penalty, mask_tokens
+from engine.request import PositionLogprobs, TokenLogprob
+from engine.sequence import Sequence
+
+NEG_INF = float("-inf")
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprobs: PositionLogprobs | None = None
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits (and ties with the k-th)."""
+    if 0 < k < logits.shape[0]:
+        kth = torch.topk(logits, k).values[-1]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    return logits
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (at least one)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, stable=True)  # ascending
+    cum = torch.softmax(sorted_logits, dim=0).cumsum(dim=0)
+    remove = cum <= 1.0 - p
+    remove[-1] = False
+    return logits.index_fill(0, order[remove], NEG_INF)
+
+
+def apply_typical_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Locally typical sampling: keep tokens whose surprisal is closest to the entropy, up to mass p."""
+    if p >= 1.0:
+        return logits
+    logp = torch.log_softmax(logits, dim=0)
+    entropy = -(logp.exp() * logp).nansum()
+    distance = (-logp - entropy).abs()
+    sorted_distance, order = torch.sort(distance, stable=True)
+    cum = logp[order].exp().cumsum(dim=0)
+    last = min(int((cum < p).sum()), logits.shape[0] - 1)
+    remove = sorted_distance > sorted_distance[last]
+    return logits.index_fill(0, order[remove], NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Drop tokens less likely than p times the most likely one."""
+    if p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=0)
+    return logits.masked_fill(probs < p * probs.max(), NEG_INF)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF draw of one token with one uniform from the sequence's generator.
+
+    ``right=True`` finds the first token whose cumulative mass exceeds u, so a
+    zero-probability token can never be chosen.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
+def position_logprobs(logp: torch.Tensor, token_id: int, num_top: int) -> PositionLogprobs:
+    chosen = TokenLogprob(token_id, max(float(logp[token_id]), LOGPROB_FLOOR))
+    top: list[TokenLogprob] = []
+    if num_top > 0:
+        values, ids = torch.topk(logp, min(num_top, logp.shape[0]))
+        top = [TokenLogprob(int(i), max(float(v), LOGPROB_FLOOR)) for v, i in zip(values, ids, strict=True)]
+    return PositionLogprobs(chosen=chosen, top=top)
+
+
+class Sampler:
+    """Chooses one token per row; knows the model's EOS ids for min_tokens masking."""
+
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        assert logits.shape[0] == len(seqs)
+        return [self.sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+
+    def adjust(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Bias, min_tokens and penalties on a float32 copy of the row."""
+        sp = seq.sampling
+        row = row.to(torch.float32, copy=True)
+        if sp.logit_bias:
+            apply_logit_bias(row, sp.logit_bias)
+        if seq.num_generated < sp.min_tokens:
+            held = list(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                held += sorted(self.eos_token_ids)
+            mask_tokens(row, [t for t in held if t < row.shape[0]])
+        if sp.repetition_penalty != 1.0:
+            seen = torch.unique(torch.tensor(seq.token_ids, dtype=torch.int64))
+            apply_repetition_penalty(row, seen, sp.repetition_penalty)
+        if (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0) and seq.num_generated > 0:
+            output = torch.tensor(seq.output_token_ids, dtype=torch.int64)
+            apply_frequency_presence(row, output, sp.frequency_penalty, sp.presence_penalty)
+        return row
+
+    def sample_row(self, row: torch.Tensor, seq: Sequence) -> SampleResult:
+        sp = seq.sampling
+        row = self.adjust(row, seq)
+        if sp.greedy:
+            dist = row
+            token_id = int(torch.argmax(row))
+        else:
+            dist = row / sp.temperature
+            cut = apply_top_k(dist, sp.top_k)
+            cut = apply_top_p(cut, sp.top_p)
+            cut = apply_typical_p(cut, sp.typical_p)
+            cut = apply_min_p(cut, sp.min_p)
+            token_id = draw(torch.softmax(cut, dim=0), seq.generator)
+        logprobs = None
+        if sp.logprobs or sp.top_logprobs > 0:
+            logprobs = position_logprobs(torch.log_softmax(dist, dim=0), token_id, sp.top_logprobs)
+        return SampleResult(token_id, logprobs)

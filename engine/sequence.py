@@ -1,0 +1,85 @@
+"""Sequence: one choice being generated, with the integer state the scheduler moves.
+
+A request with ``n`` choices starts as one sequence; when its prompt's logits
+arrive it forks into ``n`` sequences that share the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+from engine.block_manager import chain_hashes
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Prompt plus generated tokens, how many of them have K/V in the cache, and where.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in ``block_table``'s blocks;
+    a step computes ``num_tokens - num_computed_tokens`` more (all of a prompt, a
+    chunk of it, or the one token sampled last step). Preemption resets it to 0.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # choice index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_len: int  # stop with "length" when len(token_ids) reaches this
+    sampling: SamplingParams
+    generator: torch.Generator
+    priority: int = 0
+    arrival_order: int = 0  # FCFS tie-break; forked choices share their parent's
+    arrival_step: int = 0  # scheduler step at arrival, for priority aging
+    cache_salt: bytes = b""
+    num_pending_forks: int = 0  # choices still to fork off when the prompt's logits arrive
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
+    num_cached_blocks: int = 0  # leading table blocks already published to the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def full_block_hashes(self, block_size: int) -> list[bytes]:
+        """Chained hashes of every full block of tokens; tokens only grow, so earlier hashes stay valid."""
+        return chain_hashes(self.cache_salt, self.token_ids, block_size, self.block_hashes)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
