@@ -11,9 +11,8 @@ import contextlib
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
+from grpc_status_helpers import failure_of, read_all
 from server_engine_double import EngineDouble
 
 from protoserve.v1 import inference_pb2 as pb
@@ -38,30 +37,12 @@ async def double_server(engine: EngineDouble | None = None, api_keys: list[str] 
 
 
 async def status_of(call) -> tuple[grpc.StatusCode, str, dict[str, object]]:
-    """Await a failing call; its code, message and unpacked details by type name."""
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call
-    status = await rpc_status.aio.from_call(call)
-    details: dict[str, object] = {}
-    for any_detail in status.details if status else []:
-        for cls in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
-            if any_detail.Is(cls.DESCRIPTOR):
-                message = cls()
-                any_detail.Unpack(message)
-                details[cls.__name__] = message
-    return info.value.code(), info.value.details(), details
+    failure = await failure_of(call)
+    return failure.code, failure.message, failure.details
 
 
 def prompt(text: str = "hello world", max_tokens: int = 4, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt=text, sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
-
-
-async def read_rest(stream) -> list:
-    """The remaining messages of a stream already read with read()."""
-    out = []
-    while (message := await stream.read()) is not grpc.aio.EOF:
-        out.append(message)
-    return out
 
 
 async def wait_for(predicate, timeout: float = 5.0) -> None:
@@ -161,7 +142,7 @@ async def test_drain_refuses_new_calls_and_lets_streams_finish():
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
         code, _, details = await status_of(stub.Generate(prompt()))
         assert code == grpc.StatusCode.UNAVAILABLE and details["ErrorInfo"].reason == "SERVER_DRAINING"
-        rest = await read_rest(stream)
+        rest = await read_all(stream)
         assert rest[-1].final.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
         assert await drain is True
 
