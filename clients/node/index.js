@@ -1,0 +1,235 @@
+'use strict';
+/**
+ * Node client for protoserve's gRPC API (protoserve.v1.InferenceService).
+ *
+ * The service definition is loaded at run time from the repo's .proto files
+ * with @grpc/proto-loader (keepCase: true, so fields keep their proto names:
+ * `max_tokens`, `request_id`, ...). Messages are plain objects shaped like the
+ * proto; see proto/protoserve/v1/inference.proto.
+ *
+ * Failed calls reject (or throw from the stream iterator) with a
+ * ProtoserveError that carries the gRPC code and the decoded google.rpc.Status
+ * details (ErrorInfo reason, BadRequest field violations, RetryInfo delay).
+ */
+
+const fs = require('node:fs');
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+// protobufjs is what @grpc/proto-loader itself parses protos with; resolving it
+// through proto-loader uses that copy, so no dependency is added. It decodes
+// the google.rpc.Status in `grpc-status-details-bin`, which grpc-js leaves as bytes.
+const protobuf = require(require.resolve('protobufjs', { paths: [require.resolve('@grpc/proto-loader')] }));
+
+/** Repo root holding proto/ and third_party/googleapis/ (override with PROTOSERVE_PROTO_ROOT). */
+const DEFAULT_PROTO_ROOT = process.env.PROTOSERVE_PROTO_ROOT || path.resolve(__dirname, '..', '..');
+const DEFAULT_TARGET = 'localhost:50051';
+const STATUS_DETAILS_KEY = 'grpc-status-details-bin';
+
+/** Options for turning messages into plain objects: names as in the proto, enums as names, int64 as strings. */
+const LOADER_OPTIONS = Object.freeze({
+  keepCase: true,
+  longs: String,
+  enums: String,
+  defaults: true,
+  oneofs: true,
+});
+
+const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([name, code]) => [code, name]));
+
+/**
+ * Load InferenceService's definition and the google.rpc detail types.
+ * @param {string} [protoRoot] repo root with proto/ and third_party/googleapis/
+ * @returns {{InferenceService: grpc.ServiceClientConstructor, errorTypes: protobuf.Root}}
+ */
+function loadProtos(protoRoot = DEFAULT_PROTO_ROOT) {
+  const includeDirs = [path.join(protoRoot, 'proto'), path.join(protoRoot, 'third_party', 'googleapis')];
+  const definition = protoLoader.loadSync('protoserve/v1/inference.proto', { ...LOADER_OPTIONS, includeDirs });
+  const InferenceService = grpc.loadPackageDefinition(definition).protoserve.v1.InferenceService;
+
+  const errorTypes = new protobuf.Root();
+  // Resolve imports against the same include dirs as proto-loader does.
+  errorTypes.resolvePath = (_origin, target) => {
+    const dir = includeDirs.find((d) => fs.existsSync(path.join(d, target)));
+    return dir ? path.join(dir, target) : target;
+  };
+  errorTypes.loadSync(['google/rpc/status.proto', 'google/rpc/error_details.proto'], { keepCase: true });
+  return { InferenceService, errorTypes };
+}
+
+/** A failed call: gRPC code, message and the decoded google.rpc.Status details. */
+class ProtoserveError extends Error {
+  /**
+   * @param {number} code gRPC status code (grpc.status.*)
+   * @param {string} message status message
+   * @param {Array<object>} details decoded details, each with its `@type` name
+   */
+  constructor(code, message, details = []) {
+    super(`${CODE_NAMES[code] || code}: ${message}`);
+    this.name = 'ProtoserveError';
+    this.code = code;
+    this.codeName = CODE_NAMES[code] || String(code);
+    this.statusMessage = message;
+    this.details = details;
+    const info = details.find((d) => d['@type'] === 'google.rpc.ErrorInfo');
+    /** ErrorInfo.reason, such as "INVALID_PARAMETER" or "MODEL_NOT_FOUND". */
+    this.reason = info ? info.reason : undefined;
+    this.domain = info ? info.domain : undefined;
+    this.errorMetadata = info ? info.metadata : {};
+    /** BadRequest field violations: [{field, description}]. */
+    this.fieldViolations = details
+      .filter((d) => d['@type'] === 'google.rpc.BadRequest')
+      .flatMap((d) => d.field_violations);
+    const retry = details.find((d) => d['@type'] === 'google.rpc.RetryInfo');
+    /** RetryInfo delay in seconds, when the server says when to retry. */
+    this.retryDelaySeconds = retry && retry.retry_delay
+      ? Number(retry.retry_delay.seconds || 0) + (retry.retry_delay.nanos || 0) / 1e9
+      : undefined;
+  }
+}
+
+/**
+ * Decode a google.rpc.Status message (bytes or an already decoded object) into its details.
+ * @param {protobuf.Root} errorTypes
+ * @param {{details?: Array<{type_url: string, value: Uint8Array}>}} status
+ */
+function decodeDetails(errorTypes, status) {
+  return (status.details || []).map((any) => {
+    const typeName = any.type_url.slice(any.type_url.lastIndexOf('/') + 1);
+    let type;
+    try {
+      type = errorTypes.lookupType(typeName);
+    } catch {
+      return { '@type': typeName, value: Buffer.from(any.value) };
+    }
+    const object = type.toObject(type.decode(any.value), { longs: String, enums: String, defaults: true });
+    return { '@type': typeName, ...object };
+  });
+}
+
+/** Convert a grpc-js ServiceError into a ProtoserveError. */
+function toProtoserveError(errorTypes, err) {
+  if (err instanceof ProtoserveError || typeof err.code !== 'number') return err;
+  let details = [];
+  const raw = err.metadata ? err.metadata.get(STATUS_DETAILS_KEY) : [];
+  if (raw.length > 0) {
+    const Status = errorTypes.lookupType('google.rpc.Status');
+    details = decodeDetails(errorTypes, Status.decode(raw[0]));
+  }
+  return new ProtoserveError(err.code, err.details || '', details);
+}
+
+/** Client for protoserve.v1.InferenceService; every method takes and returns plain proto-shaped objects. */
+class ProtoserveClient {
+  /**
+   * @param {string} [target] host:port of the gRPC server
+   * @param {object} [options]
+   * @param {string} [options.apiKey] sent as `authorization: Bearer <key>`
+   * @param {string} [options.userId] sent as `x-user-id`; the server scopes Cancel by it
+   * @param {number} [options.timeoutMs] default deadline of every call
+   * @param {grpc.ChannelCredentials} [options.credentials] TLS credentials; plaintext by default
+   * @param {string} [options.protoRoot] repo root with proto/ and third_party/googleapis/
+   */
+  constructor(target = DEFAULT_TARGET, options = {}) {
+    const { InferenceService, errorTypes } = loadProtos(options.protoRoot);
+    this.errorTypes = errorTypes;
+    this.stub = new InferenceService(target, options.credentials || grpc.credentials.createInsecure());
+    this.timeoutMs = options.timeoutMs;
+    this.metadata = new grpc.Metadata();
+    if (options.apiKey) this.metadata.set('authorization', `Bearer ${options.apiKey}`);
+    if (options.userId) this.metadata.set('x-user-id', options.userId);
+  }
+
+  /** Metadata and deadline of one call; `callOptions.timeoutMs` overrides the client default. */
+  _callArgs(callOptions = {}) {
+    const metadata = this.metadata.clone();
+    for (const [key, value] of Object.entries(callOptions.metadata || {})) metadata.set(key, value);
+    const timeoutMs = callOptions.timeoutMs ?? this.timeoutMs;
+    return [metadata, timeoutMs === undefined ? {} : { deadline: new Date(Date.now() + timeoutMs) }];
+  }
+
+  _unary(method, request, callOptions) {
+    const [metadata, options] = this._callArgs(callOptions);
+    return new Promise((resolve, reject) => {
+      this.stub[method](request, metadata, options, (err, response) => {
+        if (err) reject(toProtoserveError(this.errorTypes, err));
+        else resolve(response);
+      });
+    });
+  }
+
+  /**
+   * Run one request to completion.
+   * @param {object} request a GenerateRequest, e.g. {prompt: 'Hi', sampling: {max_tokens: 8}}
+   * @returns {Promise<object>} the GenerateResponse
+   */
+  generate(request, callOptions) {
+    return this._unary('Generate', request, callOptions);
+  }
+
+  /**
+   * Stream a generation: yields GenerateStreamResponse objects, deltas (`event === 'delta'`) then the final.
+   * Breaking out of the loop cancels the call.
+   * @param {object} request a GenerateRequest
+   */
+  async *stream(request, callOptions) {
+    const [metadata, options] = this._callArgs(callOptions);
+    const call = this.stub.GenerateStream({ request }, metadata, options);
+    try {
+      for await (const message of call) yield message;
+    } catch (err) {
+      throw toProtoserveError(this.errorTypes, err);
+    } finally {
+      // Leaving early (break, an exception in the loop body) must not leave
+      // the server generating for nobody. cancel() after the end is a no-op.
+      call.cancel();
+    }
+  }
+
+  /** Stop the caller's running or queued request; resolves to {cancelled}. */
+  cancel(requestId, callOptions) {
+    return this._unary('Cancel', { request_id: requestId }, callOptions);
+  }
+
+  /** Run GenerateRequests concurrently; resolves to {results: [{result: 'response'|'error', ...}]}. */
+  batch(requests, callOptions) {
+    return this._unary('Batch', { requests }, callOptions);
+  }
+
+  /** Tokenize a TokenizeRequest ({text} or {chat}). */
+  tokenize(request, callOptions) {
+    return this._unary('Tokenize', request, callOptions);
+  }
+
+  /** Detokenize a DetokenizeRequest ({token_ids}). */
+  detokenize(request, callOptions) {
+    return this._unary('Detokenize', request, callOptions);
+  }
+
+  /** Every loaded model; the first is the default. */
+  listModels(callOptions) {
+    return this._unary('ListModels', {}, callOptions);
+  }
+
+  /** One loaded model by name (NOT_FOUND when not loaded). */
+  getModel(name, callOptions) {
+    return this._unary('GetModel', { name }, callOptions);
+  }
+
+  /** Readiness; rejects with UNAVAILABLE while the model loads or the server drains. */
+  health(callOptions) {
+    return this._unary('CheckHealth', {}, callOptions);
+  }
+
+  /** Turn a google.rpc.Status from a Batch result into a ProtoserveError. */
+  errorFromStatus(status) {
+    return new ProtoserveError(status.code, status.message, decodeDetails(this.errorTypes, status));
+  }
+
+  /** Close the channel. */
+  close() {
+    this.stub.close();
+  }
+}
+
+module.exports = { ProtoserveClient, ProtoserveError, loadProtos, grpc, DEFAULT_TARGET };
