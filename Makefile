@@ -44,12 +44,15 @@ node_modules/.installed: package.json package-lock.json
 install: $(VENV)/.installed node_modules/.installed proto
 
 # Generated code lives in gen/ (not committed): Python messages, .pyi stubs,
-# gRPC stubs, and the descriptor set the gateway generator and Envoy read.
+# gRPC stubs, the descriptor set Envoy reads, and the REST gateway's route
+# table (python/protoserve_gateway/routes.py) and openapi.json, written by our
+# protoc plugin (gateway/protoc_gen_gateway.py) in the same protoc run.
 proto: $(VENV)/.installed
 	@rm -rf $(GEN).tmp && mkdir -p $(GEN).tmp/python
 	$(PY) -m grpc_tools.protoc \
 	  -Iproto -I$(SITE) -I$$($(PY) -c 'import grpc_tools, os; print(os.path.dirname(grpc_tools.__file__) + "/_proto")') \
 	  --python_out=$(GEN).tmp/python --pyi_out=$(GEN).tmp/python --grpc_python_out=$(GEN).tmp/python \
+	  --plugin=protoc-gen-gateway=gateway/protoc-gen-gateway --gateway_out=$(GEN).tmp \
 	  --include_imports --include_source_info --descriptor_set_out=$(GEN).tmp/protoserve.binpb \
 	  $(PROTO_FILES)
 	@rm -rf $(GEN) && mv $(GEN).tmp $(GEN)

@@ -1,0 +1,27 @@
+"""``python -m gateway --grpc-target HOST:PORT``: run the REST/JSON gateway on its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from gateway.app import run_gateway
+from gateway.runtime.handler import GatewaySettings
+
+
+def main() -> None:
+    """Parse arguments and serve until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    parser.add_argument("--grpc-target", default="127.0.0.1:50051", help="gRPC server [127.0.0.1:50051]")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address [127.0.0.1]")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port [8000]")
+    parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_gateway(
+        args.host, args.port, args.grpc_target, settings=GatewaySettings(max_body_bytes=args.max_body_bytes)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The REST/JSON gateway: ASGI app factory and ways to run it with uvicorn.
+
+``create_app(grpc_target)`` builds the app from the generated route table
+(``protoserve_gateway.routes``) and OpenAPI document (``gen/openapi.json``);
+``start_gateway`` starts it in the running event loop and returns its stop
+function (the server CLI's hook, next to the gRPC server); ``serve_gateway``
+serves until cancelled; ``GatewayServer`` starts and stops it explicitly; ``run_gateway`` blocks and handles signals
+(``python -m gateway``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route as StarletteRoute
+
+from gateway.runtime.channel import SharedChannel
+from gateway.runtime.docs import render_docs
+from gateway.runtime.handler import GatewayHandler, GatewaySettings
+from gateway.runtime.route import Route
+
+log = logging.getLogger(__name__)
+
+
+def generated_routes() -> tuple[Route, ...]:
+    """The route table ``make proto`` generated from the protos."""
+    from protoserve_gateway import routes
+
+    return routes.ROUTES
+
+
+def generated_openapi_path() -> Path:
+    """``gen/openapi.json``, written next to ``gen/python`` by the same protoc run."""
+    from protoserve_gateway import routes
+
+    return Path(routes.__file__).resolve().parents[2] / "openapi.json"
+
+
+def create_app(
+    grpc_target: str,
+    *,
+    settings: GatewaySettings | None = None,
+    routes: Iterable[Route] | None = None,
+    openapi_path: Path | None = None,
+) -> Starlette:
+    """The gateway ASGI app calling the gRPC server at ``grpc_target`` (``host:port``).
+
+    Besides the generated routes it serves ``GET /openapi.json`` and a
+    self-contained ``GET /docs`` page. The gRPC channel opens on the first
+    request and closes with the app's lifespan.
+    """
+    channel = SharedChannel(grpc_target)
+    handler = GatewayHandler(
+        generated_routes() if routes is None else routes, channel, settings or GatewaySettings()
+    )
+    openapi_text = (openapi_path or generated_openapi_path()).read_text(encoding="utf-8")
+    docs_page = render_docs(json.loads(openapi_text))
+
+    async def openapi(_: Request) -> Response:
+        return Response(openapi_text, media_type="application/json")
+
+    async def docs(_: Request) -> Response:
+        return HTMLResponse(docs_page)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await channel.close()
+
+    app = Starlette(
+        routes=[
+            StarletteRoute("/openapi.json", openapi, methods=["GET"]),
+            StarletteRoute("/docs", docs, methods=["GET"]),
+            # Everything else is ours: the handler answers 404/405 in the route's error style.
+            StarletteRoute("/{path:path}", handler),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.channel = channel
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that leaves signal handling to whoever embeds it."""
+
+    def __init__(self, config: uvicorn.Config, handle_signals: bool) -> None:
+        super().__init__(config)
+        self.handle_signals = handle_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if self.handle_signals:
+            with super().capture_signals():
+                yield
+        else:
+            yield
+
+
+class GatewayServer:
+    """The gateway on a uvicorn server in the current event loop: ``await start()``, ``await stop()``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        grpc_target: str,
+        *,
+        settings: GatewaySettings | None = None,
+        handle_signals: bool = False,
+        log_level: str = "warning",
+    ) -> None:
+        config = uvicorn.Config(
+            create_app(grpc_target, settings=settings),
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            # Streams (WatchMetrics, long generations) must not hold shutdown forever.
+            timeout_graceful_shutdown=5,
+        )
+        self._server = _Server(config, handle_signals)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when 0 was asked for)."""
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self._server.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and start serving; returns once the port accepts connections."""
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                # uvicorn reports bind failures by exiting the serve task.
+                exc = self._task.exception() if not self._task.cancelled() else None
+                raise RuntimeError(f"the HTTP gateway failed to start: {exc!r}")
+            await asyncio.sleep(0.01)
+        log.info("HTTP gateway listening on %s", self.url)
+
+    async def wait(self) -> None:
+        """Until the server stops (a signal, when it handles them, or stop())."""
+        if self._task is not None:
+            # Shielded: cancelling the waiter must not abort uvicorn mid-request; stop() drains.
+            await asyncio.shield(self._task)
+
+    async def stop(self) -> None:
+        """Stop accepting, let running requests finish briefly, close the gRPC channel."""
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, SystemExit):
+                await self._task
+
+
+async def serve_gateway(
+    host: str,
+    port: int,
+    grpc_target: str,
+    *,
+    settings: GatewaySettings | None = None,
+    handle_signals: bool = False,
+) -> None:
+    """Serve the gateway until cancelled (or stopped by a signal when ``handle_signals``)."""
+    server = GatewayServer(host, port, grpc_target, settings=settings, handle_signals=handle_signals)
+    await server.start()
+    try:
+        await server.wait()
+    finally:
+        await asyncio.shield(server.stop())
+
+
+async def start_gateway(grpc_target: str, host: str, port: int) -> Callable[[], Awaitable[None]]:
+    """Start the gateway in the running loop and return the coroutine function that stops it.
+
+    This is the hook ``protoserve serve --http-port`` calls (server.app.HttpGatewayStarter).
+    """
+    server = GatewayServer(host, port, grpc_target)
+    await server.start()
+    return server.stop
+
+
+def run_gateway(host: str, port: int, grpc_target: str, *, settings: GatewaySettings | None = None) -> None:
+    """Blocking runner: serve until SIGINT/SIGTERM."""
+    asyncio.run(serve_gateway(host, port, grpc_target, settings=settings, handle_signals=True))

@@ -1,0 +1,72 @@
+"""protoc plugin: generates the REST/JSON gateway's route table and OpenAPI document.
+
+protoc runs it through the ``gateway/protoc-gen-gateway`` launcher::
+
+    python -m grpc_tools.protoc ... --plugin=protoc-gen-gateway=gateway/protoc-gen-gateway \\
+        --gateway_out=gen --gateway_opt=title=protoserve,version=v1 <protos>
+
+It reads a CodeGeneratorRequest on stdin and writes a CodeGeneratorResponse
+with two files, relative to the ``--gateway_out`` directory:
+``python/protoserve_gateway/routes.py`` (option ``routes``) and
+``openapi.json`` (option ``openapi``). Problems with the annotations are
+reported through the response's ``error`` so protoc prints them and fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+from google.protobuf.compiler import plugin_pb2
+
+from gateway.generator.api import Api, GeneratorError
+from gateway.generator.openapi import render_openapi
+from gateway.generator.routes_module import render_routes_module
+
+DEFAULT_PARAMETERS = {
+    "routes": "python/protoserve_gateway/routes.py",
+    "openapi": "openapi.json",
+    "title": "protoserve",
+    "version": "v1",
+}
+
+
+def parse_parameters(parameter: str) -> dict[str, str]:
+    """``key=value,key=value`` plugin options over the defaults; unknown keys are an error."""
+    values = dict(DEFAULT_PARAMETERS)
+    for item in filter(None, (part.strip() for part in parameter.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in DEFAULT_PARAMETERS:
+            raise GeneratorError(f"unknown plugin option {item!r}; known: {sorted(DEFAULT_PARAMETERS)}")
+        values[key] = value
+    return values
+
+
+def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGeneratorResponse:
+    """The response for one request: the generated files, or an error message."""
+    response = plugin_pb2.CodeGeneratorResponse(
+        supported_features=plugin_pb2.CodeGeneratorResponse.FEATURE_PROTO3_OPTIONAL
+    )
+    try:
+        options = parse_parameters(request.parameter)
+        api = Api(request.proto_file, request.file_to_generate)
+        outputs: Mapping[str, str] = {
+            options["routes"]: render_routes_module(api),
+            options["openapi"]: render_openapi(api, options["title"], options["version"]),
+        }
+    except GeneratorError as exc:
+        response.error = str(exc)
+        return response
+    for name, content in outputs.items():
+        response.file.add(name=name, content=content)
+    return response
+
+
+def main() -> None:
+    """Plugin entry point: CodeGeneratorRequest on stdin, CodeGeneratorResponse on stdout."""
+    request = plugin_pb2.CodeGeneratorRequest.FromString(sys.stdin.buffer.read())
+    sys.stdout.buffer.write(generate(request).SerializeToString())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Failed calls as HTTP: status mapping (grpc-gateway's table) and the two error body styles.
+
+Every failure, whether the server's (a gRPC status with ``google.rpc``
+details in ``grpc-status-details-bin``) or the gateway's own (bad JSON,
+unknown route, oversized body), becomes an :class:`HttpError` holding a
+``google.rpc.Status``, so both are rendered the same way: as that Status in
+JSON, or as OpenAI's ``{"error": {...}}`` derived from it.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from gateway.runtime.route import ErrorStyle
+
+log = logging.getLogger(__name__)
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# grpc-gateway's runtime.HTTPStatusFromCode.
+HTTP_STATUS_BY_CODE = {
+    code_pb2.OK: 200,
+    code_pb2.CANCELLED: 499,
+    code_pb2.UNKNOWN: 500,
+    code_pb2.INVALID_ARGUMENT: 400,
+    code_pb2.DEADLINE_EXCEEDED: 504,
+    code_pb2.NOT_FOUND: 404,
+    code_pb2.ALREADY_EXISTS: 409,
+    code_pb2.PERMISSION_DENIED: 403,
+    code_pb2.UNAUTHENTICATED: 401,
+    code_pb2.RESOURCE_EXHAUSTED: 429,
+    code_pb2.FAILED_PRECONDITION: 400,
+    code_pb2.ABORTED: 409,
+    code_pb2.OUT_OF_RANGE: 400,
+    code_pb2.UNIMPLEMENTED: 501,
+    code_pb2.INTERNAL: 500,
+    code_pb2.UNAVAILABLE: 503,
+    code_pb2.DATA_LOSS: 500,
+}
+# OpenAI's error "type" by HTTP status; anything else 5xx is a server_error.
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled_error",
+}
+_BAD_REQUEST_URL = "type.googleapis.com/" + error_details_pb2.BadRequest.DESCRIPTOR.full_name
+_RETRY_INFO_URL = "type.googleapis.com/" + error_details_pb2.RetryInfo.DESCRIPTOR.full_name
+_ERROR_INFO_URL = "type.googleapis.com/" + error_details_pb2.ErrorInfo.DESCRIPTOR.full_name
+
+
+class HttpError(Exception):
+    """A call that ends in an error response: the Status and the HTTP status it maps to."""
+
+    def __init__(self, status: status_pb2.Status, http_status: int | None = None) -> None:
+        super().__init__(status.message)
+        self.status = status
+        self.http_status = http_status or HTTP_STATUS_BY_CODE.get(status.code, 500)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Extra response headers: Retry-After when the status carries a RetryInfo."""
+        retry = _detail(self.status, _RETRY_INFO_URL, error_details_pb2.RetryInfo)
+        if retry is None or not retry.HasField("retry_delay"):
+            return {}
+        delay = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+        return {"retry-after": str(max(0, math.ceil(delay)))}
+
+    def body(self, style: ErrorStyle) -> dict[str, Any]:
+        """The JSON error body of the route's style."""
+        if style is ErrorStyle.OPENAI:
+            return {"error": self.openai_error()}
+        return status_to_json(self.status)
+
+    def stream_event(self, style: ErrorStyle) -> dict[str, Any]:
+        """The payload of the last event of a stream that failed: always ``{"error": ...}``."""
+        if style is ErrorStyle.OPENAI:
+            return {"error": self.openai_error()}
+        return {"error": status_to_json(self.status)}
+
+    def openai_error(self) -> dict[str, Any]:
+        """OpenAI's error object: message, type, param (first bad field), code (ErrorInfo reason)."""
+        bad_request = _detail(self.status, _BAD_REQUEST_URL, error_details_pb2.BadRequest)
+        info = _detail(self.status, _ERROR_INFO_URL, error_details_pb2.ErrorInfo)
+        error_type = _OPENAI_TYPES.get(
+            self.http_status, "server_error" if self.http_status >= 500 else "api_error"
+        )
+        return {
+            "message": self.status.message,
+            "type": error_type,
+            "param": bad_request.field_violations[0].field
+            if bad_request is not None and bad_request.field_violations
+            else None,
+            "code": info.reason.lower() if info is not None and info.reason else None,
+        }
+
+
+def gateway_error(
+    code: int, message: str, *, http_status: int | None = None, violations: Iterable[tuple[str, str]] = ()
+) -> HttpError:
+    """An error the gateway itself answers with; ``violations`` become a BadRequest detail."""
+    status = status_pb2.Status(code=code, message=message)
+    violations = list(violations)
+    if violations:
+        detail = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=field, description=problem)
+                for field, problem in violations
+            ]
+        )
+        status.details.add().Pack(detail)
+    return HttpError(status, http_status)
+
+
+def from_rpc_error(error: grpc.RpcError) -> HttpError:
+    """The HttpError for a failed gRPC call, keeping the server's rich status when it sent one."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    number = code.value[0] if isinstance(code, grpc.StatusCode) else code_pb2.UNKNOWN
+    message = (error.details() if hasattr(error, "details") else None) or ""
+    for key, value in _trailers(error):
+        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+            try:
+                status = status_pb2.Status.FromString(value)
+            except Exception:  # noqa: BLE001 - a corrupt trailer must not hide the real status
+                log.warning("ignoring undecodable %s trailer", STATUS_DETAILS_KEY)
+                break
+            if status.code == number:
+                return HttpError(status)
+            break
+    return HttpError(status_pb2.Status(code=number, message=message or code.name))
+
+
+def status_to_json(status: status_pb2.Status) -> dict[str, Any]:
+    """A google.rpc.Status as grpc-gateway writes it (proto field names, typed details)."""
+    details = []
+    for detail in status.details:
+        try:
+            details.append(json_format.MessageToDict(detail, preserving_proto_field_name=True))
+        except (TypeError, KeyError):
+            # A detail type this process does not know: keep it, opaque, rather than drop it.
+            details.append({"@type": detail.type_url, "value": base64.b64encode(detail.value).decode()})
+    return {"code": status.code, "message": status.message, "details": details}
+
+
+def _trailers(error: grpc.RpcError) -> list[tuple[str, Any]]:
+    trailing = getattr(error, "trailing_metadata", None)
+    if trailing is None:
+        return []
+    try:
+        return list(trailing() or ())
+    except Exception:  # noqa: BLE001 - trailers are optional extra detail
+        return []
+
+
+def _detail(status: status_pb2.Status, type_url: str, message_type):
+    for detail in status.details:
+        if detail.type_url == type_url:
+            message = message_type()
+            if detail.Unpack(message):
+                return message
+    return None

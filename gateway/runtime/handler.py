@@ -1,0 +1,257 @@
+"""The ASGI application that serves the route table through the shared gRPC channel.
+
+Per request: route (404/405), read the body within the size limit (413),
+bind the gRPC request (400), forward the identity and trace headers as
+metadata, then call. Unary answers are one JSON body; streams are framed per
+route. While a call runs, the client's connection is watched: a client that
+goes away cancels the gRPC call at once, so the server stops generating and
+frees the request's KV cache instead of finishing work nobody will read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl
+
+import grpc
+from google.rpc import code_pb2
+
+from gateway.runtime import framing
+from gateway.runtime.binding import Call, bind_request
+from gateway.runtime.channel import SharedChannel
+from gateway.runtime.errors import HttpError, from_rpc_error, gateway_error
+from gateway.runtime.json_codec import dumps, message_to_json
+from gateway.runtime.route import ErrorStyle, Framing, Route
+from gateway.runtime.router import Router, RoutingError
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+AsgiMessage = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[AsgiMessage]]
+Send = Callable[[AsgiMessage], Awaitable[None]]
+
+# Identity and W3C trace context travel to the server as gRPC metadata.
+DEFAULT_FORWARDED_HEADERS = ("authorization", "x-user-id", "traceparent", "tracestate")
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """Limits and header policy of the gateway."""
+
+    # Larger bodies are refused with 413 before they are read in full.
+    max_body_bytes: int = 4 * 1024 * 1024
+    forwarded_headers: tuple[str, ...] = DEFAULT_FORWARDED_HEADERS
+    # Seconds (decimal) the client allows the call; becomes the gRPC deadline.
+    timeout_header: str = TIMEOUT_HEADER
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the gateway answered."""
+
+
+class GatewayHandler:
+    """ASGI app for the generated routes; one instance serves every request."""
+
+    def __init__(self, routes: Iterable[Route], channel: SharedChannel, settings: GatewaySettings) -> None:
+        self.router = Router(routes)
+        self.channel = channel
+        self.settings = settings
+        self._forwarded = frozenset(name.lower().encode() for name in settings.forwarded_headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").split("?", 1)[0]
+        style = self.router.style_for_path(raw_path)
+        try:
+            match = self.router.resolve(scope["method"], raw_path)
+            route = match.route
+            style = route.error_style
+            body = await self._read_body(scope, receive) if route.body else b""
+            query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+            call = bind_request(route, match.path_values, query, body)
+            metadata = self._metadata(scope)
+            timeout = self._timeout(scope)
+        except RoutingError as exc:
+            await _send_error(send, exc, exc.style)
+            return
+        except HttpError as exc:
+            await _send_error(send, exc, style)
+            return
+        except _ClientGone:
+            return
+        if call.server_streaming:
+            await self._stream(route, call, metadata, timeout, receive, send)
+        else:
+            await self._unary(route, call, metadata, timeout, receive, send)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _metadata(self, scope: Scope) -> list[tuple[str, str]]:
+        metadata = []
+        for name, value in scope["headers"]:
+            if name in self._forwarded:
+                try:
+                    text = value.decode("ascii")
+                except UnicodeDecodeError:
+                    raise gateway_error(
+                        code_pb2.INVALID_ARGUMENT, f"header {name.decode()} must be ASCII"
+                    ) from None
+                metadata.append((name.decode(), text))
+        return metadata
+
+    def _timeout(self, scope: Scope) -> float | None:
+        raw = _header(scope, self.settings.timeout_header.encode())
+        if raw is None:
+            return None
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise gateway_error(
+                code_pb2.INVALID_ARGUMENT,
+                f"header {self.settings.timeout_header} must be a positive number of seconds, got {raw!r}",
+            )
+        return seconds
+
+    async def _unary(self, route: Route, call: Call, metadata, timeout, receive: Receive, send: Send) -> None:
+        rpc = self.channel.unary_unary(call.grpc_method, call.response_type)(
+            call.request, metadata=metadata, timeout=timeout
+        )
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, rpc))
+        try:
+            response = await rpc
+        except asyncio.CancelledError:
+            if _client_left(watcher):
+                log.info("client left during %s; call cancelled", call.grpc_method)
+                return
+            raise
+        except grpc.RpcError as exc:
+            await _send_error(send, from_rpc_error(exc), route.error_style)
+            return
+        finally:
+            watcher.cancel()
+        await _send_json(send, 200, _payload(response, call.response_body))
+
+    async def _stream(
+        self, route: Route, call: Call, metadata, timeout, receive: Receive, send: Send
+    ) -> None:
+        stream_framing: Framing = route.framing
+        rpc = self.channel.unary_stream(call.grpc_method, call.response_type)(
+            call.request, metadata=metadata, timeout=timeout
+        )
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, rpc))
+        started = False
+        try:
+            # Wait for the first message before answering, so that a request the
+            # server rejects still gets a real HTTP error status (400, 429, ...).
+            message = await rpc.read()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", framing.content_type(stream_framing).encode()),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no"),  # proxies must not buffer the events
+                    ],
+                }
+            )
+            started = True
+            while message is not grpc.aio.EOF:
+                frame = framing.message_frame(stream_framing, _payload(message, call.response_body))
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                message = await rpc.read()
+            await send({"type": "http.response.body", "body": framing.end_frame(stream_framing)})
+        except asyncio.CancelledError:
+            if _client_left(watcher):
+                log.info("client left during %s stream; call cancelled", call.grpc_method)
+                return
+            raise
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+            if not started:
+                await _send_error(send, error, route.error_style)
+                return
+            log.warning(
+                "%s stream failed after it started: %s %s",
+                call.grpc_method,
+                code_pb2.Code.Name(error.status.code),
+                error.status.message,
+            )
+            frame = framing.error_frame(stream_framing, error.stream_event(route.error_style))
+            await send({"type": "http.response.body", "body": frame})
+        finally:
+            watcher.cancel()
+            rpc.cancel()  # a no-op for finished calls; stops the server on any other exit
+
+
+async def _cancel_on_disconnect(receive: Receive, rpc: grpc.aio.Call) -> bool:
+    """Cancel ``rpc`` when the client disconnects; True if that happened."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            rpc.cancel()
+            return True
+
+
+def _client_left(watcher: asyncio.Task[bool]) -> bool:
+    current = asyncio.current_task()
+    if current is not None and current.cancelling():
+        return False  # the gateway itself is being cancelled (shutdown): not a client disconnect
+    return watcher.done() and not watcher.cancelled() and watcher.result()
+
+
+def _payload(message, response_body: str) -> Any:
+    value = message_to_json(message)
+    return value.get(response_body) if response_body else value
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1").strip()
+    return None
+
+
+def _too_large(limit: int) -> HttpError:
+    # gRPC answers oversized messages with RESOURCE_EXHAUSTED; HTTP has its own status for it.
+    return gateway_error(
+        code_pb2.RESOURCE_EXHAUSTED, f"request body exceeds the limit of {limit} bytes", http_status=413
+    )
+
+
+async def _send_json(send: Send, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+    body = dumps(payload)
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Send, error: HttpError, style: ErrorStyle) -> None:
+    await _send_json(send, error.http_status, error.body(style), error.headers)

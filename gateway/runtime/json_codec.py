@@ -1,0 +1,360 @@
+"""JSON ↔ protobuf for the gateway, on top of ``google.protobuf.json_format``.
+
+Reading: the decoded JSON is first checked against the message descriptor so
+that a bad request gets a clear 400 naming every bad field (``json_format``
+stops at the first problem and words it for protobuf developers), then
+``json_format.ParseDict`` builds the message. Nothing reaches the server
+unless both pass.
+
+Writing follows grpc-gateway's default marshaler (protojson with
+EmitUnpopulated) with proto field names: fields without presence are always
+printed, zero values included (OpenAI clients need ``"index": 0``), and unset
+fields with presence (proto3 ``optional`` scalars, singular messages outside
+a real oneof) are printed as ``null``; unset oneof members are left out.
+64-bit integers stay strings, as proto3 JSON prints them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+import math
+from typing import Any
+
+from google.protobuf import descriptor, descriptor_pb2, json_format, message_factory
+from google.protobuf.message import Message
+
+FD = descriptor.FieldDescriptor
+_INT_RANGES = {
+    FD.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FD.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FD.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FD.TYPE_UINT32: (0, 2**32 - 1),
+    FD.TYPE_FIXED32: (0, 2**32 - 1),
+    FD.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FD.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FD.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FD.TYPE_UINT64: (0, 2**64 - 1),
+    FD.TYPE_FIXED64: (0, 2**64 - 1),
+}
+_FLOAT_MAX = 3.4028234663852886e38
+_FLOAT_WORDS = ("NaN", "Infinity", "-Infinity")
+_WKT_PREFIX = "google.protobuf."
+# Well-known types whose JSON form is free-form; any JSON value (or shape) is valid.
+_FREE_FORM = {
+    "google.protobuf.Value": None,
+    "google.protobuf.Struct": dict,
+    "google.protobuf.ListValue": list,
+}
+
+
+class InvalidJson(Exception):
+    """The JSON does not fit the message: ``violations`` are (field path, problem) pairs."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        super().__init__(
+            "; ".join(f"{field}: {problem}" if field else problem for field, problem in violations)
+        )
+
+
+def loads(data: bytes) -> Any:
+    """Decode a request body; raises InvalidJson for bytes that are not one JSON document."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError:
+        raise InvalidJson([("", "the request body is not UTF-8")]) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidJson(
+            [("", f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")]
+        ) from None
+
+
+def dumps(value: Any) -> bytes:
+    """Compact single-line JSON (safe inside one SSE ``data:`` field)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse_message(
+    value: Any, message_type: type[Message], *, reject_unknown_fields: bool, path: str = ""
+) -> Message:
+    """Build ``message_type`` from decoded JSON, or raise InvalidJson naming every bad field."""
+    violations: list[tuple[str, str]] = []
+    _check_message(value, message_type.DESCRIPTOR, path, reject_unknown_fields, violations)
+    if violations:
+        raise InvalidJson(violations)
+    message = message_type()
+    try:
+        json_format.ParseDict(value, message, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        # The checks above mirror json_format's rules; this is the backstop if they ever drift.
+        raise InvalidJson([(path, str(exc))]) from None
+    return message
+
+
+def message_to_json(message: Message) -> Any:
+    """The message as a JSON-ready value (see the module docstring for the rules)."""
+    value = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _with_nulls(message, value)
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"the string {json.dumps(shown)}"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+@functools.cache
+def _optional_fields(message: descriptor.Descriptor) -> frozenset[str]:
+    # Proto3 `optional` fields live in synthetic oneofs, which are not real choices.
+    proto = descriptor_pb2.DescriptorProto()
+    message.CopyToProto(proto)
+    return frozenset(field.name for field in proto.field if field.proto3_optional)
+
+
+def _real_oneof(field: descriptor.FieldDescriptor) -> descriptor.OneofDescriptor | None:
+    oneof = field.containing_oneof
+    if oneof is None or field.name in _optional_fields(field.containing_type):
+        return None
+    return oneof
+
+
+@functools.cache
+def _fields_by_json_key(message: descriptor.Descriptor) -> dict[str, descriptor.FieldDescriptor]:
+    # json_format accepts both the proto name and the lowerCamelCase JSON name.
+    keys = {}
+    for field in message.fields:
+        keys[field.json_name] = field
+        keys[field.name] = field
+    return keys
+
+
+def _check_message(value, message, path, reject_unknown, out) -> None:
+    name = message.full_name
+    if name in _FREE_FORM:
+        expected = _FREE_FORM[name]
+        if expected is not None and not isinstance(value, expected):
+            out.append(
+                (path, f"expected {'an object' if expected is dict else 'an array'}, got {_kind(value)}")
+            )
+        return
+    if name.startswith(_WKT_PREFIX):
+        _check_with_json_format(value, message, path, out)
+        return
+    if not isinstance(value, dict):
+        out.append((path, f"expected an object, got {_kind(value)}"))
+        return
+    fields = _fields_by_json_key(message)
+    oneofs_seen: dict[str, str] = {}
+    for key, item in value.items():
+        field = fields.get(key)
+        field_path = _join(path, key)
+        if field is None:
+            if reject_unknown:
+                out.append((field_path, f"unknown field; {message.name} has no field {key!r}"))
+            continue
+        is_value = field.message_type is not None and field.message_type.full_name == "google.protobuf.Value"
+        if item is None and not is_value:
+            continue  # null means "default" in proto3 JSON
+        oneof = _real_oneof(field)
+        if oneof is not None:
+            if oneof.name in oneofs_seen:
+                members = ", ".join(f.name for f in oneof.fields)
+                out.append(
+                    (field_path, f"only one of {members} may be set; {oneofs_seen[oneof.name]} is too")
+                )
+                continue
+            oneofs_seen[oneof.name] = field.name
+        _check_field(item, field, field_path, reject_unknown, out)
+
+
+def _check_field(value, field, path, reject_unknown, out) -> None:
+    entry = field.message_type
+    if entry is not None and entry.GetOptions().map_entry:
+        if not isinstance(value, dict):
+            out.append((path, f"expected an object (a map), got {_kind(value)}"))
+            return
+        key_field, value_field = entry.fields_by_name["key"], entry.fields_by_name["value"]
+        for key, item in value.items():
+            _check_map_key(key, key_field, f"{path}[{json.dumps(key)}]", out)
+            _check_single(item, value_field, f"{path}[{json.dumps(key)}]", reject_unknown, out)
+        return
+    if field.is_repeated:
+        if not isinstance(value, list):
+            out.append((path, f"expected an array, got {_kind(value)}"))
+            return
+        for index, item in enumerate(value):
+            _check_single(item, field, f"{path}[{index}]", reject_unknown, out)
+        return
+    _check_single(value, field, path, reject_unknown, out)
+
+
+def _check_map_key(key: str, field, path, out) -> None:
+    if field.type == FD.TYPE_BOOL:
+        if key not in ("true", "false"):
+            out.append((path, "map key must be true or false"))
+    elif field.type in _INT_RANGES:
+        try:
+            number = int(key)
+        except ValueError:
+            out.append((path, f"map key must be an integer, got {json.dumps(key)}"))
+            return
+        low, high = _INT_RANGES[field.type]
+        if not low <= number <= high:
+            out.append((path, f"map key {number} is out of range [{low}, {high}]"))
+
+
+def _check_single(value, field, path, reject_unknown, out) -> None:
+    kind = field.type
+    if field.message_type is not None:
+        if value is None and field.message_type.full_name != "google.protobuf.Value":
+            out.append((path, "null is not allowed here"))
+            return
+        _check_message(value, field.message_type, path, reject_unknown, out)
+    elif value is None:
+        out.append((path, "null is not allowed here"))
+    elif kind in _INT_RANGES:
+        _check_integer(value, kind, path, out)
+    elif kind in (FD.TYPE_FLOAT, FD.TYPE_DOUBLE):
+        _check_float(value, kind, path, out)
+    elif kind == FD.TYPE_BOOL:
+        if not isinstance(value, bool):
+            out.append((path, f"expected true or false, got {_kind(value)}"))
+    elif kind == FD.TYPE_STRING:
+        if not isinstance(value, str):
+            out.append((path, f"expected a string, got {_kind(value)}"))
+    elif kind == FD.TYPE_BYTES:
+        _check_bytes(value, path, out)
+    elif kind == FD.TYPE_ENUM:
+        _check_enum(value, field.enum_type, path, out)
+
+
+def _check_integer(value, kind, path, out) -> None:
+    number: int | None = None
+    if isinstance(value, bool):
+        number = None
+    elif isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+    if number is None:
+        out.append((path, f"expected an integer, got {_kind(value)}"))
+        return
+    low, high = _INT_RANGES[kind]
+    if not low <= number <= high:
+        out.append((path, f"{number} is out of range [{low}, {high}]"))
+
+
+def _check_float(value, kind, path, out) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        out.append((path, f"expected a number, got {_kind(value)}"))
+        return
+    if isinstance(value, str):
+        if value in _FLOAT_WORDS:
+            return
+        try:
+            value = float(value)
+        except ValueError:
+            out.append((path, f"expected a number, got {_kind(value)}"))
+            return
+        if not math.isfinite(value):
+            out.append((path, 'non-finite numbers must be written "NaN", "Infinity" or "-Infinity"'))
+            return
+    if kind == FD.TYPE_FLOAT and math.isfinite(value) and abs(value) > _FLOAT_MAX:
+        out.append((path, f"{value!r} is too large for a 32-bit float"))
+
+
+def _check_bytes(value, path, out) -> None:
+    if not isinstance(value, str):
+        out.append((path, f"expected a base64 string, got {_kind(value)}"))
+        return
+    text = value.replace("-", "+").replace("_", "/")
+    try:
+        base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        out.append((path, "expected base64-encoded bytes"))
+
+
+def _check_enum(value, enum, path, out) -> None:
+    if isinstance(value, str):
+        if value not in enum.values_by_name:
+            names = ", ".join(enum.values_by_name)
+            out.append((path, f"unknown value {json.dumps(value)}; expected one of {names}"))
+    elif isinstance(value, bool) or not isinstance(value, int):
+        out.append((path, f"expected an enum value name, got {_kind(value)}"))
+    elif not -(2**31) <= value < 2**31:
+        out.append((path, f"enum number {value} is out of range"))
+
+
+def _check_with_json_format(value, message, path, out) -> None:
+    # Timestamps, durations, wrappers, Any...: json_format knows their string forms best.
+    try:
+        json_format.ParseDict(value, message_factory.GetMessageClass(message)())
+    except json_format.ParseError as exc:
+        out.append((path, f"not a valid {message.name}: {exc}"))
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _with_nulls(message: Message, value: Any) -> Any:
+    descriptor_ = message.DESCRIPTOR
+    if descriptor_.full_name.startswith(_WKT_PREFIX) or not isinstance(value, dict):
+        return value  # well-known types have their own JSON forms
+    ordered: dict[str, Any] = {}
+    for field in descriptor_.fields:
+        name = field.name
+        if name not in value:
+            if field.has_presence and _real_oneof(field) is None:
+                ordered[name] = None
+            continue
+        item = value[name]
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            value_field = entry.fields_by_name["value"]
+            if value_field.message_type is not None:
+                item = {
+                    k: _with_nulls(getattr(message, name)[_map_key(k, entry)], v) for k, v in item.items()
+                }
+        elif entry is not None and field.is_repeated:
+            item = [_with_nulls(element, v) for element, v in zip(getattr(message, name), item, strict=True)]
+        elif entry is not None:
+            item = _with_nulls(getattr(message, name), item)
+        ordered[name] = item
+    for name, item in value.items():  # extensions, in json_format's own form
+        ordered.setdefault(name, item)
+    return ordered
+
+
+def _map_key(key: str, entry: descriptor.Descriptor) -> Any:
+    kind = entry.fields_by_name["key"].type
+    if kind == FD.TYPE_BOOL:
+        return key == "true"
+    if kind in _INT_RANGES:
+        return int(key)
+    return key
