@@ -16,7 +16,7 @@ from engine.errors import EngineError
 from engine.request import GenerationRequest, RequestStats
 from engine.sampling_params import ContextPolicy, SamplingParams
 from server.app import HttpGatewayStarter, ServerConfig, serve
-from server.errors import ServiceError, to_service_error
+from server.errors import ServiceError, invalid_argument, to_service_error
 from server.frontend import ChatTurn, Frontend, ModelCard, new_request_id
 
 log = logging.getLogger("protoserve")
@@ -143,6 +143,11 @@ def _chat_turns(args: argparse.Namespace, prompt: str | None) -> list[ChatTurn]:
     return turns
 
 
+def _flag(field_name: str) -> str:
+    """The command-line flag of a SamplingParams field."""
+    return {"max_tokens": "--max-new-tokens"}.get(field_name, "--" + field_name.replace("_", "-"))
+
+
 def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
     if stats is None:
         return
@@ -175,6 +180,18 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
         if sys.stdin.isatty():
             raise SystemExit("protoserve generate: give --prompt, --message or a prompt on stdin")
         prompt = sys.stdin.read()
+    sampling = SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=list(args.stop),
+    )
+    # Check the flags before the slow model load; the vocabulary-dependent checks come after.
+    bad = sampling.validate()
+    if bad:
+        raise invalid_argument([(_flag(f), p) for f, p in bad])
     path = args.model or default_model_path()
     engine = await asyncio.to_thread(
         AsyncEngine.from_pretrained,
@@ -188,15 +205,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     engine.start()
     try:
         frontend = Frontend(engine, ModelCard(args.dtype, args.quantization, os.fspath(path)))
-        sampling = SamplingParams(
-            max_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=list(args.stop),
-        )
-        frontend.check_sampling(sampling, lambda f: "--" + f.replace("_", "-"))
+        frontend.check_sampling(sampling, _flag)
         if args.chat or args.message:
             prompt_ids = frontend.render_chat(_chat_turns(args, prompt))
         else:

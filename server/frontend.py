@@ -183,7 +183,8 @@ class Frontend:
         self.engine = engine
         self.card = card
         self.tokenizer = engine.tokenizer
-        self.vocab_size: int = engine.tokenizer.vocab_size
+        # Ids must be both embeddable and decodable; a padded embedding table can exceed the tokenizer.
+        self.vocab_size: int = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
         # Decoding one id is pure; logprob-heavy streams ask for the same ids over and over.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(self._token_text)
 

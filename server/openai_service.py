@@ -11,6 +11,7 @@ EOS or the context is full).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -341,13 +342,15 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
             for i, prompt in enumerate(prepared.prompts)
         ]
 
-    async def _outputs(
+    def _outputs(
         self, call: Call, prepared: _Prepared, requests: list[GenerationRequest]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every prompt's engine outputs, concurrently, tagged with the prompt index."""
-        streams = [self.inflight.generate(call, prepared.frontend.engine, r) for r in requests]
-        async for item in _merge(streams):
-            yield item
+        """Every prompt's engine outputs, concurrently, tagged with the prompt index.
+
+        Callers close it (``contextlib.aclosing``) before leaving the call, so the
+        tasks reading several prompts are gone before the call closes their streams.
+        """
+        return _merge([self.inflight.generate(call, prepared.frontend.engine, r) for r in requests])
 
     # ---- logprob shapes -------------------------------------------------------------------
 
@@ -406,8 +409,9 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         requests = self._engine_requests(public_id, prepared, identity)
         results = [RequestResult(n=n) for _ in requests]
         async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            async for index, output in self._outputs(call, prepared, requests):
-                results[index].add(output)
+            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
+                async for index, output in outputs:
+                    results[index].add(output)
         choices = []
         for p, (prompt, result) in enumerate(zip(prepared.prompts, results, strict=True)):
             for choice in result.choices:
@@ -463,16 +467,22 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         results = [RequestResult(n=n) for _ in requests]
         offsets = _OffsetTracker()
         async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            if prepared.echo:
-                for p, prompt in enumerate(prepared.prompts):
-                    for j in range(n):
-                        await context.write(chunk([oa.CompletionChoice(text=prompt.text, index=p * n + j)]))
-            async for p, output in self._outputs(call, prepared, requests):
-                results[p].add(output)
-                for delta in output.deltas:
-                    choice = self._completion_chunk_choice(frontend, prepared, p, delta, offsets)
-                    if choice is not None:
-                        await context.write(chunk([choice]))
+            started = False
+            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
+                async for p, output in outputs:
+                    if not started and prepared.echo:
+                        # After the first output, so an engine refusal is a plain error status.
+                        for q, prompt in enumerate(prepared.prompts):
+                            for j in range(n):
+                                await context.write(
+                                    chunk([oa.CompletionChoice(text=prompt.text, index=q * n + j)])
+                                )
+                    started = True
+                    results[p].add(output)
+                    for delta in output.deltas:
+                        choice = self._completion_chunk_choice(frontend, prepared, p, delta, offsets)
+                        if choice is not None:
+                            await context.write(chunk([choice]))
         if inner.stream_options.include_usage:
             await context.write(chunk([], self._usage(results)))
 
@@ -513,8 +523,9 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         requests = self._engine_requests(public_id, prepared, identity)
         result = RequestResult(n=prepared.sampling.n)
         async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            async for _, output in self._outputs(call, prepared, requests):
-                result.add(output)
+            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
+                async for _, output in outputs:
+                    result.add(output)
         choices = [
             oa.ChatCompletionChoice(
                 index=c.index,
@@ -561,27 +572,32 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
         requests = self._engine_requests(public_id, prepared, identity)
         result = RequestResult(n=prepared.sampling.n)
         async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            # The role goes out before any token, so clients can render the turn at once.
-            for i in range(prepared.sampling.n):
-                delta = oa.ChatCompletionDelta(role="assistant", content="")
-                await context.write(chunk([oa.ChatCompletionChunkChoice(index=i, delta=delta)]))
-            async for _, output in self._outputs(call, prepared, requests):
-                result.add(output)
-                for d in output.deltas:
-                    if d.text or d.logprobs:
-                        choice = oa.ChatCompletionChunkChoice(
-                            index=d.index, delta=oa.ChatCompletionDelta(content=d.text)
-                        )
-                        if prepared.sampling.logprobs:
-                            choice.logprobs.CopyFrom(self._chat_logprobs(frontend, d.logprobs))
-                        await context.write(chunk([choice]))
-                    if d.finish_reason is not None:
-                        finish = oa.ChatCompletionChunkChoice(
-                            index=d.index,
-                            delta=oa.ChatCompletionDelta(),
-                            finish_reason=finish_reason_text(d.finish_reason),
-                        )
-                        await context.write(chunk([finish]))
+            started = False
+            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
+                async for _, output in outputs:
+                    if not started:
+                        # The engine has accepted the request (its refusals come before any
+                        # output, as a plain error status), so the role chunks go out now.
+                        started = True
+                        for i in range(prepared.sampling.n):
+                            delta = oa.ChatCompletionDelta(role="assistant", content="")
+                            await context.write(chunk([oa.ChatCompletionChunkChoice(index=i, delta=delta)]))
+                    result.add(output)
+                    for d in output.deltas:
+                        if d.text or d.logprobs:
+                            choice = oa.ChatCompletionChunkChoice(
+                                index=d.index, delta=oa.ChatCompletionDelta(content=d.text)
+                            )
+                            if prepared.sampling.logprobs:
+                                choice.logprobs.CopyFrom(self._chat_logprobs(frontend, d.logprobs))
+                            await context.write(chunk([choice]))
+                        if d.finish_reason is not None:
+                            finish = oa.ChatCompletionChunkChoice(
+                                index=d.index,
+                                delta=oa.ChatCompletionDelta(),
+                                finish_reason=finish_reason_text(d.finish_reason),
+                            )
+                            await context.write(chunk([finish]))
         if inner.stream_options.include_usage:
             await context.write(chunk([], self._usage([result])))
 

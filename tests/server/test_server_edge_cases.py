@@ -169,3 +169,33 @@ async def test_deadline_and_disconnect_abort_in_engine():
         stream.cancel()
         await wait_for(lambda: engine.stats().running == 0, timeout=1.0)
         assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+async def test_openai_multi_prompt_stream_disconnect_aborts_every_prompt():
+    from google.protobuf import struct_pb2
+
+    from protoserve.openai.v1 import openai_pb2 as oa
+    from protoserve.openai.v1 import openai_pb2_grpc
+
+    engine = EngineDouble(step_s=0.02, max_running=4)
+    async with double_server(engine) as (app, engine, _):
+        async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+            openai = openai_pb2_grpc.OpenAIServiceStub(channel)
+            prompts = struct_pb2.Value()
+            prompts.list_value.values.add().string_value = "abc"
+            prompts.list_value.values.add().string_value = "xyz"
+            request = oa.CreateCompletionRequest(prompt=prompts, max_tokens=1000, n=2)
+            stream = openai.CreateCompletionStream(oa.CreateCompletionStreamRequest(request=request))
+            seen = set()
+            while len(seen) < 4:
+                chunk = await stream.read()
+                seen.update(c.index for c in chunk.choices)
+            assert engine.stats().running == 2
+            stream.cancel()
+            await wait_for(lambda: engine.stats().running == 0, timeout=1.0)
+            # Unary, with the finish of each choice.
+            request.max_tokens = 3
+            response = await openai.CreateCompletion(request)
+            assert [c.text for c in response.choices] == ["abc", "abc", "xyz", "xyz"]
+            assert {c.finish_reason for c in response.choices} == {"length"}
+            assert response.usage.prompt_tokens == 6 and response.usage.completion_tokens == 12
