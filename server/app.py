@@ -146,10 +146,11 @@ class ServerApp:
         from engine.async_engine import AsyncEngine
         from engine.loader.default_model import default_model_path
 
+        # None lets the engine name the default model itself; the card still records the file.
         path = self.config.model_path or default_model_path()
         engine = await asyncio.to_thread(
             AsyncEngine.from_pretrained,
-            path,
+            self.config.model_path,
             dtype=self.config.dtype,
             quantization=self.config.quantization,
             config=self.config.engine,

@@ -195,7 +195,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     path = args.model or default_model_path()
     engine = await asyncio.to_thread(
         AsyncEngine.from_pretrained,
-        path,
+        args.model,
         dtype=args.dtype,
         quantization=args.quantization,
         config=engine_config,
