@@ -29,6 +29,7 @@ from engine.request import (
     RequestStats,
 )
 from engine.sampling_params import ContextPolicy, SamplingParams
+from engine.tokenizer.chat_template import ChatTemplateError
 from protoserve.v1 import inference_pb2 as pb
 from server import errors
 
@@ -235,8 +236,14 @@ class Frontend:
         """Token ids of plain text."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, turns: Sequence[ChatTurn], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
+    def render_chat(
+        self, turns: Sequence[ChatTurn], *, add_generation_prompt: bool = True, path: str = "chat.messages"
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        A template that refuses the conversation (say, roles that do not
+        alternate) is the caller's error: INVALID_ARGUMENT on ``path``.
+        """
         if not self.tokenizer.has_chat_template:
             raise errors.no_chat_template(self.name)
         messages: list[dict[str, Any]] = []
@@ -245,7 +252,14 @@ class Frontend:
             if turn.name:
                 message["name"] = turn.name
             messages.append(message)
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise errors.invalid_argument(
+                [(path, f"the chat template refused the conversation: {exc}")]
+            ) from None
         if isinstance(rendered, str):
             # The template writes any BOS itself; adding special tokens again would double it.
             return self.encode_text(rendered, add_special_tokens=False)

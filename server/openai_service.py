@@ -298,7 +298,7 @@ class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
             top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else 0,
         )
         frontend.check_sampling(sampling, {"max_tokens": max_field}, violations)
-        prompt_ids = frontend.render_chat(turns)
+        prompt_ids = frontend.render_chat(turns, path="messages")
         return _Prepared(frontend, [_Prompt(prompt_ids, "")], sampling)
 
     def _chat_turns(
