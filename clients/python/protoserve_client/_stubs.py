@@ -16,7 +16,11 @@ except ModuleNotFoundError as packaged_missing:
     if not (packaged_missing.name or "").startswith("protoserve_client._pb"):
         raise
     try:
-        from protoserve.v1 import inference_pb2, inference_pb2_grpc
+        # Type checkers see the packaged branch first; this one is its twin.
+        from protoserve.v1 import (  # type: ignore  # noqa: PGH003 - checkers see one branch only
+            inference_pb2,
+            inference_pb2_grpc,
+        )
     except ModuleNotFoundError as repo_missing:
         raise ImportError(
             "protoserve_client has no generated gRPC stubs: install a built wheel "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack
+from typing import Any, Self, TypeVar, Unpack, cast
 
 import grpc
 import grpc.aio
@@ -43,7 +43,11 @@ class AsyncGenerateStream:
     block early) abandons the call from this side instead.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall[pb.GenerateStreamRequest, pb.GenerateStreamResponse],
+        request_id: str,
+    ) -> None:
         self._call = call
         self.request_id = request_id
         self.final: StreamFinal | None = None
@@ -68,7 +72,7 @@ class AsyncGenerateStream:
             raise
         if msg is grpc.aio.EOF:
             raise StopAsyncIteration
-        event = stream_event_from_proto(msg)
+        event = stream_event_from_proto(cast(pb.GenerateStreamResponse, msg))
         if isinstance(event, StreamFinal):
             self.final = event
         return event
@@ -120,7 +124,8 @@ class AsyncClient:
                 else grpc.aio.insecure_channel(target, options=options)
             )
         self._channel = channel
-        self.stub = pb_grpc.InferenceServiceStub(channel)
+        # The grpc plugin generates untyped code; the methods below type each response.
+        self.stub = pb_grpc.InferenceServiceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
         self._opts = CallOptions(api_key, user_id, timeout, metadata)
         self._wait_for_ready = wait_for_ready
 
@@ -195,7 +200,9 @@ class AsyncClient:
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> bool:
         """Stop a running or queued request of this caller; True if one was stopped."""
-        resp = await self._unary(self.stub.Cancel, pb.CancelRequest(request_id=request_id), timeout, metadata)
+        resp: pb.CancelResponse = await self._unary(
+            self.stub.Cancel, pb.CancelRequest(request_id=request_id), timeout, metadata
+        )
         return resp.cancelled
 
     async def batch(
@@ -242,7 +249,8 @@ class AsyncClient:
     ) -> str:
         """Text of ``token_ids``."""
         req = detokenize_request(token_ids, model=model, skip_special_tokens=skip_special_tokens)
-        return (await self._unary(self.stub.Detokenize, req, timeout, metadata)).text
+        resp: pb.DetokenizeResponse = await self._unary(self.stub.Detokenize, req, timeout, metadata)
+        return resp.text
 
     async def list_models(
         self, *, timeout: float | None = None, metadata: Metadata | None = None

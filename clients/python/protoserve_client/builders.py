@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Unpack
+from typing import Any, TypeAlias, Unpack, cast
 
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client.types import ChatMessage, ContextPolicy, SamplingKwargs
 
-Message = ChatMessage | Mapping[str, str] | pb.ChatMessage
+Message: TypeAlias = ChatMessage | Mapping[str, str] | pb.ChatMessage
 """A chat message: a ``ChatMessage``, a ``{"role", "content"[, "name"]}`` mapping or the proto."""
 
 
@@ -79,11 +79,11 @@ def chat_input(messages: Iterable[Message], add_generation_prompt: bool | None =
     return chat
 
 
-def _context_policy(policy: ContextPolicy | str | int | None) -> int:
+def _context_policy(policy: ContextPolicy | str | int | None) -> pb.ContextPolicy:
     if policy is None:
         return pb.CONTEXT_POLICY_UNSPECIFIED
     if isinstance(policy, int):
-        return policy
+        return cast(pb.ContextPolicy, policy)
     return ContextPolicy(policy).to_proto()
 
 

@@ -55,7 +55,7 @@ class GenerateStream:
         try:
             msg = next(self._call)
         except grpc.RpcError as e:
-            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
                 # We hung up ourselves; that is the end, not an error.
                 raise StopIteration from None
             raise ProtoserveError.from_rpc_error(e) from e
@@ -123,7 +123,8 @@ class Client:
                 else grpc.insecure_channel(target, options=options)
             )
         self._channel = channel
-        self.stub = pb_grpc.InferenceServiceStub(channel)
+        # The grpc plugin generates untyped code; the methods below type each response.
+        self.stub = pb_grpc.InferenceServiceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
         self._opts = CallOptions(api_key, user_id, timeout, metadata)
         self._wait_for_ready = wait_for_ready
 
@@ -203,7 +204,9 @@ class Client:
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> bool:
         """Stop a running or queued request of this caller; True if one was stopped."""
-        resp = self._unary(self.stub.Cancel, pb.CancelRequest(request_id=request_id), timeout, metadata)
+        resp: pb.CancelResponse = self._unary(
+            self.stub.Cancel, pb.CancelRequest(request_id=request_id), timeout, metadata
+        )
         return resp.cancelled
 
     def batch(
@@ -256,7 +259,8 @@ class Client:
     ) -> str:
         """Text of ``token_ids``."""
         req = detokenize_request(token_ids, model=model, skip_special_tokens=skip_special_tokens)
-        return self._unary(self.stub.Detokenize, req, timeout, metadata).text
+        resp: pb.DetokenizeResponse = self._unary(self.stub.Detokenize, req, timeout, metadata)
+        return resp.text
 
     def list_models(
         self, *, timeout: float | None = None, metadata: Metadata | None = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -40,7 +42,7 @@ class FieldViolation:
 def _unpack(detail: any_pb2.Any) -> ProtoMessage:
     """Unpack a standard detail type; unknown types stay as the ``Any``."""
     for cls in _DETAIL_TYPES:
-        if detail.Is(cls.DESCRIPTOR):
+        if detail.TypeName() == cls.DESCRIPTOR.full_name:
             out = cls()
             detail.Unpack(out)
             return out
@@ -108,8 +110,8 @@ class ProtoserveError(Exception):
         """Build from a failed sync or ``grpc.aio`` call, decoding ``grpc-status-details-bin``."""
         # Both grpc.RpcError raised by sync calls and grpc.aio.AioRpcError are
         # grpc.Call-like with synchronous code()/details()/trailing_metadata().
-        code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
-        text: str = error.details() or ""  # type: ignore[attr-defined]
+        code: grpc.StatusCode = error.code()
+        text: str = error.details() or ""
         try:
             status = rpc_status.from_call(error)  # type: ignore[arg-type]
         except ValueError:
@@ -127,7 +129,9 @@ class ProtoserveError(Exception):
 
 def _status_from_trailers(error: grpc.RpcError) -> status_pb2.Status | None:
     """Decode the rich status without rpc_status's consistency checks."""
-    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+    # Sync calls give (key, value) namedtuples, grpc.aio a Metadata of pairs.
+    trailers = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() or ())
+    for key, value in trailers:
         if key == "grpc-status-details-bin":
-            return status_pb2.Status.FromString(value)
+            return status_pb2.Status.FromString(value if isinstance(value, bytes) else value.encode())
     return None

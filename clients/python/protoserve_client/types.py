@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypedDict
+from typing import TypedDict, cast
 
 from protoserve_client._stubs import inference_pb2 as pb
 
@@ -39,9 +39,9 @@ class ContextPolicy(StrEnum):
     TRUNCATE_RIGHT = "truncate_right"
     RESERVE_GENERATION = "reserve_generation"
 
-    def to_proto(self) -> int:
+    def to_proto(self) -> pb.ContextPolicy:
         """The ``protoserve.v1.ContextPolicy`` number of this member."""
-        return pb.ContextPolicy.Value("CONTEXT_POLICY_" + self.value.upper())
+        return cast(pb.ContextPolicy, pb.ContextPolicy.Value("CONTEXT_POLICY_" + self.value.upper()))
 
 
 class SamplingKwargs(TypedDict, total=False):
