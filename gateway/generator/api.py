@@ -296,8 +296,6 @@ class Api:
             field = request.fields_by_name.get(rule.body)
             if field is None:
                 raise GeneratorError(f"{where}: body field {rule.body!r} is not in {request.full_name}")
-            if any(v.field_path.split(".")[0] == rule.body for v in path.variables):
-                raise GeneratorError(f"{where}: body field {rule.body!r} is also a path variable")
         if rule.response_body and rule.response_body not in method.output_type.fields_by_name:
             raise GeneratorError(
                 f"{where}: response_body {rule.response_body!r} is not in {method.output_type.full_name}"

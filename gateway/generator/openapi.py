@@ -222,25 +222,20 @@ def _query_parameters(
     return parameters
 
 
-def _stream_content(builder: _SchemaBuilder, schema: dict[str, Any], framing: Framing) -> dict[str, Any]:
+def _stream_content(schema: dict[str, Any], framing: Framing) -> tuple[dict[str, Any], str]:
+    """The media type of a stream with this framing, and a sentence describing its frames."""
     if framing is Framing.NDJSON:
-        return {
-            "application/x-ndjson": {
-                "schema": {"type": "object", "properties": {"result": schema}},
-                "description": 'One `{"result": <message>}` per line; an error ends the stream as '
-                '`{"error": <error body>}`.',
-            }
-        }
-    done = " The stream ends with `data: [DONE]`." if framing is Framing.SSE_OPENAI else ""
-    return {
-        "text/event-stream": {
-            "schema": schema,
-            "description": "Server-Sent Events: each `data:` field holds one message as JSON."
-            + done
-            + " An error "
-            'after the stream started arrives as a last `data: {"error": ...}` event.',
-        }
-    }
+        return (
+            {"application/x-ndjson": {"schema": {"type": "object", "properties": {"result": schema}}}},
+            'The stream is newline-delimited JSON, one `{"result": <message>}` per line; an error '
+            'after the stream started ends it with an `{"error": ...}` line.',
+        )
+    done = " It ends with `data: [DONE]`." if framing is Framing.SSE_OPENAI else ""
+    return (
+        {"text/event-stream": {"schema": schema}},
+        "The stream is Server-Sent Events, each `data:` field one message as JSON." + done + " An error "
+        'after the stream started arrives as a last `data: {"error": ...}` event instead.',
+    )
 
 
 def _response_schema(builder: _SchemaBuilder, message: descriptor.Descriptor, response_body: str) -> dict:
@@ -308,20 +303,20 @@ def _operation(builder: _SchemaBuilder, route: RouteSpec) -> dict[str, Any]:
             "content": {"application/json": {"schema": body_schema}},
         }
 
-    content: dict[str, Any]
     response_schema = _response_schema(builder, method.output_type, binding.response_body)
+    ok_description = builder.api.comments.get(method.output_type.full_name) or "OK"
     if method.server_streaming:
-        content = _stream_content(builder, response_schema, route.framing)
+        content, note = _stream_content(response_schema, route.framing)
+        ok_description += "\n\n" + note
     else:
         content = {"application/json": {"schema": response_schema}}
-    ok_description = builder.api.comments.get(method.output_type.full_name) or "OK"
     if route.stream is not None:
         target = route.stream.method.descriptor
         stream_schema = _response_schema(builder, target.output_type, route.stream.response_body)
-        content.update(_stream_content(builder, stream_schema, route.framing))
+        stream_content, note = _stream_content(stream_schema, route.framing)
+        content.update(stream_content)
         ok_description += (
-            f'\n\nWith `"stream": true` in the body the route is served by {target.full_name} '
-            "and answers with a stream of its messages."
+            f'\n\nWith `"stream": true` in the body the route is served by {target.full_name}. ' + note
         )
     if route.error_style is ErrorStyle.OPENAI:
         error_schema = {"$ref": f"#/components/schemas/{OPENAI_ERROR_SCHEMA}"}

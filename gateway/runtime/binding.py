@@ -66,10 +66,16 @@ def _bind(route: Route, path_values: dict[str, str], query: list[tuple[str, str]
         request = parse_message(data, request_type, reject_unknown_fields=reject)
     else:
         data = _query_document(request_type.DESCRIPTOR, query, set(path_values) | {route.body}, reject)
-        _put_path_values(data, request_type.DESCRIPTOR, path_values)
         request = parse_message(data, request_type, reject_unknown_fields=reject)
         if route.body and document is not None:
             _set_body_field(request, route.body, document, reject)
+        if path_values:
+            # Applied last: a path variable inside the body field ({book.name}) wins over the body.
+            path_data: dict[str, Any] = {}
+            _put_path_values(path_data, request_type.DESCRIPTOR, path_values)
+            _copy_fields(
+                parse_message(path_data, request_type, reject_unknown_fields=True), request, path_values
+            )
     stream = route.stream
     if stream is not None and isinstance(document, dict) and document.get("stream") is True:
         wrapper = stream.request_type()
@@ -87,6 +93,15 @@ def _set_body_field(request: Message, name: str, document: Any, reject: bool) ->
     else:
         part = parse_message({name: document}, type(request), reject_unknown_fields=reject)
         request.MergeFrom(part)
+
+
+def _copy_fields(source: Message, target: Message, field_paths: Iterable[str]) -> None:
+    for field_path in field_paths:
+        *parents, leaf = field_path.split(".")
+        src, dst = source, target
+        for name in parents:
+            src, dst = getattr(src, name), getattr(dst, name)
+        setattr(dst, leaf, getattr(src, leaf))
 
 
 def _field(message: descriptor.Descriptor, name: str) -> descriptor.FieldDescriptor | None:

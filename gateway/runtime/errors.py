@@ -110,9 +110,10 @@ class HttpError(Exception):
 def gateway_error(
     code: int, message: str, *, http_status: int | None = None, violations: Iterable[tuple[str, str]] = ()
 ) -> HttpError:
-    """An error the gateway itself answers with; ``violations`` become a BadRequest detail."""
+    """An error the gateway itself answers with; field ``violations`` become a BadRequest detail."""
     status = status_pb2.Status(code=code, message=message)
-    violations = list(violations)
+    # Whole-body problems (malformed JSON) name no field; the message carries them.
+    violations = [(field, problem) for field, problem in violations if field]
     if violations:
         detail = error_details_pb2.BadRequest(
             field_violations=[

@@ -68,6 +68,9 @@ class PathTemplate:
             verb = parser.literal()
         if parser.pos != len(template):
             raise ValueError(f"path template {template!r}: unexpected {template[parser.pos :]!r}")
+        flat = [part for s in segments for part in (s.pattern if isinstance(s, Variable) else (s,))]
+        if "**" in flat[:-1]:
+            raise ValueError(f"path template {template!r}: '**' must be the last segment")
         names = [s.field_path for s in segments if isinstance(s, Variable)]
         if len(names) != len(set(names)):
             raise ValueError(f"path template {template!r} binds a field twice")
@@ -143,8 +146,6 @@ class _Parser:
         while self.peek("/"):
             self.pos += 1
             result.append(self.segment(top_level))
-        if "**" in result[:-1]:
-            raise self.fail("'**' must be the last segment")
         return result
 
     def segment(self, top_level: bool) -> str | Variable:
