@@ -1,4 +1,8 @@
-"""The Node client's own test suite (node --test clients/node/test/) against the live server."""
+"""The Node client's own test suite (node --test clients/node/test/) against the live server.
+
+It runs on the shared auth-on server with a valid key, so the suite also checks
+that the Node client's metadata reaches the server.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +27,12 @@ def node() -> str:
     return path
 
 
-def test_node_client_suite_passes(node: str, live_server) -> None:
-    env = {**os.environ, "PROTOSERVE_GRPC_TARGET": live_server.grpc_target}
-    env.pop("PROTOSERVE_API_KEY", None)  # the shared live server runs with auth off
+def test_node_client_suite_passes(node: str, live_server_auth) -> None:
+    env = {
+        **os.environ,
+        "PROTOSERVE_GRPC_TARGET": live_server_auth.grpc_target,
+        "PROTOSERVE_API_KEY": live_server_auth.api_keys[0],
+    }
     proc = subprocess.run(
         [node, "--test", "--test-reporter=tap", str(NODE_TESTS)],
         cwd=REPO,

@@ -1,4 +1,9 @@
-"""protoserve_client (sync Client and AsyncClient) against the live server with the real default model."""
+"""protoserve_client (sync Client and AsyncClient) against a live server with the real default model.
+
+Everything runs on the shared auth-on server (``live_server_auth``), so every
+call also proves the API key reaches the server. Decoding on CPU is slow, so
+generations are a few tokens long and one greedy reference result is shared.
+"""
 
 from __future__ import annotations
 
@@ -20,20 +25,36 @@ from protoserve_client import (
 )
 
 PROMPT = "The capital of France is"
-GREEDY = {"max_tokens": 6, "temperature": 0.0}
+GREEDY = {"max_tokens": 4, "temperature": 0.0}
 # Long enough that a run always outlives the deadlines and cancels below.
-ENDLESS = {"max_tokens": 256, "ignore_eos": True}
+ENDLESS = {"max_tokens": 512, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def target(live_server) -> str:
-    return live_server.grpc_target
+def server(live_server_auth):
+    return live_server_auth
 
 
 @pytest.fixture(scope="module")
-def client(target: str) -> Iterator[Client]:
-    with Client(target, timeout=60) as c:
+def target(server) -> str:
+    return server.grpc_target
+
+
+@pytest.fixture(scope="module")
+def api_key(server) -> str:
+    return server.api_keys[0]
+
+
+@pytest.fixture(scope="module")
+def client(target: str, api_key: str) -> Iterator[Client]:
+    with Client(target, api_key=api_key, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def reference(client: Client) -> GenerateResult:
+    """The greedy result for PROMPT; greedy decoding is deterministic, so every path must reproduce it."""
+    return client.generate(PROMPT, request_id="py-reference", **GREEDY)
 
 
 def _expect_invalid_max_tokens(err: ProtoserveError) -> None:
@@ -52,7 +73,7 @@ def test_health_and_models(client: Client) -> None:
     models = client.list_models()
     default = models[0]
     assert default.name == health.models[0]
-    assert default.max_model_len > 0 and default.vocab_size > 0 and default.num_parameters > 0
+    assert default.max_model_len > 0 and default.vocab_size > 0 and default.architecture
     assert client.get_model(default.name) == default
 
     with pytest.raises(ProtoserveError) as info:
@@ -60,55 +81,53 @@ def test_health_and_models(client: Client) -> None:
     assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.reason == "MODEL_NOT_FOUND"
 
 
-def test_generate_greedy_is_typed_and_deterministic(client: Client) -> None:
-    first = client.generate(PROMPT, request_id="py-unary", **GREEDY)
-    assert isinstance(first, GenerateResult) and first.request_id == "py-unary" and first.model
-    assert first.text and first.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    assert first.usage.completion_tokens == len(first.choices[0].token_ids) <= GREEDY["max_tokens"]
-    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
-    assert first.stats.e2e_time_s > 0 and first.stats.generated_tokens == first.usage.completion_tokens
-    assert first.raw.choices[0].text == first.text
-    again = client.generate(PROMPT, **GREEDY)
-    assert again.choices[0].token_ids == first.choices[0].token_ids
+def test_generate_result_is_typed(reference: GenerateResult) -> None:
+    r = reference
+    assert r.request_id == "py-reference" and r.model
+    assert r.text and r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert r.usage.completion_tokens == len(r.choices[0].token_ids) <= GREEDY["max_tokens"]
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.stats.e2e_time_s > 0 and r.stats.generated_tokens == r.usage.completion_tokens
+    assert r.raw.choices[0].text == r.text
 
 
-def test_generate_from_token_ids_and_chat(client: Client) -> None:
+def test_generate_from_token_ids_and_chat(client: Client, reference: GenerateResult) -> None:
     ids = client.tokenize(PROMPT).token_ids
-    by_ids = client.generate(token_ids=ids, **GREEDY)
-    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.text
+    by_ids = client.generate(token_ids=ids, max_tokens=1, temperature=0.0)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].token_ids == reference.choices[0].token_ids[:1]
 
     messages = [{"role": "user", "content": "Say hello."}]
     if client.list_models()[0].has_chat_template:
-        chat = client.generate(messages=messages, **GREEDY)
+        chat = client.generate(messages=messages, max_tokens=1)
         assert chat.usage.prompt_tokens == len(client.tokenize(messages=messages).token_ids)
     else:
         with pytest.raises(ProtoserveError) as info:
-            client.generate(messages=messages, **GREEDY)
+            client.generate(messages=messages, max_tokens=1)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert info.value.reason == "NO_CHAT_TEMPLATE"
 
 
-def test_stream_yields_deltas_then_final(client: Client) -> None:
-    unary = client.generate(PROMPT, **GREEDY)
+def test_stream_yields_deltas_then_final(client: Client, reference: GenerateResult) -> None:
     with client.stream(PROMPT, **GREEDY) as stream:
         events = list(stream)
     deltas = [e for e in events if isinstance(e, StreamDelta)]
     assert deltas and isinstance(events[-1], StreamFinal)
     assert sum(isinstance(e, StreamFinal) for e in events) == 1
     assert {e.request_id for e in events} == {stream.request_id}
-    # Greedy decoding: the streamed pieces add up to the unary result.
-    assert "".join(d.text for d in deltas) == unary.text
-    assert tuple(t for d in deltas for t in d.token_ids) == unary.choices[0].token_ids
+    assert "".join(d.text for d in deltas) == reference.text
+    assert tuple(t for d in deltas for t in d.token_ids) == reference.choices[0].token_ids
     final = stream.final
-    assert final is events[-1] and final.finish_reason == unary.finish_reason
-    assert final.usage == unary.usage
+    assert final is events[-1] and final.finish_reason == reference.finish_reason
+    assert final.usage == reference.usage
 
 
-def test_cancel_reaches_only_the_owner(target: str) -> None:
+def test_cancel_reaches_only_the_owner(target: str, api_key: str) -> None:
     """x-user-id reaches the server: only the user who started a request can cancel it."""
     with (
-        Client(target, user_id="alice", timeout=60) as alice,
-        Client(target, user_id="bob", timeout=60) as bob,
+        Client(target, api_key=api_key, user_id="alice", timeout=120) as alice,
+        Client(target, api_key=api_key, user_id="bob", timeout=120) as bob,
     ):
         stream = alice.stream(PROMPT, **ENDLESS)
         assert isinstance(next(stream), StreamDelta)  # running now
@@ -125,7 +144,7 @@ def test_cancel_reaches_only_the_owner(target: str) -> None:
         assert alice.cancel(stream.request_id) is False
 
 
-def test_batch_returns_results_and_errors_in_order(client: Client) -> None:
+def test_batch_returns_results_and_errors_in_order(client: Client, reference: GenerateResult) -> None:
     results = client.batch(
         [
             {"prompt": PROMPT, **GREEDY},
@@ -135,7 +154,7 @@ def test_batch_returns_results_and_errors_in_order(client: Client) -> None:
     )
     assert len(results) == 3
     ok, bad, missing = results
-    assert isinstance(ok, GenerateResult) and ok.text == client.generate(PROMPT, **GREEDY).text
+    assert isinstance(ok, GenerateResult) and ok.text == reference.text
     assert isinstance(bad, ProtoserveError)
     _expect_invalid_max_tokens(bad)
     assert isinstance(missing, ProtoserveError)
@@ -160,7 +179,7 @@ def test_invalid_argument_details_are_decoded(client: Client) -> None:
     _expect_invalid_max_tokens(info.value)
 
 
-def test_deadline_exceeded_is_mapped(target: str, client: Client) -> None:
+def test_deadline_exceeded_is_mapped(target: str, api_key: str, client: Client) -> None:
     with pytest.raises(ProtoserveError) as info:
         client.generate(PROMPT, timeout=0.3, **ENDLESS)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -170,24 +189,15 @@ def test_deadline_exceeded_is_mapped(target: str, client: Client) -> None:
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
     # The client-wide default applies when a call sets none.
-    with Client(target, timeout=0.3) as hurried, pytest.raises(ProtoserveError) as info:
+    with Client(target, api_key=api_key, timeout=0.3) as hurried, pytest.raises(ProtoserveError) as info:
         hurried.generate(PROMPT, **ENDLESS)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The server is still healthy afterwards.
-    assert client.generate(PROMPT, **GREEDY).text
 
 
-# --- auth -------------------------------------------------------------------
-
-
-def test_api_key_reaches_the_server(live_server_auth) -> None:
-    target = live_server_auth.grpc_target
-    with Client(target, api_key=live_server_auth.api_keys[0], timeout=60) as good:
-        assert good.list_models()
-        assert good.generate(PROMPT, **GREEDY).text
+def test_missing_or_wrong_api_key_is_unauthenticated(target: str) -> None:
     for key in (None, "wrong-key"):
-        with Client(target, api_key=key, timeout=60) as bad, pytest.raises(ProtoserveError) as info:
-            bad.list_models()
+        with Client(target, api_key=key, timeout=30) as stranger, pytest.raises(ProtoserveError) as info:
+            stranger.list_models()
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert info.value.reason == "UNAUTHENTICATED"
 
@@ -195,34 +205,39 @@ def test_api_key_reaches_the_server(live_server_auth) -> None:
 # --- async ------------------------------------------------------------------
 
 
-async def test_async_generate_stream_and_small_rpcs(target: str) -> None:
-    async with AsyncClient(target, timeout=60) as client:
-        health = await client.health()
-        assert health.serving
+async def test_async_generate_stream_and_small_rpcs(
+    target: str, api_key: str, reference: GenerateResult
+) -> None:
+    async with AsyncClient(target, api_key=api_key, timeout=120) as client:
+        assert (await client.health()).serving
         model = (await client.list_models())[0]
         assert (await client.get_model(model.name)) == model
 
-        result = await client.generate(PROMPT, **GREEDY)
-        assert result.text and result.usage.completion_tokens > 0
+        one = await client.generate(PROMPT, max_tokens=1, temperature=0.0)
+        assert one.choices[0].token_ids == reference.choices[0].token_ids[:1]
 
         stream = client.stream(PROMPT, **GREEDY)
         events = [e async for e in stream]
-        assert "".join(e.text for e in events if isinstance(e, StreamDelta)) == result.text
+        assert "".join(e.text for e in events if isinstance(e, StreamDelta)) == reference.text
         assert isinstance(events[-1], StreamFinal) and stream.final is events[-1]
 
         tok = await client.tokenize("Hello world")
         assert await client.detokenize(tok.token_ids) == "Hello world"
 
-        results = await client.batch([{"prompt": PROMPT, **GREEDY}, {"prompt": PROMPT, "max_tokens": -1}])
-        assert isinstance(results[0], GenerateResult) and results[0].text == result.text
-        assert isinstance(results[1], ProtoserveError)
-        _expect_invalid_max_tokens(results[1])
+        results = await client.batch([{"prompt": PROMPT, "max_tokens": -1}])
+        assert isinstance(results[0], ProtoserveError)
+        _expect_invalid_max_tokens(results[0])
+
+    async with AsyncClient(target, api_key="wrong-key") as stranger:
+        with pytest.raises(ProtoserveError) as info:
+            await stranger.list_models()
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_async_errors_deadline_and_cancel(target: str) -> None:
+async def test_async_errors_deadline_and_cancel(target: str, api_key: str) -> None:
     async with (
-        AsyncClient(target, user_id="carol", timeout=60) as carol,
-        AsyncClient(target, user_id="dave", timeout=60) as dave,
+        AsyncClient(target, api_key=api_key, user_id="carol", timeout=120) as carol,
+        AsyncClient(target, api_key=api_key, user_id="dave", timeout=120) as dave,
     ):
         with pytest.raises(ProtoserveError) as info:
             await carol.generate(PROMPT, max_tokens=-1)

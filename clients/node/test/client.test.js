@@ -17,7 +17,9 @@ const { ProtoserveClient, ProtoserveError, grpc } = require('..');
 const target = process.env.PROTOSERVE_GRPC_TARGET;
 const skip = target ? false : 'PROTOSERVE_GRPC_TARGET is not set';
 const PROMPT = 'The capital of France is';
-const GREEDY = { max_tokens: 6, temperature: 0 };
+const GREEDY = { max_tokens: 4, temperature: 0 };
+// Long enough to outlive every deadline and early exit below.
+const ENDLESS = { max_tokens: 512, ignore_eos: true };
 
 let client;
 before(() => {
@@ -64,7 +66,7 @@ test('GenerateStream yields deltas, then one final, matching the unary text', { 
 
 test('breaking out of a stream early cancels it without an error', { skip }, async () => {
   let seen = 0;
-  for await (const message of client.stream({ prompt: PROMPT, sampling: { max_tokens: 200, ignore_eos: true } })) {
+  for await (const message of client.stream({ prompt: PROMPT, sampling: ENDLESS })) {
     if (message.event === 'delta') seen += 1;
     if (seen === 2) break;
   }
@@ -105,7 +107,7 @@ test('an unknown model fails with NOT_FOUND (MODEL_NOT_FOUND), in a stream too',
 
 test('Batch returns per-request results and errors; tokenize round-trips', { skip }, async () => {
   const { results } = await client.batch([
-    { prompt: PROMPT, sampling: GREEDY },
+    { prompt: PROMPT, sampling: { max_tokens: 1 } },
     { prompt: PROMPT, sampling: { max_tokens: -1 } },
   ]);
   assert.equal(results.length, 2);
@@ -122,16 +124,31 @@ test('Batch returns per-request results and errors; tokenize round-trips', { ski
 });
 
 test('a deadline that passes fails with DEADLINE_EXCEEDED', { skip }, async () => {
-  const request = { prompt: PROMPT, sampling: { max_tokens: 200, ignore_eos: true } };
+  const request = { prompt: PROMPT, sampling: ENDLESS };
   await assert.rejects(client.generate(request, { timeoutMs: 200 }), (err) => {
     assert.equal(err.code, grpc.status.DEADLINE_EXCEEDED);
     return true;
   });
 });
 
+const authSkip = skip || (!process.env.PROTOSERVE_API_KEY && 'PROTOSERVE_API_KEY is not set (auth off)');
+test('a wrong API key is UNAUTHENTICATED', { skip: authSkip }, async () => {
+  const stranger = new ProtoserveClient(target, { apiKey: 'wrong-key', timeoutMs: 30_000 });
+  try {
+    await assert.rejects(stranger.listModels(), (err) => {
+      assert.equal(err.code, grpc.status.UNAUTHENTICATED);
+      assert.equal(err.reason, 'UNAUTHENTICATED');
+      return true;
+    });
+  } finally {
+    stranger.close();
+  }
+});
+
 test('the example CLI runs generate, stream and the error demo', { skip }, async () => {
   const cli = path.join(__dirname, '..', 'client.js');
-  const { stdout } = await promisify(execFile)(process.execPath, [cli, '--target', target, '--max-tokens', '4'], {
+  // The CLI reads the key from the environment, as this suite does.
+  const { stdout } = await promisify(execFile)(process.execPath, [cli, '--target', target, '--max-tokens', '2'], {
     timeout: 60_000,
   });
   assert.match(stdout, /^\[generate\] /m);
