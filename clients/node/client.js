@@ -29,6 +29,8 @@ async function main() {
     timeoutMs: 60_000,
   });
   try {
+    // Right after `make run` the model may still be loading.
+    await client.waitUntilReady(120_000);
     const response = await client.generate({ prompt, sampling });
     const choice = response.choices[0];
     console.log(`[generate] ${JSON.stringify(choice.text)} (${choice.finish_reason}, ` +

@@ -25,6 +25,11 @@ const protobuf = require(require.resolve('protobufjs', { paths: [require.resolve
 const DEFAULT_PROTO_ROOT = process.env.PROTOSERVE_PROTO_ROOT || path.resolve(__dirname, '..', '..');
 const DEFAULT_TARGET = 'localhost:50051';
 const STATUS_DETAILS_KEY = 'grpc-status-details-bin';
+// What waitUntilReady treats as "not yet": UNAVAILABLE while the server starts,
+// loads its model or drains; DEADLINE_EXCEEDED when one probe outlives its
+// short deadline on a busy machine.
+const NOT_READY_CODES = new Set([grpc.status.UNAVAILABLE, grpc.status.DEADLINE_EXCEEDED]);
+const PROBE_TIMEOUT_MS = 5_000;
 
 /** Options for turning messages into plain objects: names as in the proto, enums as names, int64 as strings. */
 const LOADER_OPTIONS = Object.freeze({
@@ -219,6 +224,30 @@ class ProtoserveClient {
   /** Readiness; rejects with UNAVAILABLE while the model loads or the server drains. */
   health(callOptions) {
     return this._unary('CheckHealth', {}, callOptions);
+  }
+
+  /**
+   * Poll health until the server is SERVING, for at most timeoutMs; then reject with the last failure.
+   * A server that is starting, loading its model or unreachable counts as "not yet";
+   * other errors (say UNAUTHENTICATED) reject at once.
+   */
+  async waitUntilReady(timeoutMs = 120_000, intervalMs = 250) {
+    const deadline = Date.now() + timeoutMs;
+    let last;
+    for (;;) {
+      try {
+        const probeMs = Math.max(50, Math.min(PROBE_TIMEOUT_MS, deadline - Date.now()));
+        const health = await this.health({ timeoutMs: probeMs });
+        if (health.status === 'SERVING_STATUS_SERVING') return health;
+      } catch (err) {
+        if (!(err instanceof ProtoserveError) || !NOT_READY_CODES.has(err.code)) throw err;
+        last = err;
+      }
+      if (Date.now() + intervalMs >= deadline) {
+        throw last || new ProtoserveError(grpc.status.DEADLINE_EXCEEDED, `server not serving after ${timeoutMs} ms`);
+      }
+      await new Promise((resolve) => setTimeout(resolve, intervalMs));
+    }
   }
 
   /** Turn a google.rpc.Status from a Batch result into a ProtoserveError. */

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -64,12 +66,20 @@ QUEUE_FULL = _rich_status(
     error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=1, nanos=500_000_000)),
 )
 
+NOT_READY = _rich_status(
+    code_pb2.UNAVAILABLE,
+    "the server is still loading its model",
+    error_details_pb2.ErrorInfo(reason="NOT_READY", domain="protoserve"),
+)
+
 
 class FakeInferenceService(pb_grpc.InferenceServiceServicer):
     """Echoes what it received; prompts "bad", "busy" and "slow" trigger errors and delays."""
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
+        # CheckHealth answers UNAVAILABLE this many more times, as while a model loads.
+        self.loading_probes = 0
 
     @staticmethod
     def _echo(context: grpc.aio.ServicerContext) -> str:
@@ -160,6 +170,11 @@ class FakeInferenceService(pb_grpc.InferenceServiceServicer):
         return pb.GetModelResponse(model=pb.ModelInfo(name="fake"))
 
     async def CheckHealth(self, request: pb.CheckHealthRequest, context: grpc.aio.ServicerContext):
+        if dict(context.invocation_metadata()).get("authorization") == "Bearer revoked":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+        if self.loading_probes > 0:
+            self.loading_probes -= 1
+            await context.abort_with_status(rpc_status.to_status(NOT_READY))
         return pb.CheckHealthResponse(status=pb.SERVING_STATUS_SERVING, models=["fake"])
 
 
@@ -187,12 +202,17 @@ class _ServerThread:
 
 
 @pytest.fixture(scope="module")
-def fake_target() -> Iterator[str]:
+def fake_server() -> Iterator[_ServerThread]:
     srv = _ServerThread()
     try:
-        yield f"127.0.0.1:{srv.port}"
+        yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def fake_target(fake_server: _ServerThread) -> str:
+    return f"127.0.0.1:{fake_server.port}"
 
 
 @pytest.fixture
@@ -323,6 +343,26 @@ def test_stream_errors_and_client_side_cancel(client: Client) -> None:
         assert list(stream) == []  # hanging up ends iteration quietly
 
 
+def test_wait_until_ready(fake_server: _ServerThread, client: Client) -> None:
+    fake_server.service.loading_probes = 2
+    health = client.wait_until_ready(timeout=10, interval=0.01)
+    assert health.serving and fake_server.service.loading_probes == 0
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    with Client(closed) as nobody, pytest.raises(ProtoserveError) as info:
+        nobody.wait_until_ready(timeout=0.5, interval=0.05)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+    # Errors that waiting cannot fix are raised at once, not retried until the timeout.
+    started = time.monotonic()
+    with Client(f"127.0.0.1:{fake_server.port}", api_key="revoked") as stranger:
+        with pytest.raises(ProtoserveError) as info:
+            stranger.wait_until_ready(timeout=30, interval=0.01)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() - started < 5
+
+
 # --- async client -----------------------------------------------------------
 
 
@@ -357,3 +397,4 @@ async def test_async_client(fake_target: str) -> None:
         assert (await client.list_models())[0].max_model_len == 99
         assert (await client.get_model("fake")).name == "fake"
         assert (await client.health()).serving
+        assert (await client.wait_until_ready(timeout=5)).models == ("fake",)

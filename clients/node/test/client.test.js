@@ -7,6 +7,7 @@
  * Without a target every test is skipped, so the reason is visible in the output.
  */
 
+const net = require('node:net');
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const path = require('node:path');
@@ -22,8 +23,10 @@ const GREEDY = { max_tokens: 4, temperature: 0 };
 const ENDLESS = { max_tokens: 512, ignore_eos: true };
 
 let client;
-before(() => {
-  if (target) client = new ProtoserveClient(target, { apiKey: process.env.PROTOSERVE_API_KEY, timeoutMs: 60_000 });
+before(async () => {
+  if (!target) return;
+  client = new ProtoserveClient(target, { apiKey: process.env.PROTOSERVE_API_KEY, timeoutMs: 60_000 });
+  await client.waitUntilReady(60_000);
 });
 after(() => client && client.close());
 
@@ -33,6 +36,25 @@ test('health reports SERVING with the loaded models', { skip }, async () => {
   assert.ok(health.models.length >= 1);
   const { models } = await client.listModels();
   assert.equal(models[0].name, health.models[0]);
+});
+
+test('waitUntilReady gives up on an address nobody listens on with UNAVAILABLE', async () => {
+  const port = await new Promise((resolve) => {
+    const probe = net.createServer().listen(0, '127.0.0.1', () => {
+      const { port: free } = probe.address();
+      probe.close(() => resolve(free));
+    });
+  });
+  const nobody = new ProtoserveClient(`127.0.0.1:${port}`);
+  try {
+    await assert.rejects(nobody.waitUntilReady(500, 50), (err) => {
+      assert.ok(err instanceof ProtoserveError);
+      assert.equal(err.code, grpc.status.UNAVAILABLE);
+      return true;
+    });
+  } finally {
+    nobody.close();
+  }
 });
 
 test('unary Generate returns the choice, usage and stats', { skip }, async () => {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
+
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client.errors import ProtoserveError
 from protoserve_client.types import GenerateResult
@@ -12,6 +14,25 @@ Metadata = Sequence[tuple[str, str]]
 """gRPC metadata as (key, value) pairs; keys must be lower case."""
 
 DEFAULT_TARGET = "localhost:50051"
+
+# Codes that mean "not ready yet" to wait_until_ready: UNAVAILABLE while the
+# process starts, loads its model or drains; DEADLINE_EXCEEDED when one probe
+# outlives its short deadline on a busy machine.
+NOT_READY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Deadline of one readiness probe, so a hung connect cannot eat the whole wait.
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe_timeout(remaining: float) -> float:
+    """Deadline of the next readiness probe given the seconds left to wait."""
+    return max(0.05, min(PROBE_TIMEOUT_S, remaining))
+
+
+def not_ready(timeout: float, last: ProtoserveError | None) -> ProtoserveError:
+    """The error wait_until_ready raises: the last probe's failure, or a plain deadline."""
+    if last is not None:
+        return last
+    return ProtoserveError(grpc.StatusCode.DEADLINE_EXCEEDED, f"server not serving after {timeout}s")
 
 
 class CallOptions:

@@ -10,7 +10,15 @@ from typing import Any, Self, TypeVar, Unpack, cast
 import grpc
 import grpc.aio
 
-from protoserve_client._common import DEFAULT_TARGET, CallOptions, Metadata, batch_results
+from protoserve_client._common import (
+    DEFAULT_TARGET,
+    NOT_READY_CODES,
+    CallOptions,
+    Metadata,
+    batch_results,
+    not_ready,
+    probe_timeout,
+)
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client._stubs import inference_pb2_grpc as pb_grpc
 from protoserve_client.builders import (
@@ -270,3 +278,21 @@ class AsyncClient:
         """Readiness; raises UNAVAILABLE while the model loads or the server drains."""
         resp = await self._unary(self.stub.CheckHealth, pb.CheckHealthRequest(), timeout, metadata)
         return Health.from_proto(resp)
+
+    async def wait_until_ready(self, timeout: float = 120.0, *, interval: float = 0.25) -> Health:
+        """Poll ``health()`` until the server is serving; as ``Client.wait_until_ready``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last: ProtoserveError | None = None
+        while True:
+            try:
+                health = await self.health(timeout=probe_timeout(deadline - loop.time()))
+                if health.serving:
+                    return health
+            except ProtoserveError as e:
+                if e.code not in NOT_READY_CODES:
+                    raise
+                last = e
+            if loop.time() + interval >= deadline:
+                raise not_ready(timeout, last)
+            await asyncio.sleep(interval)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, Unpack
 
 import grpc
 
-from protoserve_client._common import DEFAULT_TARGET, CallOptions, Metadata, batch_results
+from protoserve_client._common import (
+    DEFAULT_TARGET,
+    NOT_READY_CODES,
+    CallOptions,
+    Metadata,
+    batch_results,
+    not_ready,
+    probe_timeout,
+)
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client._stubs import inference_pb2_grpc as pb_grpc
 from protoserve_client.builders import (
@@ -280,3 +289,25 @@ class Client:
         """Readiness; raises UNAVAILABLE while the model loads or the server drains."""
         resp = self._unary(self.stub.CheckHealth, pb.CheckHealthRequest(), timeout, metadata)
         return Health.from_proto(resp)
+
+    def wait_until_ready(self, timeout: float = 120.0, *, interval: float = 0.25) -> Health:
+        """Poll ``health()`` until the server is serving, for at most ``timeout`` seconds.
+
+        A server that is starting, loading its model or unreachable counts as
+        "not yet"; after ``timeout`` the last such failure is raised. Other
+        errors (say UNAUTHENTICATED from a proxy) are raised at once.
+        """
+        deadline = time.monotonic() + timeout
+        last: ProtoserveError | None = None
+        while True:
+            try:
+                health = self.health(timeout=probe_timeout(deadline - time.monotonic()))
+                if health.serving:
+                    return health
+            except ProtoserveError as e:
+                if e.code not in NOT_READY_CODES:
+                    raise
+                last = e
+            if time.monotonic() + interval >= deadline:
+                raise not_ready(timeout, last)
+            time.sleep(interval)
