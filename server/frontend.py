@@ -29,7 +29,6 @@ from engine.request import (
     RequestStats,
 )
 from engine.sampling_params import ContextPolicy, SamplingParams
-from engine.tokenizer.chat_template import ChatTemplateError
 from protoserve.v1 import inference_pb2 as pb
 from server import errors
 
@@ -252,6 +251,10 @@ class Frontend:
             if turn.name:
                 message["name"] = turn.name
             messages.append(message)
+        # Imported here: the tokenizer package pulls in torch, and the server must bind
+        # and answer health checks before anything that slow is imported.
+        from engine.tokenizer.chat_template import ChatTemplateError
+
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt

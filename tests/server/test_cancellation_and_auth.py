@@ -73,7 +73,7 @@ async def test_deadline_frees_kv(stub, inproc_server):
 async def test_queue_full_sheds_load_with_retry_info(stub, inproc_server):
     # The in-process engine runs 2 sequences and queues 2 more; the rest are shed.
     request = pb.GenerateRequest(
-        prompt="Tell me a story.", sampling=pb.SamplingParams(max_tokens=24, ignore_eos=True)
+        prompt="Tell me a story.", sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True)
     )
     calls = [stub.Generate(request) for _ in range(8)]
     outcomes = await asyncio.gather(*(failure_or_response(c) for c in calls))
@@ -83,7 +83,7 @@ async def test_queue_full_sheds_load_with_retry_info(stub, inproc_server):
     for failure in shed:
         assert failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and failure.reason == "QUEUE_FULL"
         assert failure.details["RetryInfo"].retry_delay.ToTimedelta().total_seconds() > 0
-    assert all(len(r.choices[0].token_ids) == 24 for r in served)
+    assert all(len(r.choices[0].token_ids) == 6 for r in served)
     inproc_server.wait_kv_free(FREE_WITHIN_S)
 
 
@@ -140,7 +140,7 @@ async def test_auth_off_user_ids_are_separate_identities(stub, inproc_server):
 
 async def test_prefix_cache_is_salted_by_identity(stub):
     # Long enough to fill several KV blocks, so a cache hit shows up in usage.
-    prompt = "Here is a long shared system preamble about gardening. " * 12
+    prompt = "Here is a long shared system preamble about gardening. " * 4
     request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=1, temperature=0))
     erin, frank = (("x-user-id", "erin"),), (("x-user-id", "frank"),)
     first = await stub.Generate(request, metadata=erin)

@@ -16,7 +16,7 @@ PROMPTS = [
     "My favourite recipe for soup is",
 ]
 STREAMS = 32
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 
 
 def request(prompt: str) -> pb.GenerateRequest:

@@ -78,7 +78,7 @@ async def test_completion_stream_with_usage(stubs):
     openai, _ = stubs
     request = oa.CreateCompletionRequest(
         prompt=value("Hello"),
-        max_tokens=5,
+        max_tokens=4,
         temperature=0,
         n=2,
         stream_options=oa.StreamOptions(include_usage=True),
@@ -101,7 +101,7 @@ async def test_completion_stream_with_usage(stubs):
 async def test_chat_unary(stubs):
     openai, _ = stubs
     response = await openai.CreateChatCompletion(
-        chat_request(max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2, seed=1)
+        chat_request(max_completion_tokens=4, temperature=0, logprobs=True, top_logprobs=2, seed=1)
     )
     assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
     [choice] = response.choices
@@ -117,7 +117,7 @@ async def test_chat_unary(stubs):
 async def test_chat_stream_roles_finish_and_usage(stubs):
     openai, _ = stubs
     request = chat_request(
-        max_tokens=6, temperature=0, n=2, stream_options=oa.StreamOptions(include_usage=True)
+        max_tokens=4, temperature=0, n=2, stream_options=oa.StreamOptions(include_usage=True)
     )
     unary = await openai.CreateChatCompletion(request)
     chunks = await read_all(
