@@ -48,13 +48,6 @@ class EngineConfig:
             raise ValueError("priority_aging_steps must be non-negative")
 
 
-def kv_block_bytes(
-    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
-) -> int:
-    """Bytes of one KV block across all layers: K and V, each [block_size, kv_heads, head_dim]."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-
-
 def resolve_num_blocks(config: EngineConfig, block_bytes: int) -> int:
     """Pool size in blocks: the explicit count, else as many as the byte budget holds."""
     if config.max_kv_blocks is not None:

@@ -1,0 +1,112 @@
+"""LLM: the small synchronous API: prompts in, finished completions out.
+
+    llm = LLM()                                          # SmolLM2 shipped with the package
+    [c] = llm.generate("The capital of France is", max_new_tokens=8, temperature=0.0)
+    print(c.choices[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import FinishReason, GenerationRequest, PositionLogprobs, RequestStats
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """One finished choice: all its text and tokens."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request: its (possibly truncated) prompt size, choices in index order, stats."""
+
+    request_id: str
+    choices: list[Choice]
+    num_prompt_tokens: int = 0
+    stats: RequestStats | None = None
+
+
+class LLM:
+    """Runs batches of prompts to completion on one LLMEngine."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        dtype: str = "float32",
+        quantization: str = "none",
+        config: EngineConfig | None = None,
+        progress: bool = True,
+        engine: LLMEngine | None = None,
+    ) -> None:
+        self.engine = engine or LLMEngine.from_pretrained(
+            model_path, dtype=dtype, quantization=quantization, config=config, progress=progress
+        )
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        max_new_tokens: int | None = 16,
+        sampling: SamplingParams | None = None,
+        **sampling_fields,
+    ) -> list[Completion]:
+        """Generate for every prompt (text, or token ids) at once, batched; results in prompt order.
+
+        Sampling comes from ``sampling`` or from SamplingParams fields given as
+        keywords (``temperature=0.0, seed=1, stop=["\\n"]``); ``max_new_tokens``
+        sets ``max_tokens``.
+        """
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give either prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else prompts
+            token_lists = [self.tokenizer.encode(t) for t in texts]
+        else:
+            assert prompt_token_ids is not None
+            token_lists = [prompt_token_ids] if prompt_token_ids and isinstance(prompt_token_ids[0], int) \
+                else prompt_token_ids  # type: ignore[assignment]
+        params = replace(sampling or SamplingParams(**sampling_fields), max_tokens=max_new_tokens)
+        requests = [GenerationRequest(f"llm-{next(self._ids)}", list(ids), replace(params)) for ids in token_lists]
+        return self.run(requests)
+
+    def run(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Add the requests (validation errors raise here), step until all finish; results in request order."""
+        for r in requests:
+            self.engine.add_request(r)
+        done: dict[str, Completion] = {
+            r.request_id: Completion(r.request_id, [Choice(i) for i in range(r.sampling.n)]) for r in requests
+        }
+        pending = set(done)
+        while pending:
+            for out in self.engine.step():
+                completion = done.get(out.request_id)
+                if completion is None:
+                    continue
+                completion.num_prompt_tokens = out.num_prompt_tokens
+                for d in out.deltas:
+                    c = completion.choices[d.index]
+                    c.text += d.text
+                    c.token_ids += d.token_ids
+                    c.logprobs += d.logprobs
+                    if d.finish_reason is not None:
+                        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                if out.finished:
+                    completion.stats = out.stats
+                    pending.discard(out.request_id)
+        return [done[r.request_id] for r in requests]

@@ -1,0 +1,256 @@
+"""LLMEngine: continuous batching, one ``step()`` at a time: schedule -> forward -> sample -> postprocess.
+
+Single-threaded by design; AsyncEngine drives it from its own thread. It knows
+nothing about gRPC: requests come in as GenerationRequest, results go out as
+RequestOutput, refusals as the exceptions in engine.errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, resolve_max_model_len
+from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from engine.loader.load import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, GenerationRequest, RequestOutput
+from engine.request_state import RequestState
+from engine.sampler import Sampler, SampleResult
+from engine.sampling_params import ContextPolicy
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+from engine.stop_checker import check_token_stop
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request with the prompt its context policy leaves."""
+
+    request: GenerationRequest
+    prompt_token_ids: list[int]
+    truncated: int
+    max_len: int  # total tokens (prompt + generated) at which each choice stops with "length"
+
+
+class LLMEngine:
+    """Batches every live request into one forward per step."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        loaded.model.set_deterministic(self.config.deterministic)
+        self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype)
+        self.max_model_len = resolve_max_model_len(
+            self.config, loaded.config.max_position_embeddings, self.runner.num_blocks
+        )
+        self.vocab_size = loaded.config.vocab_size
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(loaded.config.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._touched: set[str] = set()  # requests with something to report after this step
+        self._totals = dict(prompt=0, generation=0, truncated=0, finished=0, cancelled=0)
+        self._last_step = (0, 0, 0.0)  # tokens, sequences, seconds
+        special = self.tokenizer.all_special_ids if self.tokenizer is not None else []
+        self._special_ids = frozenset(special) | self.eos_token_ids
+        self._text_vocab = self.tokenizer.vocab_size if self.tokenizer is not None else 0
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """Ids past the tokenizer's vocabulary (padded embeddings) have no text."""
+        return self.tokenizer.token_bytes(token_id) if token_id < self._text_vocab else b""
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | None = None, *, dtype: str = "float32", quantization: str = "none",
+                        config: EngineConfig | None = None, progress: bool = True) -> LLMEngine:
+        config = config or EngineConfig()
+        loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
+                            deterministic=config.deterministic)
+        return cls(loaded, config)
+
+    # -- requests ------------------------------------------------------------
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate and apply the context policy; touches no engine state, so any thread may call it."""
+        sp = request.sampling
+        bad = sp.validate(self.vocab_size)
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            bad.append(("prompt_token_ids", "must not be empty"))
+        elif any(not 0 <= t < self.vocab_size for t in prompt):
+            bad.append(("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})"))
+        if bad:
+            raise InvalidRequestError(bad)
+        limit, length, max_tokens = self.max_model_len, len(prompt), sp.max_tokens
+        policy = ContextPolicy(request.context_policy)
+        keep = length
+        if policy in (ContextPolicy.ALLOW_CONTEXT_STOP, ContextPolicy.REJECT) and length >= limit:
+            raise ContextLengthError(length, limit, f"the prompt has {length} tokens but the context window "
+                                     f"(max_model_len) is {limit} tokens, which leaves no room to generate")
+        if policy == ContextPolicy.REJECT and max_tokens is not None and length + max_tokens > limit:
+            raise ContextLengthError(length + max_tokens, limit, f"the prompt ({length} tokens) plus max_tokens "
+                                     f"({max_tokens}) is {length + max_tokens} tokens, more than the context "
+                                     f"window (max_model_len) of {limit} tokens")
+        if policy in (ContextPolicy.TRUNCATE_LEFT, ContextPolicy.TRUNCATE_RIGHT):
+            keep = min(length, limit - 1)  # leave room for at least one generated token
+        if policy == ContextPolicy.RESERVE_GENERATION:
+            reserve = max_tokens if max_tokens is not None else 1
+            if reserve >= limit:
+                raise ContextLengthError(reserve, limit, f"max_tokens ({reserve}) leaves no room for a prompt in "
+                                         f"the context window (max_model_len) of {limit} tokens")
+            keep = min(length, limit - reserve)
+        prompt = prompt[:keep] if policy == ContextPolicy.TRUNCATE_RIGHT else prompt[length - keep :]
+        max_len = limit if max_tokens is None else min(limit, keep + max_tokens)
+        return PreparedRequest(request, prompt, length - keep, max_len)
+
+    def add_request(self, request: GenerationRequest | PreparedRequest) -> None:
+        """Queue a request; raises InvalidRequestError, ContextLengthError or QueueFullError."""
+        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        req = prepared.request
+        if req.request_id in self.requests:
+            raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFullError(len(self.scheduler.waiting))
+        state = RequestState(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
+                             self._special_ids)
+        seq = self._new_seq(state, 0, prepared.max_len)
+        seq.num_pending_forks = req.sampling.n - 1
+        self.requests[req.request_id] = state
+        self.scheduler.add(seq)
+        self._totals["prompt"] += len(prepared.prompt_token_ids)
+        self._totals["truncated"] += prepared.truncated
+
+    def _new_seq(self, state: RequestState, index: int, max_len: int, arrival: int | None = None) -> Sequence:
+        req = state.request
+        seq = Sequence(
+            seq_id=next(self._seq_ids), request_id=req.request_id, index=index,
+            token_ids=list(state.prompt_token_ids), num_prompt_tokens=len(state.prompt_token_ids),
+            max_len=max_len, sampling=req.sampling, generator=state.generators[index], priority=req.priority,
+            arrival_order=next(self._arrivals) if arrival is None else arrival, cache_salt=req.cache_salt,
+        )
+        state.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks now; its final output comes from the next step()."""
+        state = self.requests.get(request_id)
+        if state is None or state.finished:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+        state.cancel()
+        self._totals["cancelled"] += 1
+        self._touched.add(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        batch = self.scheduler.schedule()
+        if not batch.is_empty:
+            self._note_scheduled(batch, start)
+            logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+            self.scheduler.finish_step(batch)
+            seqs, rows = self._fork_choices(sampling)
+            samples = self.sampler(logits[rows], seqs)
+            self._postprocess(seqs, samples)
+        self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
+        return self._collect_outputs()
+
+    def _note_scheduled(self, batch: ScheduledBatch, now: float) -> None:
+        for seq in batch.seqs:
+            state = self.requests[seq.request_id]
+            state.note_scheduled(now, batch.prefix_hit_tokens.get(seq.seq_id) if seq.index == 0 else None)
+            state.note_blocks(self.runner.block_bytes)
+
+    def _fork_choices(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """A request's first logits are shared by its n choices: fork the rest off here, same logits row."""
+        seqs, rows = [], []
+        for row, seq in enumerate(sampling):
+            seqs.append(seq)
+            rows.append(row)
+            if seq.num_pending_forks:
+                state = self.requests[seq.request_id]
+                for index in range(1, seq.num_pending_forks + 1):
+                    child = self._new_seq(state, index, seq.max_len, arrival=seq.arrival_order)
+                    self.scheduler.fork(seq, child)
+                    seqs.append(child)
+                    rows.append(row)
+                seq.num_pending_forks = 0
+        return seqs, rows
+
+    def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult]) -> None:
+        now = time.monotonic()
+        for seq, sample in zip(seqs, samples, strict=True):
+            state = self.requests[seq.request_id]
+            choice = state.choices[seq.index]
+            token = sample.token_id
+            seq.append_token(token)
+            state.note_token(now)
+            self._totals["generation"] += 1
+            self._touched.add(seq.request_id)
+            token_stop = check_token_stop(token, seq.num_generated, seq.sampling, self.eos_token_ids)
+            stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
+            if token_stop is not None:
+                self._finish(seq, *token_stop)
+            elif stop_string is not None:
+                self._finish(seq, FinishReason.STOP, stop_string)
+            elif seq.num_tokens >= seq.max_len:
+                self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.scheduler.finish(seq)
+        state = self.requests[seq.request_id]
+        state.choices[seq.index].finish(reason, stop_reason)
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for request_id in sorted(self._touched):
+            state = self.requests[request_id]
+            out = state.make_output(now)
+            if out is not None:
+                outputs.append(out)
+            if out is not None and out.finished:
+                del self.requests[request_id]
+                if not any(d.finish_reason == FinishReason.CANCELLED for d in out.deltas):
+                    self._totals["finished"] += 1
+        self._touched.clear()
+        return outputs
+
+    # -- stats ---------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        total = self.block_manager.num_blocks
+        free = self.block_manager.num_free_blocks
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        c = self.scheduler.counters
+        tokens, seqs, seconds = self._last_step
+        return EngineStats(
+            running=len(running), waiting=len(waiting), kv_blocks_total=total, kv_blocks_free=free,
+            kv_usage=1.0 - free / total, prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits, preemptions_total=c.preemptions,
+            prompt_tokens_total=self._totals["prompt"], generation_tokens_total=self._totals["generation"],
+            truncated_prompt_tokens_total=self._totals["truncated"],
+            requests_finished_total=self._totals["finished"], requests_cancelled_total=self._totals["cancelled"],
+            num_steps=self.scheduler.num_steps, last_step_tokens=tokens, last_step_seqs=seqs,
+            last_step_time_s=seconds,
+        )
+

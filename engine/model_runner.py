@@ -1,0 +1,79 @@
+"""ModelRunner: owns the model and its paged KV cache, turns a scheduled step into one forward.
+
+``build_forward_batch`` is the pure part: the new tokens of every scheduled
+sequence flattened into one ForwardBatch (integer tensors only), with a logits
+row for each sequence whose new tokens reach its last token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig, resolve_num_blocks
+from engine.forward_batch import ForwardBatch
+from engine.models.config import ModelConfig
+from engine.models.kv_cache import PagedKVCache
+from engine.sequence import Sequence
+
+
+def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_size: int) -> ForwardBatch:
+    """Flatten one step: sequence i computes tokens ``[computed_i, computed_i + new_i)`` of its own."""
+    query_lens = list(num_new_tokens)
+    starts = [s.num_computed_tokens for s in seqs]
+    seq_lens = [c + n for c, n in zip(starts, query_lens, strict=True)]
+    input_ids = np.concatenate([np.asarray(s.token_ids[c:e], dtype=np.int64)
+                                for s, c, e in zip(seqs, starts, seq_lens, strict=True)])
+    positions = np.concatenate([np.arange(c, e, dtype=np.int64) for c, e in zip(starts, seq_lens, strict=True)])
+    max_blocks = max(len(s.block_table) for s in seqs)
+    block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    slot_mapping = np.empty(len(positions), dtype=np.int64)
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    logits_indices = []
+    for i, s in enumerate(seqs):
+        table = np.asarray(s.block_table, dtype=np.int64)
+        block_tables[i, : len(table)] = table
+        pos = positions[query_start_loc[i] : query_start_loc[i + 1]]
+        slot_mapping[query_start_loc[i] : query_start_loc[i + 1]] = table[pos // block_size] * block_size + pos % block_size
+        if seq_lens[i] == s.num_tokens:  # the last known token is computed: its logits give the next one
+            logits_indices.append(int(query_start_loc[i + 1]) - 1)
+    return ForwardBatch(
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.from_numpy(block_tables),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+    )
+
+
+class ModelRunner:
+    """Runs the decoder over the paged KV cache it preallocates from the engine's memory budget."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.block_bytes = PagedKVCache.block_bytes(
+            model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype
+        )
+        self.num_blocks = resolve_num_blocks(config, self.block_bytes)
+        self.kv_cache = PagedKVCache(
+            num_layers=model_config.num_layers,
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=dtype,
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
+        """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""
+        batch = build_forward_batch(seqs, num_new_tokens, self.block_size)
+        return self.model(batch, self.kv_cache).float()
