@@ -69,6 +69,23 @@ class GatewayHandler:
         if scope["type"] != "http":
             return
         raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").split("?", 1)[0]
+        started = False
+
+        async def tracked_send(message: AsgiMessage) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._handle(scope, raw_path, receive, tracked_send)
+        except Exception:
+            # A gateway bug: log it, and still answer in the API's error style when we can.
+            log.exception("unexpected gateway error on %s %s", scope["method"], raw_path)
+            if not started:
+                error = gateway_error(code_pb2.INTERNAL, "internal gateway error")
+                await _send_error(send, error, self.router.style_for_path(raw_path))
+
+    async def _handle(self, scope: Scope, raw_path: str, receive: Receive, send: Send) -> None:
         style = self.router.style_for_path(raw_path)
         try:
             match = self.router.resolve(scope["method"], raw_path)

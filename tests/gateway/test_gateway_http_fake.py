@@ -386,3 +386,25 @@ def test_openapi_and_docs(http):
         assert path in page
     assert "SamplingParams controls how tokens are chosen" in page
     assert "<script" not in page and "https://" not in page and "http://" not in page
+
+
+async def test_gateway_bug_is_a_logged_500_in_the_route_style(monkeypatch, caplog):
+    from gateway.app import create_app
+    from gateway.runtime import handler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(handler, "bind_request", broken)
+    transport = httpx.ASGITransport(app=create_app("127.0.0.1:1"))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        with caplog.at_level(logging.ERROR, logger="gateway.runtime.handler"):
+            response = await client.post("/v1/chat/completions", json={"messages": []})
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": "internal gateway error",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    assert "unexpected gateway error on POST /v1/chat/completions" in caplog.text
