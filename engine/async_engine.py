@@ -1,0 +1,234 @@
+"""AsyncEngine: the LLMEngine stepped by its own thread, streamed to asyncio callers.
+
+The step loop runs in a daemon thread so a forward never blocks the event loop.
+Callers hand work to the thread through an inbox under a lock (new requests,
+aborts); the thread hands outputs back with ``loop.call_soon_threadsafe``, one
+call per step and event loop. Only the thread touches the LLMEngine after
+start(), except for ``LLMEngine.prepare`` (validation), which reads immutable
+state and so runs in the caller's task and raises there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import EngineError, EngineStoppedError, InvalidRequestError, QueueFullError
+from engine.llm_engine import LLMEngine, PreparedRequest
+from engine.request import GenerationRequest, RequestOutput
+from engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    """Thread-stepped engine with an async generator per request."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._inbox: list[tuple[PreparedRequest, _Stream]] = []
+        self._aborts: list[str] = []
+        self._live: set[str] = set()  # accepted and not yet finished (guarded by _lock)
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | None = None,
+        *,
+        dtype: str = "float32",
+        quantization: str = "none",
+        config: EngineConfig | None = None,
+        progress: bool = True,
+        model_name: str | None = None,
+    ) -> AsyncEngine:
+        engine = LLMEngine.from_pretrained(
+            model_path, dtype=dtype, quantization=quantization, config=config, progress=progress
+        )
+        if model_name is None:
+            model_name = _default_model_name(model_path)
+        return cls(engine, model_name)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None or self._stopping:
+                return
+            self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop taking requests, finish pending ones as cancelled, and stop the thread."""
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        self._wakeup.set()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+
+    # -- requests ------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last has ``finished=True`` and stats.
+
+        Refusals (invalid, too long, queue full, stopped) raise at the first
+        ``__anext__``. Leaving the iteration early (aclose, task cancelled) aborts
+        the request, which frees its KV blocks within one step.
+        """
+        self.start()
+        prepared = self.engine.prepare(request)
+        rid = request.request_id
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._stopping:
+                raise EngineStoppedError("the engine is shutting down")
+            if rid in self._live:
+                raise InvalidRequestError([("request_id", f"request {rid!r} is already running")])
+            queued = len(self._inbox) + self._stats.waiting
+            if queued >= self.engine.config.max_queue:
+                raise QueueFullError(queued)
+            self._live.add(rid)
+            self._inbox.append((prepared, stream))
+        self._wakeup.set()
+        done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request from any thread; True if it was waiting or running."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._aborts.append(request_id)
+        self._wakeup.set()
+        return True
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step."""
+        return self._stats
+
+    # -- the step thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+                stopping = self._stopping
+            for prepared, stream in inbox:
+                self._admit(prepared, stream)
+            for rid in aborts:
+                engine.abort(rid)
+            if stopping:
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+            if not engine.has_unfinished():
+                self._stats = engine.stats()
+                if stopping:
+                    return
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a failing forward must not hang every caller
+                log.exception("engine step failed; failing all live requests")
+                self._fail_all(exc)
+                continue
+            self._stats = engine.stats()
+            self._deliver(outputs)
+
+    def _admit(self, prepared: PreparedRequest, stream: _Stream) -> None:
+        rid = prepared.request.request_id
+        try:
+            self.engine.add_request(prepared)
+        except EngineError as exc:
+            with self._lock:
+                self._live.discard(rid)
+            _put(stream, exc)
+            return
+        self._streams[rid] = stream
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                with self._lock:
+                    self._live.discard(out.request_id)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        self.engine.step()  # nothing is scheduled: this only collects the cancellations
+        failed, self._streams = self._streams, {}
+        for stream in failed.values():
+            _put(stream, exc)
+        with self._lock:
+            self._live.difference_update(failed)
+        self._stats = self.engine.stats()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
+def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass
+
+
+def _default_model_name(model_path: str | None) -> str:
+    if model_path is None:
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path
+
+    path = Path(model_path)
+    return path.stem if path.is_file() else path.name

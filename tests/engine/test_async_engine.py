@@ -1,0 +1,138 @@
+"""AsyncEngine: a responsive event loop while generating, refusals at the first __anext__, abort on aclose."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
+from engine.request import FinishReason, GenerationRequest
+from engine.sampling_params import SamplingParams
+
+
+def long_request(rid: str, max_tokens: int = 200) -> GenerationRequest:
+    return GenerationRequest(rid, list(range(10, 90)), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                      ignore_eos=True))
+
+
+@pytest.fixture
+async def engine(make_engine):
+    eng = AsyncEngine(make_engine(max_model_len=1024, max_queue=4), model_name="tiny")
+    eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest):
+    outs = [out async for out in engine.generate(request)]
+    return outs
+
+
+async def test_loop_stays_responsive_while_generating(engine):
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    results = await asyncio.gather(*(collect(engine, long_request(f"g{i}", 120)) for i in range(4)))
+    stop.set()
+    await tick
+    for outs in results:
+        assert outs[-1].finished and outs[-1].stats is not None
+        assert sum(len(o.deltas[0].token_ids) for o in outs if o.deltas) == 120
+    assert len(gaps) > 20, "the ticker barely ran"
+    assert max(gaps) < 0.5, f"event loop blocked for {max(gaps):.3f}s"
+    assert engine.stats().generation_tokens_total == 480
+
+
+async def test_aclose_aborts_and_frees_blocks(engine):
+    total = engine.engine.block_manager.num_blocks
+    gen = engine.generate(long_request("closing", 500))
+    first = await gen.__anext__()
+    assert first.deltas[0].token_ids
+    await wait_for(lambda: engine.stats().kv_blocks_free < total)
+    await gen.aclose()
+    await wait_for(lambda: engine.stats().kv_blocks_free == total and engine.stats().running == 0)
+    assert not engine.abort("closing")
+    assert engine.stats().requests_cancelled_total == 1
+
+
+async def test_cancelled_task_aborts(engine):
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate(long_request("task", 500)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: engine.stats().running == 0 and engine.stats().kv_usage == 0.0)
+
+
+async def test_abort_by_id_ends_the_stream_cancelled(engine):
+    gen = engine.generate(long_request("byid", 500))
+    await gen.__anext__()
+    assert engine.abort("byid")
+    outs = [o async for o in gen]
+    assert outs[-1].finished and outs[-1].deltas[0].finish_reason == FinishReason.CANCELLED
+    assert not engine.abort("byid") and not engine.abort("never-seen")
+
+
+async def test_refusals_raise_at_first_anext(engine):
+    bad = engine.generate(GenerationRequest("bad", [1], SamplingParams(temperature=-1)))
+    with pytest.raises(InvalidRequestError):
+        await bad.__anext__()
+    too_long = engine.generate(GenerationRequest("long", [1] * 1024, SamplingParams()))
+    with pytest.raises(ContextLengthError):
+        await too_long.__anext__()
+
+
+async def test_full_queue_raises_queue_full(make_engine):
+    eng = AsyncEngine(make_engine(max_num_seqs=1, max_queue=2), model_name="tiny")
+    running = eng.generate(long_request("run", 300))
+    await running.__anext__()  # admitted: the only slot is taken
+    waiting = [eng.generate(long_request(f"w{i}", 3)) for i in range(2)]
+    pending = [asyncio.ensure_future(g.__anext__()) for g in waiting]
+    await wait_for(lambda: eng.stats().waiting == 2)
+    with pytest.raises(QueueFullError):
+        await eng.generate(long_request("shed", 3)).__anext__()
+    await running.aclose()
+    for p in pending:
+        assert (await p).request_id.startswith("w")
+    for g in waiting:
+        await g.aclose()
+    await eng.shutdown()
+
+
+async def test_shutdown_cancels_pending_and_refuses_new(make_engine):
+    eng = AsyncEngine(make_engine(), model_name="tiny")
+    eng.start()
+    eng.start()  # idempotent
+    gen = eng.generate(long_request("pending", 900))
+    await gen.__anext__()
+    await eng.shutdown()
+    outs = [o async for o in gen]
+    assert outs[-1].finished and outs[-1].deltas[0].finish_reason == FinishReason.CANCELLED
+    with pytest.raises(EngineStoppedError):
+        await eng.generate(long_request("late")).__anext__()
+    assert eng.engine.block_manager.num_free_blocks == eng.engine.block_manager.num_blocks
