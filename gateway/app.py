@@ -123,6 +123,8 @@ class GatewayServer:
             host=host,
             port=port,
             log_level=log_level,
+            # Leave logging configuration to the embedding process (the server CLI configures it).
+            log_config=None,
             access_log=False,
             lifespan="on",
             # Streams (WatchMetrics, long generations) must not hold shutdown forever.
