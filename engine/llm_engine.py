@@ -89,6 +89,8 @@ class LLMEngine:
             bad.append(("prompt_token_ids", "must not be empty"))
         elif any(not 0 <= t < self.vocab_size for t in prompt):
             bad.append(("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})"))
+        if sp.n > self.config.max_num_seqs:  # its choices could never run together
+            bad.append(("n", f"must not exceed the engine's max_num_seqs ({self.config.max_num_seqs})"))
         if bad:
             raise InvalidRequestError(bad)
         limit, length, max_tokens = self.max_model_len, len(prompt), sp.max_tokens

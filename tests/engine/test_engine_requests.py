@@ -71,7 +71,7 @@ def test_reserve_generation_without_room_is_refused(engine):
         engine.add_request(req("x", 10, ContextPolicy.RESERVE_GENERATION, max_tokens=LIMIT))
 
 
-def test_invalid_requests_list_every_violation(engine):
+def test_invalid_requests_list_every_violation(engine, make_engine):
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request(GenerationRequest("bad", [], SamplingParams(top_p=0.0, n=0)))
     fields = {f for f, _ in e.value.violations}
@@ -79,6 +79,9 @@ def test_invalid_requests_list_every_violation(engine):
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request(GenerationRequest("bad2", [1, 99999], SamplingParams(logit_bias={99999: 1.0})))
     assert {f for f, _ in e.value.violations} == {"prompt_token_ids", "logit_bias"}
+    with pytest.raises(InvalidRequestError) as e:
+        make_engine(max_num_seqs=2).add_request(req("wide", 5, n=3))
+    assert e.value.violations[0][0] == "n"
     engine.add_request(req("dup", 5))
     with pytest.raises(InvalidRequestError):
         engine.add_request(req("dup", 5))
@@ -111,3 +114,12 @@ def test_request_and_engine_stats(make_engine):
     assert es.kv_blocks_free == es.kv_blocks_total == 512
     assert es.num_steps == 9 and es.requests_finished_total == 1
     assert es.prefix_cache_queries == 40
+
+
+def test_n_choices_finishing_in_the_fork_step(make_engine):
+    engine = make_engine()
+    [c] = LLM(engine=engine).run([req("n1", 20, n=3, max_tokens=1, temperature=1.0, seed=4)])
+    assert [len(ch.token_ids) for ch in c.choices] == [1, 1, 1]
+    assert all(ch.finish_reason == FinishReason.LENGTH for ch in c.choices)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.running == [] and engine.requests == {}
