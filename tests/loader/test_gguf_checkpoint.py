@@ -55,7 +55,7 @@ def hf_model():
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
+    import accelerate  # noqa: F401  transformers needs it to load GGUF weights; installed by make install
     path = default_model_path()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf.GGUFReader, "_get", FastGGUFReader._get)
