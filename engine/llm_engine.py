@@ -27,6 +27,17 @@ from engine.stop_checker import check_token_stop
 
 
 @dataclass
+class RequestCounters:
+    """Monotonic request and token totals (the scheduler keeps the cache and preemption ones)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    truncated_prompt_tokens: int = 0
+    finished: int = 0
+    cancelled: int = 0
+
+
+@dataclass
 class PreparedRequest:
     """A validated request with the prompt its context policy leaves."""
 
@@ -60,7 +71,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._touched: set[str] = set()  # requests with something to report after this step
-        self._totals = dict(prompt=0, generation=0, truncated=0, finished=0, cancelled=0)
+        self.counters = RequestCounters()
         self._last_step = (0, 0, 0.0)  # tokens, sequences, seconds
         special = self.tokenizer.all_special_ids if self.tokenizer is not None else []
         self._special_ids = frozenset(special) | self.eos_token_ids
@@ -129,8 +140,8 @@ class LLMEngine:
         seq.num_pending_forks = req.sampling.n - 1
         self.requests[req.request_id] = state
         self.scheduler.add(seq)
-        self._totals["prompt"] += len(prepared.prompt_token_ids)
-        self._totals["truncated"] += prepared.truncated
+        self.counters.prompt_tokens += len(prepared.prompt_token_ids)
+        self.counters.truncated_prompt_tokens += prepared.truncated
 
     def _new_seq(self, state: RequestState, index: int, max_len: int, arrival: int | None = None) -> Sequence:
         req = state.request
@@ -152,7 +163,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
         state.cancel()
-        self._totals["cancelled"] += 1
+        self.counters.cancelled += 1
         self._touched.add(request_id)
         return True
 
@@ -167,7 +178,7 @@ class LLMEngine:
         if not batch.is_empty:
             self._note_scheduled(batch, start)
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
-            sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+            sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]  # before computed counts move
             self.scheduler.finish_step(batch)
             seqs, rows = self._fork_choices(sampling)
             samples = self.sampler(logits[rows], seqs)
@@ -205,7 +216,7 @@ class LLMEngine:
             token = sample.token_id
             seq.append_token(token)
             state.note_token(now)
-            self._totals["generation"] += 1
+            self.counters.generation_tokens += 1
             self._touched.add(seq.request_id)
             token_stop = check_token_stop(token, seq.num_generated, seq.sampling, self.eos_token_ids)
             stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
@@ -231,8 +242,8 @@ class LLMEngine:
                 outputs.append(out)
             if out is not None and out.finished:
                 del self.requests[request_id]
-                if not any(d.finish_reason == FinishReason.CANCELLED for d in out.deltas):
-                    self._totals["finished"] += 1
+                if not state.cancelled:
+                    self.counters.finished += 1
         self._touched.clear()
         return outputs
 
@@ -249,9 +260,9 @@ class LLMEngine:
             running=len(running), waiting=len(waiting), kv_blocks_total=total, kv_blocks_free=free,
             kv_usage=1.0 - free / total, prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits, preemptions_total=c.preemptions,
-            prompt_tokens_total=self._totals["prompt"], generation_tokens_total=self._totals["generation"],
-            truncated_prompt_tokens_total=self._totals["truncated"],
-            requests_finished_total=self._totals["finished"], requests_cancelled_total=self._totals["cancelled"],
+            prompt_tokens_total=self.counters.prompt_tokens, generation_tokens_total=self.counters.generation_tokens,
+            truncated_prompt_tokens_total=self.counters.truncated_prompt_tokens,
+            requests_finished_total=self.counters.finished, requests_cancelled_total=self.counters.cancelled,
             num_steps=self.scheduler.num_steps, last_step_tokens=tokens, last_step_seqs=seqs,
             last_step_time_s=seconds,
         )

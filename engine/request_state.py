@@ -124,6 +124,7 @@ class RequestState:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.cached_tokens_recorded = False
+        self.cancelled = False
         self.output_sent_final = False
 
     @property
@@ -154,6 +155,7 @@ class RequestState:
             self.stats.kv_bytes = held * block_bytes
 
     def cancel(self) -> None:
+        self.cancelled = True
         for choice in self.choices:
             choice.finish(FinishReason.CANCELLED)
 
