@@ -1,0 +1,246 @@
+"""Hugging Face model directories: config.json -> ModelConfig, safetensors -> tensors.
+
+A directory holds ``config.json``, the weights as one ``model.safetensors`` or
+as shards listed in ``model.safetensors.index.json``, and optionally
+``generation_config.json`` (whose ``eos_token_id`` wins over config.json's).
+Tensor headers are checked against the shapes the decoder expects before any
+data is read; data is read through ``safetensors.safe_open`` (memory-mapped).
+Every problem raises ModelLoadError naming the offending file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.loader.errors import ModelLoadError
+from engine.models.config import ModelConfig
+from engine.models.decoder import ROPE_TYPES, rope_inv_freq
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# model_type in config.json -> decoder family.
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Tensors some checkpoints carry that the decoder recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class HFCheckpoint:
+    """A parsed model directory: the config and where each tensor lives."""
+
+    path: Path
+    config: ModelConfig
+    weight_files: dict[str, Path]  # tensor name -> safetensors file
+    index_path: Path  # the file that lists the tensors (index json or the single safetensors file)
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(path, "missing: a Hugging Face model directory needs this file")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(path, f"not readable JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object")
+    return data
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def parse_hf_config(raw: Mapping[str, Any], generation: Mapping[str, Any] | None, path: Path) -> ModelConfig:
+    """config.json (+ generation_config.json) -> ModelConfig; ModelLoadError(path, ...) when unusable."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ModelLoadError(
+            path,
+            f"unknown model_type {model_type!r}; supported model types: {', '.join(sorted(MODEL_TYPES))}",
+        )
+    arch = MODEL_TYPES[model_type]
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise ModelLoadError(path, f"missing required key {key!r}")
+        return raw[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(path, f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+    if raw.get("mlp_bias"):
+        raise ModelLoadError(path, "unsupported mlp_bias=true")
+
+    # Rope: transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`.
+    rope_params = raw.get("rope_parameters")
+    if isinstance(rope_params, dict) and isinstance(next(iter(rope_params.values()), None), dict):
+        raise ModelLoadError(path, "per-layer-type rope_parameters are not supported")
+    scaling = dict(rope_params) if rope_params else dict(raw.get("rope_scaling") or {})
+    theta = float(scaling.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            path, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if float(scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(path, "partial rotary embeddings are not supported")
+    rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+
+    head_dim = raw.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in raw else hidden // heads)
+    sliding_window = None
+    if arch == "mistral":
+        sliding_window = raw.get("sliding_window")
+    elif raw.get("use_sliding_window"):
+        raise ModelLoadError(
+            path, f"{model_type} with use_sliding_window=true (per-layer windows) is not supported"
+        )
+
+    eos = _as_id_list((generation or {}).get("eos_token_id")) or _as_id_list(raw.get("eos_token_id"))
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        sliding_window=int(sliding_window) if sliding_window is not None else None,
+        attention_bias=True
+        if arch == "qwen2"
+        else bool(raw.get("attention_bias", False)) and arch != "mistral",
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        eos_token_ids=eos,
+    )
+    if config.num_heads % config.num_kv_heads:
+        raise ModelLoadError(path, f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
+    try:
+        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(path, f"bad rope scaling parameters {config.rope_scaling}: {e!r}") from e
+    return config
+
+
+def read_hf_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    d = Path(model_dir)
+    raw = _read_json(d / CONFIG_FILE, required=True)
+    generation = _read_json(d / GENERATION_CONFIG_FILE, required=False)
+    assert raw is not None
+    return parse_hf_config(raw, generation, d / CONFIG_FILE)
+
+
+def open_hf_checkpoint(model_dir: str | os.PathLike[str]) -> HFCheckpoint:
+    """Parse the config and map every tensor name to its safetensors file (headers only)."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelLoadError(d, "not a directory (expected a Hugging Face model directory or a .gguf file)")
+    config = read_hf_config(d)
+    index = d / INDEX_FILE
+    files: dict[str, Path] = {}
+    if index.is_file():
+        data = _read_json(index, required=True) or {}
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(index, "no 'weight_map' object")
+        for name, shard in weight_map.items():
+            files[name] = d / shard
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise ModelLoadError(shard, f"missing shard listed in {INDEX_FILE}")
+        listing = index
+    else:
+        shards = sorted(d.glob("*.safetensors"))
+        if not shards:
+            raise ModelLoadError(d, "no *.safetensors weights in the directory")
+        for shard in shards:
+            for name in _header_names(shard):
+                files[name] = shard
+        listing = d / SINGLE_FILE if (d / SINGLE_FILE).is_file() else d
+    return HFCheckpoint(d, config, files, listing)
+
+
+def _header_names(file: Path) -> list[str]:
+    with _open(file) as f:
+        return list(f.keys())
+
+
+def load_hf_tensors(
+    ckpt: HFCheckpoint, expected: Mapping[str, tuple[int, ...]], progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """Check names and shapes against ``expected`` (headers only), then read the tensors."""
+    tied_extra = {"lm_head.weight"} if ckpt.config.tie_word_embeddings else set()
+    for name, file in ckpt.weight_files.items():
+        if name not in expected and name not in tied_extra and not name.endswith(IGNORED_SUFFIXES):
+            raise ModelLoadError(file, f"unexpected tensor {name!r} for a {ckpt.config.architecture} model")
+    missing = [n for n in expected if n not in ckpt.weight_files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(ckpt.index_path, f"missing tensor {missing[0]!r}{more}")
+
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(ckpt.weight_files[name], []).append(name)
+    # Every header first, so a bad shape is reported before gigabytes are read.
+    for file, names in by_file.items():
+        with _open(file) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ModelLoadError(file, f"tensor {name!r} listed in {INDEX_FILE} is not in this shard")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected[name]):
+                    raise ModelLoadError(
+                        file, f"tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
+                    )
+
+    out: dict[str, torch.Tensor] = {}
+    with tqdm(
+        total=len(expected), desc=f"Loading {ckpt.path.name}", unit="tensor", disable=not progress
+    ) as bar:
+        for file, names in by_file.items():
+            with _open(file) as f:
+                for name in names:
+                    try:
+                        tensor = f.get_tensor(name)
+                    except Exception as e:
+                        raise ModelLoadError(file, f"cannot read tensor {name!r}: {e}") from e
+                    if not tensor.is_floating_point():
+                        raise ModelLoadError(
+                            file, f"tensor {name!r} has dtype {tensor.dtype}, expected a float type"
+                        )
+                    out[name] = tensor
+                    bar.update(1)
+    return out
+
+
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise ModelLoadError(file, f"unreadable safetensors file: {e}") from e

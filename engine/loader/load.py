@@ -1,0 +1,146 @@
+"""load_model: a GGUF file or a Hugging Face directory -> a ready Decoder (+ tokenizer).
+
+The one entry point the engine uses. It picks the format from the path (a
+``.gguf`` file or a directory; None means the default SmolLM2 GGUF), checks
+every tensor's name and shape against what the decoder expects, builds the
+decoder on the meta device and assigns the loaded tensors (no second copy of
+the weights), then applies weight-only quantization if asked.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.loader.errors import ModelLoadError
+from engine.loader.hf_checkpoint import load_hf_tensors, open_hf_checkpoint
+from engine.models.config import ModelConfig
+from engine.models.decoder import Decoder, expected_hf_shapes
+from engine.models.linear import INT4_GROUP_SIZES, QUANTIZATION_MODES, quantize_linears
+
+if TYPE_CHECKING:
+    from engine.tokenizer.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and what was measured while loading it."""
+
+    model: Decoder
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None for a directory without tokenizer.json (e.g. tiny test checkpoints)
+    source: Path
+    format: str  # "gguf" or "hf"
+    dtype: torch.dtype
+    quantization: str  # "none", "int8" or "int4"
+    group_size: int | None  # int4 only
+    weight_bytes_before: int  # all weights in `dtype`, before quantization (tied embedding once)
+    weight_bytes_after: int  # all weights as served
+    linear_bytes_before: int  # the quantizable linear layers only (not embeddings, norms, lm_head)
+    linear_bytes_after: int
+    load_seconds: float
+
+
+def load_model(
+    path: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
+    quantization: str = "none",
+    group_size: int = 64,
+    progress: bool = True,
+    deterministic: bool = True,
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a model for serving.
+
+    ``path``: a ``.gguf`` file, a Hugging Face directory (config.json +
+    safetensors), or None for the default SmolLM2-135M-Instruct GGUF.
+    ``quantization``: ``none``, ``int8`` (per output channel) or ``int4``
+    (groups of ``group_size`` input columns). ``deterministic``: batch-invariant
+    kernels (see engine/models/linear.py); switch later with
+    ``model.set_deterministic``. Raises ModelLoadError for a bad checkpoint and
+    ValueError for bad options (including a group size the model's layers cannot take).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    torch_dtype = DTYPES[dtype]
+    started = time.perf_counter()
+    if path is None:
+        from engine.loader.default_model import default_model_path
+
+        path = default_model_path()
+    source = Path(path)
+
+    from engine.tokenizer.tokenizer import Tokenizer
+
+    if source.is_dir():
+        fmt = "hf"
+        ckpt = open_hf_checkpoint(source)
+        config = ckpt.config
+        weights = load_hf_tensors(ckpt, expected_hf_shapes(config), progress=progress)
+        tokenizer = (
+            Tokenizer.from_hf_dir(source)
+            if load_tokenizer and (source / "tokenizer.json").is_file()
+            else None
+        )
+    elif source.is_file():
+        from engine.loader.gguf_checkpoint import GGUFCheckpoint
+
+        fmt = "gguf"
+        gguf = GGUFCheckpoint(source)
+        config = gguf.config
+        weights = dict(gguf.iter_weights(dtype=torch_dtype, progress=progress))
+        check_weights(weights, expected_hf_shapes(config), source)
+        tokenizer = Tokenizer.from_gguf(gguf.reader, source) if load_tokenizer else None
+    else:
+        raise ModelLoadError(source, "no such file or directory")
+
+    with torch.device("meta"):
+        model = Decoder(config, torch_dtype)
+    model.load_hf_weights(weights)
+    model.eval()
+    before = model.weight_bytes()
+    try:
+        report = quantize_linears(model, quantization, group_size)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+    model.set_deterministic(deterministic)
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        source=source,
+        format=fmt,
+        dtype=torch_dtype,
+        quantization=quantization,
+        group_size=report.group_size,
+        weight_bytes_before=before,
+        weight_bytes_after=model.weight_bytes(),
+        linear_bytes_before=report.linear_bytes_before,
+        linear_bytes_after=report.linear_bytes_after,
+        load_seconds=time.perf_counter() - started,
+    )
+
+
+def check_weights(
+    weights: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], source: Path
+) -> None:
+    """Every expected tensor present with its shape; ModelLoadError naming ``source`` otherwise."""
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ModelLoadError(source, f"missing tensor {name!r}")
+        if tuple(weights[name].shape) != tuple(shape):
+            raise ModelLoadError(
+                source, f"tensor {name!r} has shape {list(weights[name].shape)}, expected {list(shape)}"
+            )

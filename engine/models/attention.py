@@ -1,0 +1,197 @@
+"""Causal attention of a flattened batch over a slot-addressed KV cache, on CPU in PyTorch.
+
+Two algorithms over the same inputs:
+
+* ``sdpa_attention``: per sequence, gather its context K/V into contiguous
+  tensors and call ``F.scaled_dot_product_attention``. Fast, but the kernel's
+  blocking depends on the query count, so a token's output changes in the last
+  bits between prefill, chunked prefill and decode.
+
+* ``tiled_attention`` (deterministic): the batch is cut into *query tiles* of
+  ``QUERY_TILE`` tokens of one sequence (zero-padded) and the context into *key
+  blocks* of ``KEY_BLOCK`` positions aligned at position 0. Every (tile, key
+  block) pair is one fixed-shape matmul; a tile's softmax takes the exact max
+  over its pairs, then sums each pair's ``exp`` row-sums and ``P @ V`` partials
+  in ascending key-block order. Fixed-shape matmuls are row-position and
+  batch-count invariant, max is exact, and a key block that is fully masked for
+  a query adds exact zeros, so a query's output does not depend on which other
+  queries share its tile, on the batch, or on how its prompt was chunked.
+
+Both handle grouped-query attention and an optional sliding window with the
+Hugging Face convention: query at position p sees key j iff p - window < j <= p.
+Scores, softmax and accumulation run in float32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+
+QUERY_TILE = 16  # query tokens per tile in deterministic mode
+KEY_BLOCK = 64  # key positions per block in deterministic mode
+# Bound on the float32 score elements one deterministic chunk materializes (~128 MiB);
+# tiles are independent, so splitting the batch into chunks of tiles changes no result.
+MAX_SCORE_ELEMENTS = 32 * 1024 * 1024
+
+
+@dataclass
+class TilePlan:
+    """Index tensors for ``tiled_attention``, built once per forward and shared by all layers."""
+
+    tile_rows: torch.Tensor  # [n_tiles, QUERY_TILE] int64 row of T for each tile slot (padding: 0)
+    tile_valid: torch.Tensor  # [n_tiles, QUERY_TILE] bool, False for padding slots
+    pair_tile: torch.Tensor  # [P] int64 tile of each (tile, key block) pair, ascending blocks per tile
+    pair_slots: torch.Tensor  # [P, KEY_BLOCK] int64 cache slot of each key position of the pair
+    pair_visible: torch.Tensor  # [P, QUERY_TILE, KEY_BLOCK] bool: query slot sees key
+    chunks: list[tuple[int, int, int, int]]  # (tile_start, tile_end, pair_start, pair_end)
+
+
+def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[..., Q, K] bool: causal (k <= q) and, with a window W, q - W < k."""
+    q = q_pos.unsqueeze(-1)
+    k = k_pos.unsqueeze(-2)
+    mask = k <= q
+    if sliding_window is not None:
+        mask &= k > q - sliding_window
+    return mask
+
+
+def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each position of one sequence: ``block_table[pos // bs] * bs + pos % bs``."""
+    return block_table[positions // block_size].long() * block_size + positions % block_size
+
+
+def build_tile_plan(
+    batch: ForwardBatch, block_size: int, sliding_window: int | None, num_heads_per_kv: int, num_kv_heads: int
+) -> TilePlan:
+    """Cut the batch into query tiles and list each tile's key blocks, in ascending order."""
+    tile_rows: list[torch.Tensor] = []
+    tile_pos: list[torch.Tensor] = []
+    tile_seq: list[int] = []
+    starts = batch.query_start_loc.tolist()
+    for i, n_new in enumerate(batch.query_lens_list):
+        first = batch.seq_lens_list[i] - n_new
+        for t0 in range(0, n_new, QUERY_TILE):
+            n = min(QUERY_TILE, n_new - t0)
+            rows = torch.zeros(QUERY_TILE, dtype=torch.long)
+            rows[:n] = torch.arange(starts[i] + t0, starts[i] + t0 + n)
+            pos = torch.full((QUERY_TILE,), -1, dtype=torch.long)
+            pos[:n] = torch.arange(first + t0, first + t0 + n)
+            tile_rows.append(rows)
+            tile_pos.append(pos)
+            tile_seq.append(i)
+    n_tiles = len(tile_rows)
+    rows_t = torch.stack(tile_rows) if n_tiles else torch.zeros(0, QUERY_TILE, dtype=torch.long)
+    pos_t = torch.stack(tile_pos) if n_tiles else torch.zeros(0, QUERY_TILE, dtype=torch.long)
+
+    # Pairs: for each tile, every key block holding a key visible to one of its queries.
+    pair_tile: list[int] = []
+    pair_seq: list[int] = []
+    pair_block: list[int] = []
+    tile_pairs: list[int] = []
+    for t in range(n_tiles):
+        valid_pos = pos_t[t][pos_t[t] >= 0]
+        lo_pos = int(valid_pos.min())
+        hi_pos = int(valid_pos.max())
+        first_key = 0 if sliding_window is None else max(0, lo_pos - sliding_window + 1)
+        blocks = range(first_key // KEY_BLOCK, hi_pos // KEY_BLOCK + 1)
+        pair_tile.extend([t] * len(blocks))
+        pair_seq.extend([tile_seq[t]] * len(blocks))
+        pair_block.extend(blocks)
+        tile_pairs.append(len(blocks))
+    pair_tile_t = torch.tensor(pair_tile, dtype=torch.long)
+    key_pos = torch.tensor(pair_block, dtype=torch.long)[:, None] * KEY_BLOCK + torch.arange(KEY_BLOCK)
+    tables = batch.block_tables.long()
+    table_idx = (key_pos // block_size).clamp(max=tables.shape[1] - 1)  # beyond the table: masked anyway
+    seq_idx = torch.tensor(pair_seq, dtype=torch.long)[:, None]
+    pair_slots = tables[seq_idx, table_idx] * block_size + key_pos % block_size
+    pair_visible = visible_mask(
+        pos_t[pair_tile_t], key_pos, sliding_window
+    )  # padding rows (pos -1) see nothing
+
+    # Chunks of whole tiles whose scores fit the budget.
+    per_pair = num_kv_heads * num_heads_per_kv * QUERY_TILE * KEY_BLOCK
+    chunks: list[tuple[int, int, int, int]] = []
+    t_start, p_start, p_count = 0, 0, 0
+    for t, n_pairs in enumerate(tile_pairs):
+        if p_count and (p_count + n_pairs) * per_pair > MAX_SCORE_ELEMENTS:
+            chunks.append((t_start, t, p_start, p_start + p_count))
+            t_start, p_start, p_count = t, p_start + p_count, 0
+        p_count += n_pairs
+    if n_tiles:
+        chunks.append((t_start, n_tiles, p_start, p_start + p_count))
+    return TilePlan(rows_t, pos_t >= 0, pair_tile_t, pair_slots, pair_visible, chunks)
+
+
+def tiled_attention(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: TilePlan, scale: float
+) -> torch.Tensor:
+    """Batch-invariant attention. q [T, H, D]; k/v_slots [num_slots, KVH, D] (the cache, flattened)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv = k_slots.shape[1]
+    rep = num_heads // num_kv
+    rows_per_tile = QUERY_TILE * rep
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    for t0, t1, p0, p1 in plan.chunks:
+        n_tiles = t1 - t0
+        pair_tile = plan.pair_tile[p0:p1] - t0
+        # Query tiles [n_tiles, KVH, QUERY_TILE * rep, D]: one matmul row per (token, head of the group).
+        qt = q[plan.tile_rows[t0:t1]].float() * scale
+        qt = qt.view(n_tiles, QUERY_TILE, num_kv, rep, head_dim).transpose(1, 2)
+        qt = qt.reshape(n_tiles, num_kv, rows_per_tile, head_dim)
+        slots = plan.pair_slots[p0:p1]
+        kb = k_slots[slots].float().transpose(1, 2)  # [P, KVH, KEY_BLOCK, D]
+        vb = v_slots[slots].float().transpose(1, 2)
+        scores = torch.matmul(qt[pair_tile], kb.transpose(-1, -2))  # [P, KVH, rows, KEY_BLOCK]
+        hidden = ~plan.pair_visible[p0:p1]  # [P, QUERY_TILE, KEY_BLOCK]
+        hidden = hidden[:, None, :, None, :].expand(-1, 1, QUERY_TILE, rep, KEY_BLOCK)
+        scores.masked_fill_(hidden.reshape(-1, 1, rows_per_tile, KEY_BLOCK), float("-inf"))
+        # Exact row max over all of the tile's pairs (max does not round).
+        block_max = scores.amax(dim=-1)  # [P, KVH, rows]
+        row_max = torch.full((n_tiles, num_kv, rows_per_tile), float("-inf")).scatter_reduce_(
+            0, pair_tile[:, None, None].expand_as(block_max), block_max, "amax"
+        )
+        row_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # padding rows see nothing
+        probs = torch.exp(scores - row_max[pair_tile].unsqueeze(-1))
+        # index_add_ accumulates the pairs of a tile sequentially in pair order (ascending key blocks).
+        denom = torch.zeros(n_tiles, num_kv, rows_per_tile).index_add_(0, pair_tile, probs.sum(dim=-1))
+        acc = torch.zeros(n_tiles, num_kv, rows_per_tile, head_dim).index_add_(
+            0, pair_tile, torch.matmul(probs, vb)
+        )
+        tile_out = acc / denom.clamp(min=1e-30).unsqueeze(-1)
+        tile_out = tile_out.view(n_tiles, num_kv, QUERY_TILE, rep, head_dim).transpose(1, 2)
+        tile_out = tile_out.reshape(n_tiles, QUERY_TILE, num_heads, head_dim)
+        valid = plan.tile_valid[t0:t1]
+        out[plan.tile_rows[t0:t1][valid]] = tile_out[valid]
+    return out.to(q.dtype)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One sequence: q [n, H, D] at ``q_positions`` over its contiguous context k/v [L, KVH, D] -> [n, H, D]."""
+    n, num_heads, _ = q.shape
+    context = k.shape[0]
+    rep = num_heads // k.shape[1]
+    qh = q.float().transpose(0, 1)  # [H, n, D]
+    kh = k.float().transpose(0, 1)
+    vh = v.float().transpose(0, 1)
+    if rep > 1:
+        kh = kh.repeat_interleave(rep, dim=0)
+        vh = vh.repeat_interleave(rep, dim=0)
+    full_prefill = n == context and sliding_window is None
+    if full_prefill:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, scale=scale)
+    else:
+        mask = visible_mask(q_positions, torch.arange(context), sliding_window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).to(q.dtype)

@@ -1,0 +1,326 @@
+"""One decoder-only transformer for Llama (2/3, SmolLM2), Mistral, Qwen2 and Qwen3.
+
+The families differ only in a few switches of ModelConfig:
+
+* Llama: RoPE with optional ``rope_scaling`` (``linear`` or ``llama3``).
+* Mistral: every layer attends within a sliding window.
+* Qwen2: q/k/v projections have biases.
+* Qwen3: RMSNorm over each head of q and k before RoPE.
+
+The model works on a flattened ForwardBatch (no padding, no batch dimension):
+activations are ``[T, hidden]``, the KV cache is written and read through the
+KVCache interface, and the LM head runs only on ``batch.logits_indices`` rows.
+Parameter names follow Hugging Face without the ``model.`` prefix, except that
+q/k/v and gate/up are fused into one GEMM each (``qkv_proj``, ``gate_up_proj``);
+``load_hf_weights`` does the renaming.
+
+``deterministic`` (on by default) makes every row of the output bit-identical
+whatever the batch around it and however its prompt was chunked (see
+linear.py and attention.py for how); off, the model takes the faster,
+shape-dependent kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import MutableMapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.models.config import ModelConfig
+from engine.models.kv_cache import AttentionMetadata, KVCache
+from engine.models.linear import Linear
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# ---------------------------------------------------------------------------
+# Pure math
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] float32, as Hugging Face computes them."""
+    # Explicit CPU device: the decoder is built under torch.device("meta") before its weights arrive.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"unsupported rope type {rope_type!r} (supported: {ROPE_TYPES})")
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] for absolute positions (both halves repeated, HF layout)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)``, computed in float32 over the last dim."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: fused q/k/v projection, optional per-head q/k norm, RoPE, cached attention."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, bias=has_o_bias(config), dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = kv_cache.attend(self.layer_idx, q, k, v, meta, self.scale)
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The whole model: embeddings, layers, final norm, LM head."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        # _weight skips the random init (slow, and pointless before the checkpoint is assigned).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+        )
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "inv_freq",
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+            persistent=False,
+        )
+        self.deterministic = True
+
+    def set_deterministic(self, enabled: bool) -> None:
+        """Batch-invariant kernels (slower) or shape-dependent fast ones, for every layer."""
+        self.deterministic = enabled
+        for module in self.modules():
+            if module is not self and hasattr(module, "deterministic"):
+                module.deterministic = enabled
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Next-token logits [len(batch.logits_indices), vocab] float32; writes the batch's K/V."""
+        meta = kv_cache.prepare(
+            batch,
+            num_heads=self.config.num_heads,
+            sliding_window=self.config.sliding_window,
+            deterministic=self.deterministic,
+        )
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()
+
+    # -- weights ------------------------------------------------------------
+
+    def load_hf_weights(self, weights: MutableMapping[str, torch.Tensor]) -> None:
+        """Take Hugging Face-named tensors (consumed from ``weights``) as this model's parameters.
+
+        Shapes must already be checked (see ``expected_hf_shapes``); q/k/v and
+        gate/up are concatenated and everything is cast to the model dtype.
+        Works on a model built on the meta device (parameters are assigned).
+        """
+        cfg = self.config
+        state: dict[str, torch.Tensor] = {}
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(self.dtype)
+
+        state["embed_tokens.weight"] = take("model.embed_tokens.weight")
+        state["norm.weight"] = take("model.norm.weight")
+        if not cfg.tie_word_embeddings:
+            state["lm_head.weight"] = take("lm_head.weight")
+        for i in range(cfg.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                state[f"{ours}{norm}.weight"] = take(f"{hf}{norm}.weight")
+            attn_hf = f"{hf}self_attn."
+            qkv = [take(f"{attn_hf}{p}_proj.weight") for p in "qkv"]
+            state[f"{ours}self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            if cfg.attention_bias:
+                state[f"{ours}self_attn.qkv_proj.bias"] = torch.cat(
+                    [take(f"{attn_hf}{p}_proj.bias") for p in "qkv"]
+                )
+            state[f"{ours}self_attn.o_proj.weight"] = take(f"{attn_hf}o_proj.weight")
+            if has_o_bias(cfg):
+                state[f"{ours}self_attn.o_proj.bias"] = take(f"{attn_hf}o_proj.bias")
+            if cfg.qk_norm:
+                state[f"{ours}self_attn.q_norm.weight"] = take(f"{attn_hf}q_norm.weight")
+                state[f"{ours}self_attn.k_norm.weight"] = take(f"{attn_hf}k_norm.weight")
+            mlp = f"{hf}mlp."
+            state[f"{ours}mlp.gate_up_proj.weight"] = torch.cat(
+                [take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]
+            )
+            state[f"{ours}mlp.down_proj.weight"] = take(f"{mlp}down_proj.weight")
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        self.load_state_dict(state, strict=True, assign=True)
+        if cfg.tie_word_embeddings:  # assign wraps each entry in its own Parameter: share one again
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters and buffers (a tied embedding counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for t in [*self.parameters(), *self.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+
+def has_o_bias(config: ModelConfig) -> bool:
+    """Llama and Qwen3 put ``attention_bias`` on o_proj too; Qwen2's biases are on q/k/v only."""
+    return config.attention_bias and config.architecture in ("llama", "qwen3")
+
+
+def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder needs, by Hugging Face name, with its shape."""
+    c = config
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_size, c.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_size, c.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_size, c.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, q_size)
+        if c.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_size,)
+        if has_o_bias(c):
+            shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes

@@ -1,0 +1,233 @@
+"""The KV cache the decoder reads and writes through.
+
+Per step the model calls ``prepare(batch, ...)`` once, then for every layer
+``attend(layer, q, k, v, meta, scale)``: the new tokens' K/V are written at
+``batch.slot_mapping`` and the batch's queries attend over each sequence's
+context (cached + new), causally, with an optional sliding window and GQA.
+
+Two implementations of that interface:
+
+* ``PagedKVCache``: preallocated per-layer ``[num_blocks, block_size, kv_heads,
+  head_dim]`` K and V pools addressed by block tables, the engine's cache.
+* ``ContiguousKVCache``: one contiguous ``[max_seq_len, kv_heads, head_dim]``
+  region per sequence and the plain per-sequence SDPA; a second, simpler
+  implementation that tests compare the paged cache against.
+
+Slots: ``slot = block_id * block_size + offset``. For ``ContiguousKVCache`` a
+sequence's "block table" is the single row it owns and ``block_size`` is
+``max_seq_len``, so one slot formula serves both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.models.attention import TilePlan, build_tile_plan, context_slots, sdpa_attention, tiled_attention
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs from one batch, computed once per forward."""
+
+    batch: ForwardBatch
+    sliding_window: int | None
+    deterministic: bool
+    num_heads: int
+    tile_plan: TilePlan | None  # deterministic mode only
+    context_slots: list[torch.Tensor]  # per sequence: cache slots of positions 0..seq_len-1 (fast path)
+
+
+class KVCache(ABC):
+    """Per-layer K/V storage plus the attention that reads it."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @abstractmethod
+    def prepare(
+        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
+    ) -> AttentionMetadata:
+        """Index tensors for this batch, shared by all layers."""
+
+    @abstractmethod
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v [T, KVH, D] at the batch's slots, return attention of q [T, H, D] -> [T, H, D]."""
+
+    def _write(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        k_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.dtype))
+        v_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.dtype))
+
+
+class PagedKVCache(KVCache):
+    """Block-paged K/V pools, ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+
+    Zero-initialized: attention reads stale slots beyond a sequence's length
+    (masked to probability exactly 0), and 0 * garbage must stay 0, never NaN.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def block_bytes(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def from_budget(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        budget_bytes: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+    ) -> PagedKVCache:
+        """As many blocks as fit in ``budget_bytes`` (at least one)."""
+        per_block = cls.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return cls(num_layers, max(1, budget_bytes // per_block), block_size, num_kv_heads, head_dim, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_bytes(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def prepare(
+        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
+    ) -> AttentionMetadata:
+        if deterministic:
+            plan = build_tile_plan(
+                batch, self.block_size, sliding_window, num_heads // self.num_kv_heads, self.num_kv_heads
+            )
+            return AttentionMetadata(batch, sliding_window, True, num_heads, plan, [])
+        slots = [
+            context_slots(batch.block_tables[i], torch.arange(n), self.block_size)
+            for i, n in enumerate(batch.seq_lens_list)
+        ]
+        return AttentionMetadata(batch, sliding_window, False, num_heads, None, slots)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        batch = meta.batch
+        self._write(self.k[layer], self.v[layer], k, v, batch.slot_mapping)
+        k_slots = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+        v_slots = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+        if meta.deterministic:
+            assert meta.tile_plan is not None
+            return tiled_attention(q, k_slots, v_slots, meta.tile_plan, scale)
+        out = torch.empty_like(q)
+        starts = batch.query_start_loc.tolist()
+        for i, slots in enumerate(meta.context_slots):
+            a, b = starts[i], starts[i + 1]
+            out[a:b] = sdpa_attention(
+                q[a:b], k_slots[slots], v_slots[slots], batch.positions[a:b], scale, meta.sliding_window
+            )
+        return out
+
+
+class ContiguousKVCache(KVCache):
+    """One contiguous ``[max_seq_len, kv_heads, head_dim]`` region per sequence row.
+
+    A sequence owns row ``r``: its block table is ``[r]`` and its slots are
+    ``r * max_seq_len + position`` (``block_size == max_seq_len``). Attention reads
+    the row's first ``seq_len`` positions as they are and runs plain SDPA, in both
+    modes: this cache is the simple reference, not a batch-invariant one.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_seqs: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.num_layers = num_layers
+        self.max_seqs = max_seqs
+        self.block_size = max_seq_len
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (max_seqs, max_seq_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    def prepare(
+        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
+    ) -> AttentionMetadata:
+        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, [])
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        batch = meta.batch
+        self._write(self.k[layer], self.v[layer], k, v, batch.slot_mapping)
+        out = torch.empty_like(q)
+        starts = batch.query_start_loc.tolist()
+        for i, seq_len in enumerate(batch.seq_lens_list):
+            row = int(batch.block_tables[i, 0])
+            a, b = starts[i], starts[i + 1]
+            out[a:b] = sdpa_attention(
+                q[a:b],
+                self.k[layer][row, :seq_len],
+                self.v[layer][row, :seq_len],
+                batch.positions[a:b],
+                scale,
+                meta.sliding_window,
+            )
+        return out

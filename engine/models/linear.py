@@ -1,0 +1,270 @@
+"""Linear layers: full precision (batch-invariant or fast) and weight-only int8 / int4.
+
+Batch invariance: a GEMM library picks its kernel, blocking and thread split
+from the matrix shape, so one row of ``x @ W.T`` changes in the last bits with
+the number of rows around it (measured here: MKL float32 rows differ by ~1e-6
+between M=1 and M=16, oneDNN bfloat16 rows differ for scattered M). In
+deterministic mode every full-precision GEMM runs on fixed ``ROW_TILE``-row
+tiles (zero-padded), so a row's result depends only on the row itself: the same
+kernel shape always runs, and within one shape a row's reduction order does not
+depend on its position (verified by tests/models/test_batch_invariance.py).
+
+Weight-only quantization uses PyTorch's packed CPU kernels:
+``aten._weight_int8pack_mm`` (int8, one scale per output channel) and
+``aten._weight_int4pack_mm_for_cpu`` (int4, asymmetric groups along in_features).
+Both are row-by-row kernels, so they are batch invariant without tiling. Both
+run their fast vectorized path only for bfloat16 activations (float32
+activations take a scalar path, 10-80x slower here), so quantized layers compute
+in bfloat16 and cast the result back; their scales and zeros are chosen as exact
+bfloat16 values before the weights are rounded against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows per GEMM tile in deterministic mode. Any fixed value is invariant; 16 is the
+# cheapest measured for decode batches of 1-32 rows on the 2-core CPU (see the report
+# in tests/models/test_batch_invariance.py).
+ROW_TILE = 16
+
+QUANTIZATION_MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+# The int4 packing kernel interleaves output channels in groups of 16.
+INT4_N_MULTIPLE = 16
+
+
+def tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int = ROW_TILE
+) -> torch.Tensor:
+    """``F.linear`` computed on fixed ``tile``-row blocks: each row's result is independent of the batch."""
+    rows = x.shape[0]
+    padded = -(-rows // tile) * tile
+    # A fresh zero-padded buffer keeps every tile's start 64-byte aligned as well.
+    xp = x.new_zeros(padded, x.shape[1])
+    xp[:rows] = x
+    out = x.new_empty(padded, weight.shape[0])
+    wt = weight.t()
+    for start in range(0, padded, tile):
+        if bias is None:
+            torch.mm(xp[start : start + tile], wt, out=out[start : start + tile])
+        else:
+            torch.addmm(bias, xp[start : start + tile], wt, out=out[start : start + tile])
+    return out[:rows]
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` on 2-D input, batch-invariant when ``deterministic`` is set."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+        self.deterministic = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return tiled_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+# ---------------------------------------------------------------------------
+# int8: symmetric, one scale per output channel
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: returns (q [N, K] int8, scales [N] bfloat16), w ~ q * scale."""
+    w = weight.float()
+    absmax = w.abs().amax(dim=1).clamp(min=1e-8)
+    # Round the scale up to a bfloat16 value so the kernel's scale is exact and |w/scale| <= 127.
+    scales = _bf16_round_up(absmax / 127.0)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear over ``aten._weight_int8pack_mm`` (bfloat16 compute)."""
+
+    def __init__(
+        self,
+        weight_int8: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8.contiguous())
+        self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).clone())
+        self.out_dtype = out_dtype
+        self.deterministic = True  # the kernel is row-by-row: invariant either way
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> Int8Linear:
+        q, scales = quantize_int8(linear.weight.detach())
+        return cls(q, scales, linear.bias, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.to(torch.bfloat16).contiguous(), self.weight_int8, self.scales
+        )
+        y = y.to(self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 per-channel"
+
+
+# ---------------------------------------------------------------------------
+# int4: asymmetric groups of `group_size` input columns, packed for the CPU kernel
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int, name: str = "linear") -> None:
+    """Raise ValueError when the int4 kernel cannot take this weight with this group size."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(
+            f"int4 group size {group_size} does not divide in_features={in_features} of {name}; "
+            f"use a group size that divides it (one of {[g for g in INT4_GROUP_SIZES if in_features % g == 0]})"
+        )
+    if out_features % INT4_N_MULTIPLE:
+        raise ValueError(
+            f"int4 packing needs out_features divisible by {INT4_N_MULTIPLE}, {name} has {out_features}"
+        )
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric grouped int4 (gpt-fast convention).
+
+    Returns (q [N, K] int32 in 0..15, scales_and_zeros [K/group, N, 2] bfloat16) with
+    ``w ~ (q - 8) * scale + zero`` per group, the formula the CPU kernel uses.
+    """
+    n, k = weight.shape
+    check_int4_shape(n, k, group_size)
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo = w.amin(dim=-1, keepdim=True)
+    hi = w.amax(dim=-1, keepdim=True)
+    scales = _bf16_round_up((hi - lo).clamp(min=1e-8) / 15.0)
+    # The zero is the value of code 8; rounded to bfloat16 before the codes are chosen against it.
+    zeros = (lo + 8.0 * scales.float()).to(torch.bfloat16)
+    q = torch.round((w - zeros.float()) / scales.float() + 8.0).clamp(0, 15).to(torch.int32)
+    scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/group, N, 2]
+    return q.reshape(n, k), scales_and_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, K/group, 2]
+    w = (q.float().reshape(n, k // group_size, group_size) - 8.0) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(n, k)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only grouped int4 linear over ``aten._weight_int4pack_mm_for_cpu`` (bfloat16 compute)."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        group_size: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.out_features = packed.shape[0]
+        self.in_features = in_features
+        self.group_size = group_size
+        self.register_buffer("weight_int4", packed)  # [N, K/2] uint8, two codes per byte
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).clone())
+        self.out_dtype = out_dtype
+        self.deterministic = True  # the kernel is row-by-row: invariant either way
+
+    @classmethod
+    def from_linear(cls, linear: Linear, group_size: int, name: str = "linear") -> Int4Linear:
+        check_int4_shape(linear.out_features, linear.in_features, group_size, name)
+        q, sz = quantize_int4(linear.weight.detach(), group_size)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        return cls(packed, sz, group_size, linear.in_features, linear.bias, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16).contiguous(), self.weight_int4, self.group_size, self.scales_and_zeros
+        )
+        y = y.to(self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int4 group={self.group_size}"
+
+
+def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 >= x (x > 0), so a scale never shrinks below what the range needs."""
+    b = x.to(torch.bfloat16)
+    return torch.where(b.float() < x, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+
+
+# ---------------------------------------------------------------------------
+# Whole-model quantization and byte accounting
+
+
+@dataclass
+class QuantizationReport:
+    """Bytes of the linear layers' weights (and biases, scales, zeros) before and after quantization."""
+
+    mode: str
+    group_size: int | None
+    num_layers_quantized: int
+    linear_bytes_before: int
+    linear_bytes_after: int
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's own parameters and buffers."""
+    tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantize_linears(
+    model: nn.Module, mode: str, group_size: int = 64, skip: tuple[str, ...] = ("lm_head",)
+) -> QuantizationReport:
+    """Replace every ``Linear`` (except names in ``skip``) by its int8/int4 form, in place.
+
+    All layers are checked before any is replaced, so a bad group size leaves the model untouched.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip]
+    before = sum(module_bytes(m) for _, m in targets)
+    if mode == "none":
+        return QuantizationReport(mode, None, 0, before, before)
+    if mode == "int4":
+        for name, m in targets:
+            check_int4_shape(m.out_features, m.in_features, group_size, name)
+    after = 0
+    for name, m in targets:
+        q = Int8Linear.from_linear(m) if mode == "int8" else Int4Linear.from_linear(m, group_size, name)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
+        after += module_bytes(q)
+    return QuantizationReport(mode, group_size if mode == "int4" else None, len(targets), before, after)

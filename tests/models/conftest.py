@@ -1,0 +1,107 @@
+"""Session fixtures for the model tests: tiny random HF checkpoints and the SmolLM2 GGUF models.
+
+``tiny_checkpoint(family)`` -> (directory, transformers model): built once per
+session. qwen2 is saved sharded (several safetensors files + index).
+
+``smollm2`` -> LoadedModel of the default SmolLM2-135M-Instruct GGUF (float32,
+deterministic); skipped when the model package is not installed.
+``smollm2_hf`` -> the same GGUF loaded by transformers (the independent reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from decoder_test_helpers import make_hf_checkpoint
+
+from engine.loader.errors import ModelLoadError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SHARDED = {"qwen2": "40KB"}
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test on one intra-op thread.
+
+    Tiny models are all per-op overhead, and OpenMP's hand-off between two
+    threads multiplies it when the 2-core machine is busy (measured 10-30x);
+    invariance holds for any fixed thread count, and the kernel-level and
+    SmolLM2 tests keep the default count.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
+    built: dict[str, tuple[Path, Any]] = {}
+
+    def get(family: str) -> tuple[Path, Any]:
+        if family not in built:
+            directory = tmp_path_factory.mktemp(f"tiny-{family}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = make_hf_checkpoint(family, directory, max_shard_size=SHARDED.get(family))
+            built[family] = (directory, model)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from engine.loader.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path):
+    from engine.loader.load import load_model
+
+    return load_model(smollm2_path, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: Path):
+    """transformers' own GGUF loading of the same file (its config mapping, dequantization, un-permute)."""
+    import gguf
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    class PlainViewReader(GGUFReader):
+        # transformers parses the file twice with the stock reader, whose per-field np.memmap
+        # slicing costs about a minute for a 49k vocabulary here; reading the same bytes
+        # through a plain ndarray view is identical and several times faster.
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dt = np.dtype(dtype)
+            arr = plain[offset : offset + dt.itemsize * int(count)].view(dt)[: int(count)]
+            return arr.view(
+                arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order)
+            )
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.setattr(gguf, "GGUFReader", PlainViewReader)
+        # transformers rebuilds the same tensor-name map once per module; it is a pure function of its args.
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+        )
+    return model.eval()

@@ -1,0 +1,227 @@
+"""Deterministic mode: a row's result is bit-identical whatever batch, position or chunking it runs in.
+
+Kernel level: tiled_linear (float32 and bfloat16) and the packed int8/int4
+kernels, a row alone vs inside batches of random sizes at random positions.
+Model level: every position's logits for one-sequence-alone, all-in-one-batch,
+chunked prefill (7, 16, 256), token-by-token decode and random mixes of
+prefill chunks and decode tokens are equal with torch.equal; 32 sequences
+decoded greedily together give the same tokens and logits as each alone.
+The cost of the mode is measured and printed (tokens/s).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from decoder_test_helpers import (
+    Driver,
+    all_at_once,
+    chunked,
+    each_alone,
+    greedy_generate,
+    paged_cache,
+    prefill_then_decode_batched,
+    random_mix,
+    token_by_token,
+)
+
+from engine.loader.load import load_model
+from engine.models.batch_builder import SequenceChunk, build_forward_batch
+from engine.models.config import ModelConfig
+from engine.models.decoder import Decoder
+from engine.models.kv_cache import PagedKVCache
+from engine.models.linear import ROW_TILE, Int4Linear, Int8Linear, Linear, tiled_linear
+
+SHAPES = [(64, 256), (576, 1536), (1536, 576), (576, 8192)]  # (in, out): tiny, SmolLM2 MLP, down, a wide head
+
+
+def _rows_alone_vs_batched(fn, x: torch.Tensor, seed: int = 0) -> bool:
+    """fn on each row alone vs on random contiguous batches (random sizes, random offsets)."""
+    alone = torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(12):
+        m = int(torch.randint(1, x.shape[0] + 1, (1,), generator=g))
+        off = int(torch.randint(0, x.shape[0] - m + 1, (1,), generator=g))
+        if not torch.equal(fn(x[off : off + m]), alone[off : off + m]):
+            return False
+    perm = torch.randperm(x.shape[0], generator=g)
+    return torch.equal(fn(x[perm]), alone[perm])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
+def test_tiled_linear_rows_are_batch_invariant(shape, dtype) -> None:
+    k, n = shape
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(3 * ROW_TILE + 5, k, generator=g).to(dtype)
+    assert _rows_alone_vs_batched(lambda a: tiled_linear(a, w, None), x)
+    assert _rows_alone_vs_batched(lambda a: tiled_linear(a, w, b), x, seed=1)
+    torch.testing.assert_close(tiled_linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+
+
+def test_plain_gemm_is_not_batch_invariant_here() -> None:
+    """Why the tiles exist: on this CPU plain F.linear rows change with the batch (skip where they do not)."""
+    variants = 0
+    for k, n in SHAPES[1:3]:
+        w = torch.randn(n, k)
+        x = torch.randn(40, k)
+        variants += not _rows_alone_vs_batched(lambda a, w=w: F.linear(a, w), x)
+    if variants == 0:
+        pytest.skip("F.linear happens to be batch invariant on this CPU")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_packed_quantized_kernels_are_batch_invariant(mode: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(576, 1536, bias=True)
+    lin.weight.data.normal_(generator=g)
+    lin.bias.data.normal_(generator=g)
+    q = Int8Linear.from_linear(lin) if mode == "int8" else Int4Linear.from_linear(lin, 64)
+    x = torch.randn(45, 576, generator=g)
+    assert _rows_alone_vs_batched(q, x)
+
+
+# -- whole model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen3"])
+def tiny_model(request, tiny_checkpoint):
+    return load_model(tiny_checkpoint(request.param)[0], progress=False).model
+
+
+def _seqs(lens, seed=5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_bit_identical_across_schedules(tiny_checkpoint, dtype: str) -> None:
+    for family in ("mistral", "qwen3"):
+        model = load_model(tiny_checkpoint(family)[0], dtype=dtype, progress=False).model
+        seqs = _seqs((300, 1, 37, 16, 70))
+        ref = Driver(model, paged_cache(model, num_blocks=160)).run(seqs, each_alone)
+        schedules = {
+            "one batch": all_at_once,
+            "chunks of 256": chunked(256),
+            "chunks of 7": chunked(7),
+            "token by token": token_by_token,
+            "random mix 0": random_mix(0),
+            "random mix 1": random_mix(1),
+        }
+        for name, schedule in schedules.items():
+            out = Driver(model, paged_cache(model, num_blocks=160)).run(seqs, schedule)
+            for i, (a, b) in enumerate(zip(out, ref, strict=True)):
+                assert torch.equal(a, b), f"{family} {dtype}: sequence {i} differs under '{name}'"
+
+
+def test_logits_bit_identical_with_default_threads(tiny_checkpoint) -> None:
+    """The same property with the intra-op thread count the engine runs with (short, it is slow here)."""
+    model = load_model(tiny_checkpoint("mistral")[0], progress=False).model
+    seqs = _seqs((40, 1, 17))
+    ref = Driver(model, paged_cache(model, num_blocks=40)).run(seqs, each_alone)
+    for schedule in (chunked(16), random_mix(2)):
+        out = Driver(model, paged_cache(model, num_blocks=40)).run(seqs, schedule)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fast_mode_is_not_bit_identical(tiny_checkpoint) -> None:
+    """The schedule comparison above can fail: the fast kernels do differ between schedules."""
+    model = load_model(tiny_checkpoint("qwen3")[0], progress=False, deterministic=False).model
+    seqs = _seqs((300, 37, 70))
+    ref = Driver(model, paged_cache(model, num_blocks=160)).run(seqs, each_alone)
+    out = Driver(model, paged_cache(model, num_blocks=160)).run(seqs, token_by_token)
+    same = all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    if same:
+        pytest.skip("fast kernels happen to be schedule invariant on this CPU")
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_32_sequences_batched_equal_each_alone(tiny_model) -> None:
+    """The engine's requirement: greedy tokens (and logits) of 32 batched requests equal each run alone."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(0, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 40, (32,), generator=g)
+    ]
+    batched = greedy_generate(tiny_model, prompts, max_new_tokens=12)
+    alone = [greedy_generate(tiny_model, [p], max_new_tokens=12)[0] for p in prompts]
+    assert batched == alone
+    # Same logits too: all prompts prefilled together then decoded together, vs each alone.
+    seqs = [p + t for p, t in zip(prompts, batched, strict=True)]
+    lens = [len(p) for p in prompts]
+    together = Driver(tiny_model, paged_cache(tiny_model, num_blocks=600)).run(
+        seqs, prefill_then_decode_batched(lens)
+    )
+    each = Driver(tiny_model, paged_cache(tiny_model, num_blocks=600)).run(seqs, each_alone)
+    assert all(torch.equal(a, b) for a, b in zip(together, each, strict=True))
+
+
+# -- cost --------------------------------------------------------------------------------------
+
+TINY_CONFIG = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16)
+SMOLLM2_CONFIG = ModelConfig(
+    "llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, tie_word_embeddings=True
+)
+
+
+def measure_throughput(config: ModelConfig, num_tokens: int, deterministic: bool, reps: int = 2) -> float:
+    """Tokens/s of one forward with ``num_tokens`` new tokens: T<=32 as T decoding sequences
+    at context 128, larger T as one prefill chunk."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Decoder(config)
+    state = {k: torch.randn(v.shape) * 0.05 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = torch.ones(config.head_dim // 2)
+    model.set_deterministic(deterministic)
+    bs = 16
+    if num_tokens <= 32:
+        chunks = [SequenceChunk([3], 128, list(range(9 * i, 9 * i + 9))) for i in range(num_tokens)]
+    else:
+        chunks = [SequenceChunk(list(range(num_tokens)), 0, list(range(-(-num_tokens // bs))))]
+    cache = PagedKVCache(config.num_layers, 9 * 32 + 32, bs, config.num_kv_heads, config.head_dim)
+    batch = build_forward_batch(chunks, bs)
+    model(batch, cache)  # warm-up
+    start = time.perf_counter()
+    for _ in range(reps):
+        model(batch, cache)
+    return num_tokens * reps / (time.perf_counter() - start)
+
+
+def _report(name: str, config: ModelConfig) -> None:
+    default_threads = torch.get_num_threads()
+    try:
+        for threads in sorted({1, default_threads}):
+            torch.set_num_threads(threads)
+            for t in (1, 16, 256):
+                det = measure_throughput(config, t, True)
+                fast = measure_throughput(config, t, False)
+                print(
+                    f"{name} threads={threads} T={t:3d}: deterministic {det:9.1f} tok/s, "
+                    f"fast {fast:9.1f} tok/s, cost x{fast / det:.2f}"
+                )
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def test_deterministic_cost_tiny() -> None:
+    _report("tiny", TINY_CONFIG)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("PROTOSERVE_MODEL_BENCH"), reason="set PROTOSERVE_MODEL_BENCH=1 (about a minute)"
+)
+def test_deterministic_cost_smollm2_size() -> None:
+    _report("SmolLM2-135M size", SMOLLM2_CONFIG)
