@@ -24,7 +24,8 @@ def random_requests(rng: random.Random, count: int, max_prompt: int = 200) -> li
     reqs = []
     for i in range(count):
         prompt = [rng.randrange(256) for _ in range(rng.randint(1, max_prompt))]
-        sp = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0)
+        # Logprobs compared exactly catch a batch-dependent last bit even where the token does not flip.
+        sp = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, logprobs=True, top_logprobs=2)
         if i % 2:
             sp.temperature, sp.top_p, sp.seed = 0.9, 0.95, rng.randrange(2**31)
         reqs.append(GenerationRequest(f"req-{i}", prompt, sp))
@@ -42,6 +43,10 @@ def tokens(c: Completion) -> list[list[int]]:
     return [ch.token_ids for ch in c.choices]
 
 
+def logprobs(c: Completion) -> list:
+    return [ch.logprobs for ch in c.choices]
+
+
 def test_32_requests_batched_equal_alone(make_engine):
     """Greedy and seeded requests mixed in one batch, with chunked prefill beside decodes."""
     reqs = random_requests(fresh_rng(), 32)
@@ -57,19 +62,22 @@ def test_32_requests_batched_equal_alone(make_engine):
         [a] = alone_llm.run([clone(r, "-alone")])
         assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone ({r.sampling})"
         assert a.choices[0].text == b.choices[0].text
+        assert a.choices[0].logprobs == b.choices[0].logprobs, f"{r.request_id}: logprobs differ in the last bits"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_small_pool_preempts_and_matches_unconstrained(make_engine):
     rng = fresh_rng()
     reqs = [GenerationRequest(f"p{i}", [rng.randrange(256) for _ in range(rng.randint(20, 60))],
-                              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(8)]
+                              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True))
+            for i in range(8)]
     big = make_engine(max_kv_blocks=256)
     expected = LLM(engine=big).run([clone(r) for r in reqs])
     assert big.stats().preemptions_total == 0
     small = make_engine(max_kv_blocks=14, max_model_len=200)  # 224 slots for 8 x up to 100 tokens
     got = LLM(engine=small).run([clone(r) for r in reqs])
     assert [tokens(c) for c in got] == [tokens(c) for c in expected]
+    assert [logprobs(c) for c in got] == [logprobs(c) for c in expected]  # recompute is bit-exact
     assert small.stats().preemptions_total > 0
     assert sum(c.stats.preemptions for c in got) == small.stats().preemptions_total
     assert small.block_manager.num_free_blocks == 14
@@ -103,7 +111,8 @@ def test_shared_prefix_skips_cached_blocks_and_salt_isolates(make_engine):
     rng = fresh_rng()
     prefix = [rng.randrange(256) for _ in range(512)]
     first = GenerationRequest("a", prefix + [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
-    second = GenerationRequest("b", prefix + [9, 8, 7, 6], SamplingParams(max_tokens=8, temperature=0.0))
+    second = GenerationRequest("b", prefix + [9, 8, 7, 6], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                          logprobs=True))
     engine = make_engine()
     llm = LLM(engine=engine)
     llm.run([first])
@@ -112,7 +121,7 @@ def test_shared_prefix_skips_cached_blocks_and_salt_isolates(make_engine):
     assert b.stats.cached_prompt_tokens == 512
     assert engine.stats().prefix_cache_hits - hits_before == 512
     [fresh] = LLM(engine=make_engine(enable_prefix_caching=False)).run([clone(second)])
-    assert tokens(b) == tokens(fresh)
+    assert tokens(b) == tokens(fresh) and logprobs(b) == logprobs(fresh)
     other = clone(second, "-salted")
     other.cache_salt = b"another-tenant"
     [c] = llm.run([other])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_engine_batching import clone, fresh_rng, tokens
+from test_engine_batching import clone, fresh_rng, logprobs, tokens
 
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -31,7 +31,7 @@ def test_smollm2_32_requests_batched_equal_alone(smollm2):
     reqs = []
     for i in range(32):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        sp = SamplingParams(max_tokens=rng.randint(1, 4), temperature=0.0)
+        sp = SamplingParams(max_tokens=rng.randint(1, 4), temperature=0.0, logprobs=True)
         if i % 2:
             sp.temperature, sp.top_k, sp.seed = 0.8, 50, rng.randrange(2**31)
         reqs.append(GenerationRequest(f"s{i}", prompt, sp))
@@ -47,4 +47,5 @@ def test_smollm2_32_requests_batched_equal_alone(smollm2):
     for r, b in zip(reqs, batched, strict=True):
         [a] = alone.run([clone(r, "-alone")])
         assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone ({r.sampling})"
+        assert logprobs(a) == logprobs(b), f"{r.request_id}: logprobs differ in the last bits"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
