@@ -136,3 +136,21 @@ async def test_shutdown_cancels_pending_and_refuses_new(make_engine):
     with pytest.raises(EngineStoppedError):
         await eng.generate(long_request("late")).__anext__()
     assert eng.engine.block_manager.num_free_blocks == eng.engine.block_manager.num_blocks
+
+
+async def test_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine):
+    eng = AsyncEngine(make_engine(), model_name="tiny")
+    real = eng.engine.runner.execute
+
+    def explode(seqs, num_new_tokens):
+        raise RuntimeError("kernel exploded")
+
+    eng.engine.runner.execute = explode
+    with pytest.raises(RuntimeError, match="exploded"):
+        async for _ in eng.generate(long_request("boom", 5)):
+            pass
+    eng.engine.runner.execute = real
+    outs = [o async for o in eng.generate(long_request("after", 3))]
+    assert outs[-1].finished and outs[-1].deltas[0].finish_reason == FinishReason.LENGTH
+    assert eng.stats().kv_blocks_free == eng.stats().kv_blocks_total
+    await eng.shutdown()
