@@ -229,8 +229,12 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
+        from engine.loader.errors import ModelLoadError
+
         exc = load.exception()
-        log.error("could not load the model: %s", exc, exc_info=exc if not isinstance(exc, OSError) else None)
+        if not isinstance(exc, ModelLoadError | OSError):
+            # Not a bad path or checkpoint: a bug, so keep the traceback.
+            log.error("model loading failed", exc_info=exc)
         print(f"protoserve: could not load the model: {exc}", file=sys.stderr, flush=True)
         stopping.cancel()
         await app.stop()
