@@ -54,11 +54,15 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, help="context window cap in tokens [the model's]")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("PROTOSERVE_LOG_LEVEL", "INFO"),
+        help="[INFO or $PROTOSERVE_LOG_LEVEL]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="protoserve", description="gRPC-first LLM inference server.")
-    parser.add_argument("--log-level", default=os.environ.get("PROTOSERVE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the gRPC server (and the REST gateway when available)")
