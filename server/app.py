@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -135,10 +136,9 @@ class ServerApp:
         await server.start()
         self._server = server
         if self.http_gateway is not None and self.config.http_port is not None:
-            self._stop_http = await self.http_gateway(
-                self.grpc_target, self.config.host, self.config.http_port
-            )
-            self.http_port = self.config.http_port
+            http_port = self.config.http_port or _free_port(self.config.host)
+            self._stop_http = await self.http_gateway(self.grpc_target, self.config.host, http_port)
+            self.http_port = http_port
         return self.port
 
     async def load_model(self) -> None:
@@ -199,6 +199,13 @@ class ServerApp:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+def _free_port(host: str) -> int:
+    """A free port for ``--http-port 0``: the gateway hook takes a port, so pick one to report it."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = None) -> int:
