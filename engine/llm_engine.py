@@ -24,6 +24,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.stop_checker import check_token_stop
+from engine.tracing import RequestSpan
 
 
 @dataclass
@@ -136,12 +137,19 @@ class LLMEngine:
             raise QueueFullError(len(self.scheduler.waiting))
         state = RequestState(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
                              self._special_ids)
+        if req.trace is not None:
+            state.span = RequestSpan(req.trace, req, len(prepared.prompt_token_ids),
+                                     lambda: self._prompt_text(prepared.prompt_token_ids))
         seq = self._new_seq(state, 0, prepared.max_len)
         seq.num_pending_forks = req.sampling.n - 1
         self.requests[req.request_id] = state
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prepared.prompt_token_ids)
         self.counters.truncated_prompt_tokens += prepared.truncated
+
+    def _prompt_text(self, token_ids: list[int]) -> str:
+        """The prompt as text, for traces that opted in to content capture."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def _new_seq(self, state: RequestState, index: int, max_len: int, arrival: int | None = None) -> Sequence:
         req = state.request
@@ -175,6 +183,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.requests[seq.request_id].note_preempted()
         if not batch.is_empty:
             self._note_scheduled(batch, start)
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
@@ -240,7 +250,11 @@ class LLMEngine:
             out = state.make_output(now)
             if out is not None:
                 outputs.append(out)
+                if state.span is not None:
+                    state.span.output(out)
             if out is not None and out.finished:
+                if state.span is not None:
+                    state.span.finish(out.stats, [c.finish_reason for c in state.choices])
                 del self.requests[request_id]
                 if not state.cancelled:
                     self.counters.finished += 1

@@ -5,8 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import ContextPolicy, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tracing import RequestTrace
 
 
 @dataclass
@@ -15,6 +19,8 @@ class GenerationRequest:
 
     ``cache_salt`` keys the prefix cache: the server derives it from the
     authenticated identity so two identities never share cached KV blocks.
+    ``trace``, when set, makes the engine record a span for the request under
+    the caller's span (the step thread cannot see the caller's context).
     """
 
     request_id: str
@@ -24,6 +30,7 @@ class GenerationRequest:
     priority: int = 0  # higher runs first; FCFS within a level
     cache_salt: bytes = b""
     arrival_time: float = field(default_factory=time.monotonic)
+    trace: RequestTrace | None = None
 
 
 class FinishReason(StrEnum):
@@ -82,6 +89,8 @@ class RequestStats:
     kv_bytes: int = 0
     preemptions: int = 0
     truncated_prompt_tokens: int = 0
+    # Seconds between consecutive steps that gave this request tokens (all choices together).
+    inter_token_latencies_s: list[float] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:

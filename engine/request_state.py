@@ -23,6 +23,7 @@ from engine.request import (
 )
 from engine.sequence import Sequence
 from engine.stop_checker import StopStringMatcher
+from engine.tracing import RequestSpan
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: choice seeds far apart in the 64-bit space
 
@@ -123,9 +124,12 @@ class RequestState:
         self.stats = RequestStats(prompt_tokens=len(prompt_token_ids), truncated_prompt_tokens=truncated)
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
+        self.last_token: float | None = None
         self.cached_tokens_recorded = False
         self.cancelled = False
         self.output_sent_final = False
+        self.span: RequestSpan | None = None  # set by the engine for traced requests
+        self.awaiting_schedule = True  # queued, or preempted and queued again
 
     @property
     def finished(self) -> bool:
@@ -141,10 +145,26 @@ class RequestState:
         if prefix_hit_tokens is not None and not self.cached_tokens_recorded:
             self.stats.cached_prompt_tokens = prefix_hit_tokens
             self.cached_tokens_recorded = True
+        if self.awaiting_schedule:
+            self.awaiting_schedule = False
+            if self.span is not None:
+                self.span.scheduled(prefix_hit_tokens)
+
+    def note_preempted(self) -> None:
+        """One of its sequences lost its blocks (stats count preemptions per sequence at the end)."""
+        self.awaiting_schedule = True
+        if self.span is not None:
+            self.span.preempted()
 
     def note_token(self, now: float) -> None:
         if self.first_token is None:
             self.first_token = now
+            if self.span is not None:
+                self.span.first_token()
+        elif now > self.last_token:
+            # The n choices of one step share a timestamp: one interval per step, not per choice.
+            self.stats.inter_token_latencies_s.append(now - self.last_token)
+        self.last_token = now
 
     def note_blocks(self, block_bytes: int) -> None:
         """Track the most KV blocks held at once (shared prompt blocks counted once)."""
