@@ -164,6 +164,13 @@ def to_service_error(exc: BaseException) -> ServiceError:
     )
 
 
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code :func:`to_service_error` gives ``exc``, without logging (INTERNAL for the unknown)."""
+    if isinstance(exc, ServiceError | InvalidRequestError | ContextLengthError | QueueFullError | EngineStoppedError):
+        return to_service_error(exc).code
+    return grpc.StatusCode.INTERNAL
+
+
 def _pack(message) -> any_pb2.Any:
     detail = any_pb2.Any()
     detail.Pack(message)
