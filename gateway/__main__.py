@@ -1,4 +1,9 @@
-"""``python -m gateway --grpc-target HOST:PORT``: run the REST/JSON gateway on its own."""
+"""``python -m gateway --grpc-target HOST:PORT``: run the REST/JSON gateway on its own.
+
+Tracing follows the standard ``OTEL_*`` variables (see server.tracing_setup);
+``GET /metrics`` serves the gateway's own HTTP metrics, since the engine's
+live in the server process (``protoserve serve --metrics-port``).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,14 @@ def main() -> None:
     parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The SDK setup is shared with the server CLI; imported here only, so the
+    # gateway library itself depends on the OpenTelemetry API alone.
+    from server.tracing_setup import configure_tracing
+
+    try:
+        configure_tracing("protoserve-gateway")
+    except ValueError as exc:
+        parser.error(str(exc))
     run_gateway(
         args.host, args.port, args.grpc_target, settings=GatewaySettings(max_body_bytes=args.max_body_bytes)
     )

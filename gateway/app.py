@@ -1,7 +1,8 @@
 """The REST/JSON gateway: ASGI app factory and ways to run it with uvicorn.
 
 ``create_app(grpc_target)`` builds the app from the generated route table
-(``protoserve_gateway.routes``) and OpenAPI document (``gen/openapi.json``);
+(``protoserve_gateway.routes``) and OpenAPI document (``gen/openapi.json``),
+plus ``GET /metrics`` in Prometheus text format;
 ``start_gateway`` starts it in the running event loop and returns its stop
 function (the server CLI's hook, next to the gRPC server); ``serve_gateway``
 serves until cancelled; ``GatewayServer`` starts and stops it explicitly; ``run_gateway`` blocks and handles signals
@@ -16,8 +17,11 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
@@ -26,7 +30,12 @@ from starlette.routing import Route as StarletteRoute
 from gateway.runtime.channel import SharedChannel
 from gateway.runtime.docs import render_docs
 from gateway.runtime.handler import GatewayHandler, GatewaySettings
+from gateway.runtime.metrics import GatewayMetrics
 from gateway.runtime.route import Route
+from gateway.runtime.tracing import HttpTracing, installed_tracer_provider
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +60,34 @@ def create_app(
     settings: GatewaySettings | None = None,
     routes: Iterable[Route] | None = None,
     openapi_path: Path | None = None,
+    metrics_registry: CollectorRegistry | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> Starlette:
     """The gateway ASGI app calling the gRPC server at ``grpc_target`` (``host:port``).
 
-    Besides the generated routes it serves ``GET /openapi.json`` and a
-    self-contained ``GET /docs`` page. The gRPC channel opens on the first
-    request and closes with the app's lifespan.
+    Besides the generated routes it serves ``GET /openapi.json``, a
+    self-contained ``GET /docs`` page and ``GET /metrics``. The gRPC channel
+    opens on the first request and closes with the app's lifespan.
+
+    ``/metrics`` serves ``metrics_registry`` (inside ``protoserve serve``, the
+    server's: engine, request and latency metrics) with the gateway's own HTTP
+    metrics added to it. Standalone, without one, it serves a registry of the
+    gateway's HTTP and process metrics only; scrape the server's engine metrics
+    from ``protoserve serve --metrics-port``. ``tracer_provider`` None traces
+    with the global provider when one is installed, else not at all.
     """
     channel = SharedChannel(grpc_target)
+    registry = metrics_registry
+    if registry is None:
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+    provider = tracer_provider if tracer_provider is not None else installed_tracer_provider()
     handler = GatewayHandler(
-        generated_routes() if routes is None else routes, channel, settings or GatewaySettings()
+        generated_routes() if routes is None else routes,
+        channel,
+        settings or GatewaySettings(),
+        tracing=HttpTracing(provider),
+        metrics=GatewayMetrics(registry),
     )
     openapi_text = (openapi_path or generated_openapi_path()).read_text(encoding="utf-8")
     docs_page = render_docs(json.loads(openapi_text))
@@ -71,6 +98,11 @@ def create_app(
     async def docs(_: Request) -> Response:
         return HTMLResponse(docs_page)
 
+    async def metrics(request: Request) -> Response:
+        # Prometheus text, or OpenMetrics when the scraper asks for it.
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), headers={"content-type": content_type})
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
@@ -80,6 +112,7 @@ def create_app(
         routes=[
             StarletteRoute("/openapi.json", openapi, methods=["GET"]),
             StarletteRoute("/docs", docs, methods=["GET"]),
+            StarletteRoute("/metrics", metrics, methods=["GET"]),
             # Everything else is ours: the handler answers 404/405 in the route's error style.
             StarletteRoute("/{path:path}", handler),
         ],
@@ -117,9 +150,16 @@ class GatewayServer:
         settings: GatewaySettings | None = None,
         handle_signals: bool = False,
         log_level: str = "warning",
+        metrics_registry: CollectorRegistry | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         config = uvicorn.Config(
-            create_app(grpc_target, settings=settings),
+            create_app(
+                grpc_target,
+                settings=settings,
+                metrics_registry=metrics_registry,
+                tracer_provider=tracer_provider,
+            ),
             host=host,
             port=port,
             log_level=log_level,
@@ -185,12 +225,22 @@ async def serve_gateway(
         await asyncio.shield(server.stop())
 
 
-async def start_gateway(grpc_target: str, host: str, port: int) -> Callable[[], Awaitable[None]]:
+async def start_gateway(
+    grpc_target: str,
+    host: str,
+    port: int,
+    *,
+    metrics_registry: CollectorRegistry | None = None,
+    tracer_provider: TracerProvider | None = None,
+) -> Callable[[], Awaitable[None]]:
     """Start the gateway in the running loop and return the coroutine function that stops it.
 
-    This is the hook ``protoserve serve --http-port`` calls (server.app.HttpGatewayStarter).
+    This is the hook ``protoserve serve --http-port`` calls (server.app.HttpGatewayStarter),
+    passing the server's metrics registry and tracer provider.
     """
-    server = GatewayServer(host, port, grpc_target)
+    server = GatewayServer(
+        host, port, grpc_target, metrics_registry=metrics_registry, tracer_provider=tracer_provider
+    )
     await server.start()
     return server.stop
 

@@ -2,7 +2,9 @@
 
 Per request: route (404/405), read the body within the size limit (413),
 bind the gRPC request (400), forward the identity and trace headers as
-metadata, then call. Unary answers are one JSON body; streams are framed per
+metadata, then call. When tracing, each request runs in the gateway's own
+SERVER span, whose context goes to the server in place of the incoming trace
+headers; with metrics, each answered request is counted by route and status. Unary answers are one JSON body; streams are framed per
 route. While a call runs, the client's connection is watched: a client that
 goes away cancels the gRPC call at once, so the server stops generating and
 frees the request's KV cache instead of finishing work nobody will read.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +29,10 @@ from gateway.runtime.binding import Call, bind_request
 from gateway.runtime.channel import SharedChannel
 from gateway.runtime.errors import HttpError, from_rpc_error, gateway_error
 from gateway.runtime.json_codec import dumps, message_to_json
+from gateway.runtime.metrics import GatewayMetrics
 from gateway.runtime.route import ErrorStyle, Framing, Route
 from gateway.runtime.router import Router, RoutingError
+from gateway.runtime.tracing import TRACE_HEADERS, HttpTracing
 
 log = logging.getLogger(__name__)
 
@@ -56,40 +61,69 @@ class _ClientGone(Exception):
     """The client disconnected before the gateway answered."""
 
 
+@dataclass(slots=True)
+class _Exchange:
+    """What one request turned out to be, for its span and metrics."""
+
+    route: Route | None = None
+    status: int | None = None  # None until the response starts
+
+
 class GatewayHandler:
     """ASGI app for the generated routes; one instance serves every request."""
 
-    def __init__(self, routes: Iterable[Route], channel: SharedChannel, settings: GatewaySettings) -> None:
+    def __init__(
+        self,
+        routes: Iterable[Route],
+        channel: SharedChannel,
+        settings: GatewaySettings,
+        tracing: HttpTracing | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.router = Router(routes)
         self.channel = channel
         self.settings = settings
-        self._forwarded = frozenset(name.lower().encode() for name in settings.forwarded_headers)
+        self.tracing = tracing or HttpTracing(None)
+        self.metrics = metrics
+        forwarded = frozenset(name.lower().encode() for name in settings.forwarded_headers)
+        # A tracing gateway sends its own span's context instead of the client's headers.
+        self._forwarded = forwarded - TRACE_HEADERS if self.tracing.enabled else forwarded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").split("?", 1)[0]
-        started = False
+        exchange = _Exchange()
+        began = time.monotonic()
 
         async def tracked_send(message: AsgiMessage) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start" and exchange.status is None:
+                exchange.status = message["status"]
             await send(message)
 
-        try:
-            await self._handle(scope, raw_path, receive, tracked_send)
-        except Exception:
-            # A gateway bug: log it, and still answer in the API's error style when we can.
-            log.exception("unexpected gateway error on %s %s", scope["method"], raw_path)
-            if not started:
-                error = gateway_error(code_pb2.INTERNAL, "internal gateway error")
-                await _send_error(send, error, self.router.style_for_path(raw_path))
+        with self.tracing.request_span(scope, raw_path) as span:
+            try:
+                await self._handle(scope, raw_path, receive, tracked_send, exchange)
+            except Exception:
+                # A gateway bug: log it, and still answer in the API's error style when we can.
+                log.exception("unexpected gateway error on %s %s", scope["method"], raw_path)
+                if exchange.status is None:
+                    error = gateway_error(code_pb2.INTERNAL, "internal gateway error")
+                    await _send_error(tracked_send, error, self.router.style_for_path(raw_path))
+            finally:
+                route = exchange.route.path.openapi_path() if exchange.route is not None else None
+                self.tracing.finish(span, scope["method"], route, exchange.status)
+                if self.metrics is not None:
+                    self.metrics.observe(route, scope["method"], exchange.status, time.monotonic() - began)
 
-    async def _handle(self, scope: Scope, raw_path: str, receive: Receive, send: Send) -> None:
+    async def _handle(
+        self, scope: Scope, raw_path: str, receive: Receive, send: Send, exchange: _Exchange
+    ) -> None:
         style = self.router.style_for_path(raw_path)
         try:
             match = self.router.resolve(scope["method"], raw_path)
             route = match.route
+            exchange.route = route
             style = route.error_style
             body = await self._read_body(scope, receive) if route.body else b""
             query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
@@ -138,6 +172,8 @@ class GatewayHandler:
                         code_pb2.INVALID_ARGUMENT, f"header {name.decode()} must be ASCII"
                     ) from None
                 metadata.append((name.decode(), text))
+        if self.tracing.enabled:
+            self.tracing.inject(metadata)
         return metadata
 
     def _timeout(self, scope: Scope) -> float | None:
