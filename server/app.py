@@ -17,7 +17,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,17 +25,25 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
-from protoserve.v1 import inference_pb2, inference_pb2_grpc
+from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
 from server.auth import Authenticator
 from server.frontend import Frontend, ModelCard
 from server.health import Readiness
 from server.inference_service import InferenceService
 from server.inflight import InflightRequests
+from server.metrics import ServerMetrics
+from server.metrics_http import MetricsHttpServer
+from server.metrics_service import MetricsService
 from server.model_registry import ModelRegistry
 from server.openai_service import OpenAIService
+from server.request_scope import RequestScopeInterceptor
+from server.telemetry import Telemetry, installed_tracer_provider
 from server.usage import UsageLedger
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+    from prometheus_client import CollectorRegistry
+
     from engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
@@ -50,14 +58,25 @@ SERVER_STOP_GRACE_S = 2.0
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,
+    metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
 )
 
 
 class HttpGatewayStarter(Protocol):
-    """Starts the REST gateway in front of the gRPC server; returns a coroutine function that stops it."""
+    """Starts the REST gateway in front of the gRPC server; returns a coroutine function that stops it.
+
+    The gateway serves ``metrics_registry`` at ``GET /metrics`` and traces with
+    ``tracer_provider`` (None: not at all).
+    """
 
     def __call__(
-        self, grpc_target: str, host: str, port: int
+        self,
+        grpc_target: str,
+        host: str,
+        port: int,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> Awaitable[Callable[[], Awaitable[None]]]: ...
 
 
@@ -76,10 +95,12 @@ class ServerConfig:
     api_keys_file: str | None = None
     grace_period_s: float = 10.0
     progress: bool = True
+    metrics_port: int | None = None  # Prometheus on a port of its own (0 picks one); None: not
+    trace_content: bool = False  # prompt and completion text in spans (opt-in)
 
 
 class ServerApp:
-    """The gRPC server with InferenceService, OpenAIService, health and reflection."""
+    """The gRPC server with InferenceService, OpenAIService, MetricsService, health and reflection."""
 
     def __init__(
         self,
@@ -87,17 +108,28 @@ class ServerApp:
         *,
         auth: Authenticator | None = None,
         http_gateway: HttpGatewayStarter | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
+        """``tracer_provider`` None traces with the global provider when one is installed (else not)."""
         self.config = config
         self.auth = auth if auth is not None else Authenticator.from_config(config.api_keys_file)
         self.usage = UsageLedger()
         self.models = ModelRegistry()
-        self.inflight = InflightRequests(self.usage)
+        self.metrics = ServerMetrics(self.models)
+        self.telemetry = Telemetry(
+            self.models,
+            self.metrics,
+            tracer_provider if tracer_provider is not None else installed_tracer_provider(),
+            capture_content=config.trace_content,
+        )
+        self.inflight = InflightRequests(self.usage, self.telemetry)
         self.readiness = Readiness(SERVICE_NAMES)
         self.http_gateway = http_gateway
         self.engine: AsyncEngine | None = None
         self.port: int | None = None
         self.http_port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_http: MetricsHttpServer | None = None
         self._owns_engine = False
         self._stop_http: Callable[[], Awaitable[None]] | None = None
         self._server: grpc.aio.Server | None = None
@@ -107,9 +139,23 @@ class ServerApp:
     def grpc_target(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    def _interceptors(self) -> list[Any]:
+        """Tracing (when on) outermost, so the request scope and handlers run inside the call's span."""
+        interceptors: list[Any] = []
+        if self.telemetry.tracer_provider is not None:
+            # Imported only when tracing: the instrumentation is not free to import.
+            from server.grpc_tracing import tracing_interceptors
+
+            interceptors += tracing_interceptors(self.telemetry.tracer_provider)
+        interceptors.append(
+            RequestScopeInterceptor(self.telemetry.request_finished, lambda md: self.auth.identify(md).id)
+        )
+        return interceptors
+
     async def start(self) -> int:
         """Bind and start serving health (NOT_SERVING) and reflection; returns the bound port."""
         server = grpc.aio.server(
+            interceptors=self._interceptors(),
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -120,6 +166,9 @@ class ServerApp:
         services = (self.models, self.auth, self.inflight, self.readiness)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
         openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(*services), server)
+        metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
+            MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
         reflection.enable_server_reflection(
             (
@@ -135,9 +184,18 @@ class ServerApp:
         await self.readiness.start()
         await server.start()
         self._server = server
+        if self.config.metrics_port is not None:
+            self._metrics_http = MetricsHttpServer(self.metrics.registry, self.config.host, self.config.metrics_port)
+            self.metrics_port = self._metrics_http.port
         if self.http_gateway is not None and self.config.http_port is not None:
             http_port = self.config.http_port or _free_port(self.config.host)
-            self._stop_http = await self.http_gateway(self.grpc_target, self.config.host, http_port)
+            self._stop_http = await self.http_gateway(
+                self.grpc_target,
+                self.config.host,
+                http_port,
+                metrics_registry=self.metrics.registry,
+                tracer_provider=self.telemetry.tracer_provider,
+            )
             self.http_port = http_port
         return self.port
 
@@ -189,6 +247,10 @@ class ServerApp:
         if self._stop_http is not None:
             await self._stop_http()
             self._stop_http = None
+        if self._metrics_http is not None:
+            # Its shutdown waits for the serving thread's poll: not on the event loop.
+            await asyncio.to_thread(self._metrics_http.stop)
+            self._metrics_http = None
         await self.readiness.close()
         if self._server is not None:
             await self._server.stop(SERVER_STOP_GRACE_S)
@@ -230,6 +292,8 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
         loop.add_signal_handler(signum, on_signal, signum)
     await app.start()
     http = f", http on {config.host}:{app.http_port}" if app.http_port is not None else ""
+    if app.metrics_port is not None:
+        http += f", metrics on {config.host}:{app.metrics_port}"
     print(f"protoserve listening on {app.grpc_target} (grpc){http}", flush=True)
 
     load = asyncio.create_task(app.load_model())

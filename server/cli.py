@@ -21,6 +21,8 @@ from server.frontend import ChatTurn, Frontend, ModelCard, new_request_id
 
 log = logging.getLogger("protoserve")
 
+TRACE_CONTENT_ENV = "PROTOSERVE_TRACE_CONTENT"
+
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -80,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--grace-period", type=float, default=10.0, help="seconds in-flight calls get on shutdown [10]"
     )
+    s.add_argument(
+        "--metrics-port", type=int, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
+    )
+    s.add_argument(
+        "--trace",
+        action="store_true",
+        help="export traces over OTLP even without OTEL_TRACES_EXPORTER/OTEL_EXPORTER_OTLP_ENDPOINT",
+    )
+    s.add_argument(
+        "--trace-content",
+        action="store_true",
+        default=os.environ.get(TRACE_CONTENT_ENV, "").lower() in ("1", "true", "yes"),
+        help=f"record prompt and completion text in spans [off; also ${TRACE_CONTENT_ENV}=1]",
+    )
 
     g = sub.add_parser("generate", help="generate from one prompt without a server, streaming to stdout")
     _add_model_flags(g)
@@ -128,7 +144,19 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         api_keys_file=args.api_keys_file,
         grace_period_s=args.grace_period,
         progress=not args.no_progress,
+        metrics_port=args.metrics_port,
+        trace_content=args.trace_content,
     )
+    from server.request_log import use_json_lines
+    from server.tracing_setup import configure_tracing
+
+    # Before the server starts: ServerApp and the gateway pick up the installed provider.
+    try:
+        configure_tracing("protoserve", force=args.trace)
+    except ValueError as exc:
+        print(f"protoserve: {exc}", file=sys.stderr)
+        return 2
+    use_json_lines()
     gateway = None if args.no_http else _http_gateway()
     if gateway is None and not args.no_http:
         log.info("REST gateway not available; serving gRPC only")

@@ -10,6 +10,10 @@ engine requests it starts, so
 * a deadline aborts them when it passes, even if gRPC has not cancelled the
   handler yet;
 * shutdown can stop admitting calls and wait for the running ones to finish.
+
+Each call is one request for accounting: it carries a RequestRecord that its
+engine requests fill in, and when it ends (however it ends) its usage goes to
+the ledger and the record to telemetry (metrics and the request log).
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import GenerationRequest, RequestOutput
+from engine.request import FinishReason, GenerationRequest, RequestOutput, RequestStats
 from server import errors
 from server.auth import Identity
+from server.request_record import RequestRecord
+from server.request_scope import current_scope
 from server.usage import UsageLedger
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from server.telemetry import Telemetry
 
 # How many finished (identity, request id) pairs to remember so that a late
 # Cancel answers cancelled=false instead of NOT_FOUND.
@@ -41,6 +48,7 @@ class Call:
     identity: Identity
     public_id: str
     deadline: float | None  # event-loop time, or None
+    record: RequestRecord
     engine_requests: dict[str, AsyncEngine] = field(default_factory=dict)
     generators: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     cancelled: bool = False
@@ -54,8 +62,9 @@ class Call:
 class InflightRequests:
     """The registry of running calls, keyed by (identity, public request id)."""
 
-    def __init__(self, usage: UsageLedger) -> None:
+    def __init__(self, usage: UsageLedger, telemetry: Telemetry | None = None) -> None:
         self.usage = usage
+        self.telemetry = telemetry
         self._calls: dict[tuple[str, str], Call] = {}
         self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._idle = asyncio.Event()
@@ -68,18 +77,27 @@ class InflightRequests:
     @contextlib.asynccontextmanager
     async def call(self, identity: Identity, public_id: str, deadline: float | None) -> AsyncIterator[Call]:
         """Open a call; on exit every engine request it started is closed (and so aborted)."""
-        if not self._accepting:
-            raise errors.draining()
+        record = self._new_record(identity, public_id)
         key = (identity.id, public_id)
-        if key in self._calls:
-            raise errors.invalid_argument(
-                [("request_id", f"{public_id!r} is already in use by a running request")]
-            )
-        call = Call(identity, public_id, deadline)
+        try:
+            if not self._accepting:
+                raise errors.draining()
+            if key in self._calls:
+                raise errors.invalid_argument(
+                    [("request_id", f"{public_id!r} is already in use by a running request")]
+                )
+        except errors.ServiceError as exc:
+            self._finish(record, exc, deadline)
+            raise
+        call = Call(identity, public_id, deadline, record)
         self._calls[key] = call
         self._idle.clear()
+        failure: BaseException | None = None
         try:
             yield call
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             # Shielded so a cancelled handler still aborts its engine requests.
             for gen in call.generators:
@@ -90,6 +108,23 @@ class InflightRequests:
                 self._finished.popitem(last=False)
             if not self._calls:
                 self._idle.set()
+            self._finish(record, failure, deadline)
+
+    def _new_record(self, identity: Identity, public_id: str) -> RequestRecord:
+        record = RequestRecord(public_id, identity.id)
+        scope = current_scope()
+        if scope is not None:
+            scope.opened += 1  # this request is recorded here, not as a refused call
+            record.method, record.operation = scope.method, scope.operation
+        return record
+
+    def _finish(self, record: RequestRecord, failure: BaseException | None, deadline: float | None) -> None:
+        passed = deadline is not None and asyncio.get_running_loop().time() >= deadline
+        record.finish(failure, deadline_passed=passed)
+        if record.prompt_tokens or record.output_tokens:
+            self.usage.record(record.identity_id, record.prompt_tokens, record.output_tokens)
+        if self.telemetry is not None:
+            self.telemetry.request_finished(record)
 
     def generate(
         self, call: Call, engine: AsyncEngine, request: GenerationRequest
@@ -104,19 +139,32 @@ class InflightRequests:
     ) -> AsyncIterator[RequestOutput]:
         rid = request.request_id
         call.engine_requests[rid] = engine
+        model = engine.model_name
+        record, telemetry = call.record, self.telemetry
+        record.model = record.model or model
+        if telemetry is not None:
+            request.trace = telemetry.request_trace(record)
         timer = None
         if call.deadline is not None:
             timer = asyncio.get_running_loop().call_at(call.deadline, engine.abort, rid)
         prompt_tokens = 0
         generated = 0
+        reasons: dict[int, FinishReason] = {}
+        stats: RequestStats | None = None
         try:
             async with contextlib.aclosing(engine.generate(request)) as outputs:
                 if call.cancelled:
                     # Cancel arrived between opening the call and submitting this request.
                     engine.abort(rid)
                 async for output in outputs:
+                    new_prompt = 0 if prompt_tokens else output.num_prompt_tokens
                     prompt_tokens = output.num_prompt_tokens or prompt_tokens
-                    generated += sum(len(d.token_ids) for d in output.deltas)
+                    new_tokens = sum(len(d.token_ids) for d in output.deltas)
+                    generated += new_tokens
+                    reasons.update((d.index, d.finish_reason) for d in output.deltas if d.finish_reason)
+                    stats = output.stats or stats
+                    if telemetry is not None:
+                        telemetry.tokens(model, new_prompt, new_tokens)
                     yield output
                     if output.finished:
                         break
@@ -124,8 +172,9 @@ class InflightRequests:
             if timer is not None:
                 timer.cancel()
             del call.engine_requests[rid]
-            if prompt_tokens or generated:
-                self.usage.record(call.identity.id, prompt_tokens, generated)
+            record.add_engine_request(prompt_tokens, generated, [reasons[i] for i in sorted(reasons)], stats)
+            if stats is not None and telemetry is not None:
+                telemetry.engine_request_finished(model, stats)
 
     def cancel(self, identity: Identity, public_id: str) -> bool:
         """Cancel the caller's request; NOT_FOUND if the caller has no such request."""

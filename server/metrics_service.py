@@ -1,0 +1,100 @@
+"""MetricsService: typed snapshots of the server's metrics over gRPC (and ``GET /v1/metrics`` via the gateway).
+
+A snapshot is about the default model (the first loaded) and the server: the
+engine's gauges and totals, requests by finish reason and status, latency
+percentiles, token throughput over the last minute, and usage per identity
+keyed by the identity hash. With auth on, a valid API key is required; the
+server does not have to be ready, so metrics can be watched while the model
+loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from protoserve.v1 import metrics_pb2 as pb
+from protoserve.v1 import metrics_pb2_grpc
+from server import errors
+from server.auth import Authenticator
+from server.health import Phase, Readiness
+from server.metric_windows import LatencyStats
+from server.metrics import ServerMetrics
+from server.model_registry import ModelRegistry
+from server.usage import UsageLedger
+
+DEFAULT_INTERVAL_MS = 1000
+MIN_INTERVAL_MS = 100
+
+
+def _summary(stats: LatencyStats) -> pb.LatencySummary:
+    return pb.LatencySummary(count=stats.count, p50=stats.p50, p90=stats.p90, p99=stats.p99, mean=stats.mean)
+
+
+class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
+    """GetMetrics and WatchMetrics."""
+
+    def __init__(
+        self,
+        models: ModelRegistry,
+        auth: Authenticator,
+        metrics: ServerMetrics,
+        usage: UsageLedger,
+        readiness: Readiness,
+    ) -> None:
+        self.models = models
+        self.auth = auth
+        self.metrics = metrics
+        self.usage = usage
+        self.readiness = readiness
+
+    def snapshot(self) -> pb.MetricsSnapshot:
+        """The metrics of the default model and of the server, now."""
+        snap = pb.MetricsSnapshot(timestamp=time.time())
+        frontends = self.models.all()
+        if frontends:
+            frontend = frontends[0]
+            name, stats = frontend.name, frontend.engine.stats()
+            snap.model = name
+            snap.num_requests_running = stats.running
+            snap.num_requests_waiting = stats.waiting
+            snap.kv_cache_usage = stats.kv_usage
+            snap.prompt_tokens_total = stats.prompt_tokens_total
+            snap.generation_tokens_total = stats.generation_tokens_total
+            snap.prefix_cache_queries = stats.prefix_cache_queries
+            snap.prefix_cache_hits = stats.prefix_cache_hits
+            snap.preemptions_total = stats.preemptions_total
+            snap.requests_by_finish_reason.update(self.metrics.requests_by_finish_reason(name))
+            snap.requests_by_status.update(self.metrics.requests_by_status(name))
+            for key, latency in self.metrics.latencies(name).items():
+                getattr(snap, key).CopyFrom(_summary(latency))
+            snap.prompt_throughput, snap.generation_throughput = self.metrics.throughput(name)
+        for identity, usage in self.usage.snapshot().items():
+            snap.usage_by_identity[identity].CopyFrom(
+                pb.IdentityUsage(
+                    requests=usage.requests, input_tokens=usage.input_tokens, output_tokens=usage.output_tokens
+                )
+            )
+        return snap
+
+    @errors.reports_errors
+    async def GetMetrics(self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext):
+        """One snapshot."""
+        self.auth.identify(context.invocation_metadata())
+        return pb.GetMetricsResponse(snapshot=self.snapshot())
+
+    @errors.reports_errors
+    async def WatchMetrics(self, request: pb.WatchMetricsRequest, context: grpc.aio.ServicerContext) -> None:
+        """A snapshot now and one per interval, until the client leaves or the server drains."""
+        self.auth.identify(context.invocation_metadata())
+        interval_ms = request.interval_ms or DEFAULT_INTERVAL_MS
+        if interval_ms < MIN_INTERVAL_MS:
+            raise errors.invalid_argument([("interval_ms", f"must be at least {MIN_INTERVAL_MS}")])
+        while True:
+            await context.write(pb.WatchMetricsResponse(snapshot=self.snapshot()))
+            await asyncio.sleep(interval_ms / 1000)
+            if self.readiness.phase is Phase.DRAINING:
+                # End cleanly so shutdown does not wait on a stream that never finishes.
+                return

@@ -1,0 +1,43 @@
+"""The request log: one JSON line per finished request on the ``protoserve.requests`` logger.
+
+A line looks like::
+
+    {"event":"request_finished","request_id":"req-…","identity":"3f2a…","method":"/protoserve.v1.InferenceService/Generate",
+     "model":"SmolLM2-135M-Instruct","operation":"text_completion","status":"OK","status_code":0,
+     "finish_reason":"length","choice_finish_reasons":["length"],"prompt_tokens":7,"output_tokens":16,
+     "cached_prompt_tokens":0,"started_at":1763770000.123456,"queue_time_s":0.0012,
+     "time_to_first_token_s":0.031,"prefill_time_s":0.03,"decode_time_s":0.4,"e2e_time_s":0.44}
+
+(on one line). ``identity`` is the identity hash, never the API key; no prompt
+or completion text is logged. Failed requests add ``"error"``, the message the
+caller got. The lines are logged at INFO, so ``--log-level WARNING`` silences
+them; :func:`use_json_lines` makes the logger write bare JSON lines (no
+timestamp prefix) so log shippers can parse them as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import TextIO
+
+from server.request_record import RequestRecord
+
+LOGGER_NAME = "protoserve.requests"
+log = logging.getLogger(LOGGER_NAME)
+
+
+def log_request(record: RequestRecord) -> None:
+    """Write the record's line (skipped cheaply when INFO is off for the logger)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info(json.dumps(record.log_fields(), separators=(",", ":"), ensure_ascii=False))
+
+
+def use_json_lines(stream: TextIO | None = None) -> logging.Handler:
+    """Send request lines to ``stream`` (stderr) as bare JSON, apart from the formatted server log."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    return handler
