@@ -22,7 +22,12 @@ from engine.loader.errors import ModelLoadError
 from engine.loader.hf_checkpoint import load_hf_tensors, open_hf_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder, expected_hf_shapes
-from engine.models.linear import INT4_GROUP_SIZES, QUANTIZATION_MODES, quantize_linears
+from engine.models.linear import (
+    DEFAULT_INT4_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    QUANTIZATION_MODES,
+    quantize_linears,
+)
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
@@ -53,7 +58,7 @@ def load_model(
     path: str | os.PathLike[str] | None = None,
     dtype: str = "float32",
     quantization: str = "none",
-    group_size: int = 64,
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
     progress: bool = True,
     deterministic: bool = True,
     load_tokenizer: bool = True,

@@ -69,49 +69,43 @@ def build_tile_plan(
     batch: ForwardBatch, block_size: int, sliding_window: int | None, num_heads_per_kv: int, num_kv_heads: int
 ) -> TilePlan:
     """Cut the batch into query tiles and list each tile's key blocks, in ascending order."""
-    tile_rows: list[torch.Tensor] = []
-    tile_pos: list[torch.Tensor] = []
-    tile_seq: list[int] = []
     starts = batch.query_start_loc.tolist()
-    for i, n_new in enumerate(batch.query_lens_list):
-        first = batch.seq_lens_list[i] - n_new
-        for t0 in range(0, n_new, QUERY_TILE):
-            n = min(QUERY_TILE, n_new - t0)
-            rows = torch.zeros(QUERY_TILE, dtype=torch.long)
-            rows[:n] = torch.arange(starts[i] + t0, starts[i] + t0 + n)
-            pos = torch.full((QUERY_TILE,), -1, dtype=torch.long)
-            pos[:n] = torch.arange(first + t0, first + t0 + n)
-            tile_rows.append(rows)
-            tile_pos.append(pos)
-            tile_seq.append(i)
-    n_tiles = len(tile_rows)
-    rows_t = torch.stack(tile_rows) if n_tiles else torch.zeros(0, QUERY_TILE, dtype=torch.long)
-    pos_t = torch.stack(tile_pos) if n_tiles else torch.zeros(0, QUERY_TILE, dtype=torch.long)
-
-    # Pairs: for each tile, every key block holding a key visible to one of its queries.
+    tile_row0: list[int] = []  # first row of T in the tile
+    tile_pos0: list[int] = []  # position of that row in its sequence
+    tile_len: list[int] = []  # real (unpadded) queries in the tile
     pair_tile: list[int] = []
     pair_seq: list[int] = []
     pair_block: list[int] = []
     tile_pairs: list[int] = []
-    for t in range(n_tiles):
-        valid_pos = pos_t[t][pos_t[t] >= 0]
-        lo_pos = int(valid_pos.min())
-        hi_pos = int(valid_pos.max())
-        first_key = 0 if sliding_window is None else max(0, lo_pos - sliding_window + 1)
-        blocks = range(first_key // KEY_BLOCK, hi_pos // KEY_BLOCK + 1)
-        pair_tile.extend([t] * len(blocks))
-        pair_seq.extend([tile_seq[t]] * len(blocks))
-        pair_block.extend(blocks)
-        tile_pairs.append(len(blocks))
+    for i, n_new in enumerate(batch.query_lens_list):
+        first = batch.seq_lens_list[i] - n_new
+        for t0 in range(0, n_new, QUERY_TILE):
+            n = min(QUERY_TILE, n_new - t0)
+            lo, hi = first + t0, first + t0 + n - 1  # the tile's query positions
+            # Every key block holding a key visible to one of the tile's queries.
+            first_key = 0 if sliding_window is None else max(0, lo - sliding_window + 1)
+            blocks = range(first_key // KEY_BLOCK, hi // KEY_BLOCK + 1)
+            pair_tile.extend([len(tile_len)] * len(blocks))
+            pair_seq.extend([i] * len(blocks))
+            pair_block.extend(blocks)
+            tile_pairs.append(len(blocks))
+            tile_row0.append(starts[i] + t0)
+            tile_pos0.append(lo)
+            tile_len.append(n)
+    n_tiles = len(tile_len)
+    slot = torch.arange(QUERY_TILE)
+    valid = slot < torch.tensor(tile_len, dtype=torch.long).reshape(-1, 1)
+    rows_t = torch.where(valid, torch.tensor(tile_row0, dtype=torch.long).reshape(-1, 1) + slot, 0)
+    pos_t = torch.where(valid, torch.tensor(tile_pos0, dtype=torch.long).reshape(-1, 1) + slot, -1)
+
     pair_tile_t = torch.tensor(pair_tile, dtype=torch.long)
-    key_pos = torch.tensor(pair_block, dtype=torch.long)[:, None] * KEY_BLOCK + torch.arange(KEY_BLOCK)
+    key_pos = torch.tensor(pair_block, dtype=torch.long).reshape(-1, 1) * KEY_BLOCK + torch.arange(KEY_BLOCK)
     tables = batch.block_tables.long()
     table_idx = (key_pos // block_size).clamp(max=tables.shape[1] - 1)  # beyond the table: masked anyway
-    seq_idx = torch.tensor(pair_seq, dtype=torch.long)[:, None]
+    seq_idx = torch.tensor(pair_seq, dtype=torch.long).reshape(-1, 1)
     pair_slots = tables[seq_idx, table_idx] * block_size + key_pos % block_size
-    pair_visible = visible_mask(
-        pos_t[pair_tile_t], key_pos, sliding_window
-    )  # padding rows (pos -1) see nothing
+    # Padding slots have position -1 and so see no key.
+    pair_visible = visible_mask(pos_t[pair_tile_t], key_pos, sliding_window)
 
     # Chunks of whole tiles whose scores fit the budget.
     per_pair = num_kv_heads * num_heads_per_kv * QUERY_TILE * KEY_BLOCK
@@ -124,7 +118,7 @@ def build_tile_plan(
         p_count += n_pairs
     if n_tiles:
         chunks.append((t_start, n_tiles, p_start, p_start + p_count))
-    return TilePlan(rows_t, pos_t >= 0, pair_tile_t, pair_slots, pair_visible, chunks)
+    return TilePlan(rows_t, valid, pair_tile_t, pair_slots, pair_visible, chunks)
 
 
 def tiled_attention(

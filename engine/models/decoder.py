@@ -278,14 +278,10 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def weight_bytes(self) -> int:
-        """Bytes of all parameters and buffers (a tied embedding counted once)."""
-        seen: set[int] = set()
-        total = 0
-        for t in [*self.parameters(), *self.buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        return total
+        """Bytes of the checkpoint-derived tensors (state dict: packed weights and scales included,
+        the rope table not), a tied embedding counted once."""
+        unique = {t.data_ptr(): t for t in self.state_dict().values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def has_o_bias(config: ModelConfig) -> bool:

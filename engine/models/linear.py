@@ -34,6 +34,9 @@ ROW_TILE = 16
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# 32 divides every hidden size in use, and the default SmolLM2 GGUF is itself Q4_1 in groups of
+# 32, which int4/32 reproduces almost exactly (measured: mean |logit error| 0.20 vs 1.79 at 64).
+DEFAULT_INT4_GROUP_SIZE = 32
 # The int4 packing kernel interleaves output channels in groups of 16.
 INT4_N_MULTIPLE = 16
 
@@ -246,7 +249,10 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def quantize_linears(
-    model: nn.Module, mode: str, group_size: int = 64, skip: tuple[str, ...] = ("lm_head",)
+    model: nn.Module,
+    mode: str,
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    skip: tuple[str, ...] = ("lm_head",),
 ) -> QuantizationReport:
     """Replace every ``Linear`` (except names in ``skip``) by its int8/int4 form, in place.
 

@@ -5,6 +5,7 @@ session. qwen2 is saved sharded (several safetensors files + index).
 
 ``smollm2`` -> LoadedModel of the default SmolLM2-135M-Instruct GGUF (float32,
 deterministic); skipped when the model package is not installed.
+``smollm2_chat`` -> (prompt ids of a chat-templated prompt, our 32 greedy tokens after it).
 ``smollm2_hf`` -> the same GGUF loaded by transformers (the independent reference).
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from decoder_test_helpers import make_hf_checkpoint
+from decoder_test_helpers import greedy_generate, make_hf_checkpoint
 
 from engine.loader.errors import ModelLoadError
 
@@ -73,6 +74,18 @@ def smollm2(smollm2_path: Path):
     from engine.loader.load import load_model
 
     return load_model(smollm2_path, progress=False)
+
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+GREEDY_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat(smollm2) -> tuple[list[int], list[int]]:
+    """A chat-templated prompt's ids and our float32 model's 32 greedy tokens after it."""
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(CHAT))
+    return prompt, greedy_generate(smollm2.model, [prompt], GREEDY_TOKENS)[0]
 
 
 @pytest.fixture(scope="session")

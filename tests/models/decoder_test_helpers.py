@@ -40,7 +40,7 @@ def hf_tiny_config(family: str):
     """A transformers config of one family, with the variant each family tests."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    if family == "llama":  # Llama 3.x rope scaling; original context small so positions cross the bands
+    if family == "llama":  # llama3 rope scaling, original context small so positions cross its bands
         scaling = {
             "rope_type": "llama3",
             "factor": 8.0,
@@ -48,7 +48,10 @@ def hf_tiny_config(family: str):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,
         }
-        return LlamaConfig(**TINY, rope_parameters={"rope_theta": 50000.0, **scaling})
+        # Llama 2 style multi-head attention (as many KV heads as query heads).
+        return LlamaConfig(
+            **{**TINY, "num_key_value_heads": 4}, rope_parameters={"rope_theta": 50000.0, **scaling}
+        )
     if family == "mistral":
         return MistralConfig(**TINY, sliding_window=MISTRAL_WINDOW)
     if family == "qwen2":  # q/k/v biases, tied embeddings

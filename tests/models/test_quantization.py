@@ -1,0 +1,141 @@
+"""Weight-only int8 / int4: rounding, packed kernels, bytes, bad group sizes, and quality on SmolLM2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache
+
+from engine.loader.load import load_model
+from engine.models.linear import (
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    check_int4_shape,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+)
+
+
+def _linear(in_features: int, out_features: int, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(in_features, out_features, bias=True)
+    lin.weight.data.normal_(generator=g)
+    lin.bias.data.normal_(generator=g)
+    return lin
+
+
+def test_int8_rounding() -> None:
+    w = torch.randn(96, 576) * torch.rand(96, 1)  # channels of different scales
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and q.abs().max() <= 127
+    err = (dequantize_int8(q, scales) - w).abs()
+    assert (err <= scales.float()[:, None] * 0.5 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_rounding(group_size: int) -> None:
+    w = torch.randn(48, 256) + torch.linspace(-2, 2, 256)  # groups with offsets: asymmetric ranges
+    q, sz = quantize_int4(w, group_size)
+    assert q.min() >= 0 and q.max() <= 15 and sz.shape == (256 // group_size, 48, 2)
+    err = (dequantize_int4(q, sz, group_size) - w).abs().reshape(48, -1, group_size)
+    scale = sz[..., 0].float().t()[..., None]  # [N, groups, 1]
+    assert (err <= 0.6 * scale).all()  # half a step, plus the zero's bfloat16 rounding
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_packed_kernel_matches_dequantized_matmul(mode: str) -> None:
+    """The real packed kernels compute x @ dequant(W).T (in bfloat16) + b."""
+    lin = _linear(576, 192)
+    if mode == "int8":
+        q = Int8Linear.from_linear(lin)
+        w = dequantize_int8(q.weight_int8, q.scales)
+    else:
+        q = Int4Linear.from_linear(lin, 64)
+        w = dequantize_int4(*quantize_int4(lin.weight, 64), 64)
+    x = torch.randn(7, 576)
+    ref = x.to(torch.bfloat16).float() @ w.t() + lin.bias
+    out = q(x)
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_bad_group_size_is_a_clear_error(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("llama")  # hidden 64
+    with pytest.raises(ValueError, match=r"group size 128 does not divide in_features=64"):
+        load_model(path, quantization="int4", group_size=128, progress=False)
+    with pytest.raises(ValueError, match=r"must be one of"):
+        load_model(path, quantization="int4", group_size=48, progress=False)
+    with pytest.raises(ValueError, match=r"in_features=576 of mlp.down_proj.*one of \[32, 64\]"):
+        check_int4_shape(1536, 576, 128, "mlp.down_proj")
+
+
+def test_failed_quantization_leaves_model_untouched() -> None:
+    model = torch.nn.Sequential(_linear(64, 32), _linear(96, 32))
+    with pytest.raises(ValueError):
+        quantize_linears(model, "int4", 64, skip=())  # 64 does not divide 96
+    assert all(isinstance(m, Linear) for m in model)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_bytes_reported(tiny_checkpoint, mode: str) -> None:
+    path, _ = tiny_checkpoint("llama")
+    full = load_model(path, progress=False)
+    q = load_model(path, quantization=mode, progress=False)
+    assert full.linear_bytes_before == full.linear_bytes_after == q.linear_bytes_before
+    ratio = q.linear_bytes_after / q.linear_bytes_before
+    # int8: 1 byte per weight + a bf16 scale per channel; int4/32: half a byte + 2 bf16 per 32 weights.
+    expected = 0.25 if mode == "int8" else 0.125 + 4 / (32 * 4)
+    assert expected <= ratio <= expected + 0.02, ratio
+    assert q.weight_bytes_after < q.weight_bytes_before == full.weight_bytes_before
+    print(f"tiny {mode}: linear bytes {q.linear_bytes_before} -> {q.linear_bytes_after} ({ratio:.3f})")
+
+
+# -- quality on the real model -----------------------------------------------------------------
+
+QUALITY_BOUNDS = {  # (mode, group size): (min top-1 agreement, max mean |logit error|)
+    ("int8", None): (0.85, 0.5),
+    ("int4", 32): (0.85, 0.5),
+    ("int4", 64): (0.4, 3.0),  # real 4-bit rounding error: the GGUF's Q4_1/32 grid does not fit groups of 64
+}
+
+
+def test_quantized_smollm2_quality(smollm2, smollm2_chat) -> None:
+    """Along the float32 model's greedy continuation (teacher-forced), how often each quantized model
+    picks the same token and how far its logits are; int8 also generates freely."""
+    prompt, continuation = smollm2_chat
+    full = smollm2.model
+    seq = prompt + continuation
+    positions = slice(len(prompt) - 1, len(seq) - 1)  # the 32 positions that chose the continuation
+
+    def logits(model) -> torch.Tensor:
+        return Driver(model, paged_cache(model, num_blocks=16, block_size=16)).run([seq], all_at_once)[0][
+            positions
+        ]
+
+    ref = logits(full)
+    for (mode, group), (min_agree, max_err) in QUALITY_BOUNDS.items():
+        model = copy.deepcopy(full)
+        report = quantize_linears(model, mode, group or 32)
+        out = logits(model)
+        agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        err = (out - ref).abs().mean().item()
+        line = (
+            f"SmolLM2 {mode}{'/' + str(group) if group else ''}: linear bytes {report.linear_bytes_before} -> "
+            f"{report.linear_bytes_after} ({report.linear_bytes_after / report.linear_bytes_before:.3f}); "
+            f"greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}"
+        )
+        if mode == "int8":
+            free = greedy_generate(model, [prompt], len(continuation))[0]
+            same = next(
+                (i for i, (a, b) in enumerate(zip(free, continuation, strict=True)) if a != b), len(free)
+            )
+            line += f", free-running greedy identical for {same}/{len(free)} tokens"
+        print(line)
+        assert agree >= min_agree and err <= max_err
+        del model
