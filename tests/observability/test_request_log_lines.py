@@ -1,0 +1,111 @@
+"""The request log: one JSON line per finished request on ``protoserve.requests``, no text, no keys."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import grpc
+import httpx
+import pytest
+from obs_stack import API_KEYS, MODEL_NAME, auth_headers, grpc_metadata
+
+from protoserve.v1 import inference_pb2 as pb
+from protoserve.v1 import inference_pb2_grpc
+from server.auth import identity_for
+from server.request_log import LOGGER_NAME
+from server.request_scope import operation_of
+
+PROMPT = "a prompt that must not be logged"
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.lines]
+
+
+@pytest.fixture
+def request_log():
+    logger = logging.getLogger(LOGGER_NAME)
+    handler, level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def stub(obs):
+    with grpc.insecure_channel(obs.grpc_target) as channel:
+        yield inference_pb2_grpc.InferenceServiceStub(channel)
+
+
+def test_one_line_per_finished_request(stub, request_log):
+    user = f"log-{uuid.uuid4().hex[:8]}"
+    request = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
+    response = stub.Generate(request, metadata=grpc_metadata(user_id=user), timeout=60)
+    [line] = request_log.lines
+    record = json.loads(line)
+    assert record["request_id"] == response.request_id
+    assert record["identity"] == identity_for(API_KEYS[0], user).id
+    assert record["method"] == "/protoserve.v1.InferenceService/Generate"
+    assert record["model"] == MODEL_NAME and record["operation"] == "text_completion"
+    assert (record["status"], record["status_code"]) == ("OK", 0)
+    assert record["finish_reason"] == "length" and record["choice_finish_reasons"] == ["length"]
+    assert record["prompt_tokens"] == response.usage.prompt_tokens
+    assert record["output_tokens"] == 4
+    for timing in ("queue_time_s", "time_to_first_token_s", "prefill_time_s", "decode_time_s", "e2e_time_s"):
+        assert record[timing] >= 0, timing
+    assert record["e2e_time_s"] >= record["time_to_first_token_s"] > 0
+    assert PROMPT not in line and API_KEYS[0] not in line and user not in line
+
+
+def test_failures_and_batches(obs, stub, request_log):
+    bad = pb.GenerateRequest(prompt="x", request_id="bad-one", sampling=pb.SamplingParams(temperature=-1))
+    with pytest.raises(grpc.RpcError):
+        stub.Generate(bad, metadata=grpc_metadata(), timeout=60)
+    batch = pb.BatchRequest(
+        requests=[
+            pb.GenerateRequest(prompt="one", request_id="item-1", sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True)),
+            pb.GenerateRequest(prompt="two", request_id="item-2", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)),
+        ]
+    )
+    stub.Batch(batch, metadata=grpc_metadata(), timeout=60)
+    # Refused before any request opened: OpenAI's parameter checks and a wrong key.
+    bad_openai = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "top_k": -5}
+    httpx.post(obs.http_url + "/v1/chat/completions", json=bad_openai, headers=auth_headers(), timeout=30)
+    httpx.post(obs.http_url + "/v1/generate", json={"prompt": "x"}, headers=auth_headers("wrong"), timeout=30)
+
+    failed, first, second, chat, unauthenticated = request_log.records()
+    assert failed["request_id"] == "bad-one"
+    assert (failed["status"], failed["finish_reason"]) == ("INVALID_ARGUMENT", "error")
+    assert "sampling.temperature" in failed["error"] and failed["output_tokens"] == 0
+    # Batch items are requests of their own, each with its own line.
+    items = {r["request_id"]: r for r in (first, second)}
+    assert {r["method"] for r in items.values()} == {"/protoserve.v1.InferenceService/Batch"}
+    assert (items["item-1"]["output_tokens"], items["item-2"]["output_tokens"]) == (2, 3)
+    assert chat["method"] == "/protoserve.openai.v1.OpenAIService/CreateChatCompletion"
+    assert (chat["operation"], chat["status"], chat["model"]) == ("chat", "INVALID_ARGUMENT", MODEL_NAME)
+    assert (unauthenticated["status"], unauthenticated["identity"]) == ("UNAUTHENTICATED", "")
+
+
+def test_operation_names():
+    chat = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")]))
+    text = pb.GenerateRequest(prompt="hi")
+    generate = "/protoserve.v1.InferenceService/Generate"
+    assert operation_of(generate, chat) == "chat"
+    assert operation_of(generate, text) == "text_completion"
+    assert operation_of("/protoserve.v1.InferenceService/GenerateStream", pb.GenerateStreamRequest(request=chat)) == "chat"
+    assert operation_of("/protoserve.v1.InferenceService/Batch", pb.BatchRequest(requests=[chat, text])) == (
+        "text_completion"
+    )
+    assert operation_of("/protoserve.v1.InferenceService/Batch", pb.BatchRequest(requests=[chat])) == "chat"
