@@ -34,9 +34,19 @@ def log_request(record: RequestRecord) -> None:
         log.info(json.dumps(record.log_fields(), separators=(",", ":"), ensure_ascii=False))
 
 
+class _JsonLines(logging.StreamHandler):
+    """The handler :func:`use_json_lines` installs (a class of its own so it is installed once)."""
+
+
 def use_json_lines(stream: TextIO | None = None) -> logging.Handler:
-    """Send request lines to ``stream`` (stderr) as bare JSON, apart from the formatted server log."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+    """Send request lines to ``stream`` (stderr) as bare JSON, apart from the formatted server log.
+
+    Idempotent: a second call (a second server in the process) reuses the handler.
+    """
+    for existing in log.handlers:
+        if isinstance(existing, _JsonLines):
+            return existing
+    handler = _JsonLines(stream or sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
     log.propagate = False
