@@ -361,8 +361,10 @@ def test_client_disconnect_mid_stream_cancels_the_call(fake_gateway, fake_backen
             first = next(response.iter_raw())
             assert first.startswith(b"data: ")
             left_at = time.monotonic()
-    assert _wait(fake_backend.log.cancelled), "the backend call was not cancelled"
-    assert fake_backend.log.stream_cancel_times[-1] - left_at < 1.0
+    # The scripted stream runs 10 s when nobody leaves; ending within half of that shows the
+    # disconnect, not the stream's own end, stopped it (generous bounds: this machine is shared).
+    assert _wait(fake_backend.log.cancelled, 8.0), "the backend call was not cancelled"
+    assert fake_backend.log.stream_cancel_times[-1] - left_at < 5.0
 
 
 def test_client_disconnect_during_unary_cancels_the_call(fake_gateway, fake_backend):
