@@ -82,7 +82,7 @@ run: install
 	@echo "protoserve: loading SmolLM2-135M-Instruct; once it says 'listening', try from another shell:"
 	@echo ""
 	@echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\"
-	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'"
 	@echo ""
 	@echo "  .venv/bin/python -c \"from protoserve_client import Client; print(Client('127.0.0.1:50051').generate('The capital of France is', max_tokens=16, temperature=0).text)\""
 	@echo ""
