@@ -55,7 +55,9 @@ def format_table(figures: Iterable[Figure]) -> str:
     for f in figures:
         sections.setdefault(f.section, []).append(f)
     all_rows = table_rows(figures)
-    widths = [max(len(h), *(len(r[i]) for r in all_rows)) if all_rows else len(h) for i, h in enumerate(HEADERS)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in all_rows)) if all_rows else len(h) for i, h in enumerate(HEADERS)
+    ]
 
     def line(cells: Sequence[str]) -> str:
         padded = [

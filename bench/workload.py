@@ -36,7 +36,9 @@ class RequestSpec:
 class NonceSource:
     """Unique token-id prefixes; unseeded (system entropy) so two runs never share one."""
 
-    def __init__(self, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE, length: int = NONCE_TOKENS) -> None:
+    def __init__(
+        self, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE, length: int = NONCE_TOKENS
+    ) -> None:
         self._rng = random.Random()
         self._low, self._high = token_range
         self.length = length
@@ -53,7 +55,9 @@ class NonceSource:
 class PromptFactory:
     """Prompts of a given length: a fresh nonce, then seeded random tokens."""
 
-    def __init__(self, nonces: NonceSource, seed: int = 0, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE):
+    def __init__(
+        self, nonces: NonceSource, seed: int = 0, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
+    ):
         self.nonces = nonces
         self.rng = random.Random(seed)
         self._low, self._high = token_range
