@@ -1,0 +1,72 @@
+"""Engine-direct runs: LLMEngine stepped in this process, no server, no threads between.
+
+This is what the engine itself can do; the gRPC and gateway figures are
+compared with it to see what the serving layers cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from bench.timeline import RequestTimeline
+from bench.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from engine.loader.load import LoadedModel
+
+_ids = itertools.count()
+
+
+def make_engine(loaded: LoadedModel, deterministic: bool) -> LLMEngine:
+    """An engine with the server's default settings, in deterministic (batch-invariant) or fast mode."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(loaded, EngineConfig(deterministic=deterministic))
+
+
+def run_requests(engine: LLMEngine, specs: Sequence[RequestSpec]) -> list[RequestTimeline]:
+    """Add every spec at once, step until all finish; one timeline per spec, in spec order.
+
+    All requests are "sent" at the same instant, so the aggregate tokens/s of
+    the timelines is the offline throughput (nano-vllm's figure).
+    """
+    from engine.request import GenerationRequest
+    from engine.sampling_params import SamplingParams
+
+    requests = [
+        GenerationRequest(
+            request_id=f"bench-{next(_ids)}",
+            prompt_token_ids=list(s.prompt_token_ids),
+            sampling=SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True),
+        )
+        for s in specs
+    ]
+    start = time.perf_counter()
+    timelines = {
+        r.request_id: RequestTimeline(sent=start, prompt_tokens=len(r.prompt_token_ids)) for r in requests
+    }
+    for r in requests:
+        engine.add_request(r)
+    pending = set(timelines)
+    while pending:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            timeline = timelines.get(out.request_id)
+            if timeline is None:
+                continue
+            timeline.add_chunk(now, sum(len(d.token_ids) for d in out.deltas))
+            if out.finished:
+                timeline.finish(now)
+                pending.discard(out.request_id)
+    return [timelines[r.request_id] for r in requests]
+
+
+def warm_up(engine: LLMEngine, specs: Sequence[RequestSpec]) -> None:
+    """Run a few requests unmeasured: first calls of each kernel shape allocate and pick code paths."""
+    run_requests(engine, specs)
