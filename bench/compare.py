@@ -1,0 +1,70 @@
+"""Comparison figures: one path over another, both measured in this run.
+
+``compare.grpc_vs_engine.*`` is what the gRPC server keeps of the engine's
+speed (target >= 0.95), ``compare.sse_vs_grpc.*`` what the gateway's SSE keeps
+of gRPC's (target >= 0.90), ``compare.det_vs_fast.*`` what deterministic
+(batch-invariant) kernels keep of the fast ones. For latencies the ratio is
+inverted, so above 1 always means the first path is better.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from bench.figures import Figure, skipped, speedup
+
+SECTION = "compare"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``name`` = figure ``numerator`` over figure ``denominator``."""
+
+    name: str
+    numerator: str
+    denominator: str
+
+
+def comparisons(names: Iterable[str]) -> list[Comparison]:
+    """Every comparison whose two figures are in ``names``, in a stable order."""
+    names = list(names)
+    present = set(names)
+    out: list[Comparison] = []
+
+    def add(name: str, numerator: str, denominator: str) -> None:
+        if numerator in present and denominator in present:
+            out.append(Comparison(name, numerator, denominator))
+
+    add("compare.grpc_vs_engine.decode", "decode.grpc", "decode.engine.fp32.det")
+    add("compare.sse_vs_grpc.decode", "decode.sse", "decode.grpc")
+    for name in names:
+        if m := re.fullmatch(r"prefill\.grpc\.(\d+)", name):
+            add(f"compare.grpc_vs_engine.prefill.{m[1]}", name, f"prefill.engine.fp32.det.{m[1]}")
+    for name in names:
+        if m := re.fullmatch(r"serving\.grpc\.((?:long_mix\.)?c\d+)", name):
+            key = m[1]
+            add(f"compare.grpc_vs_engine.{key}", name, f"serving.engine.{key}")
+            add(f"compare.sse_vs_grpc.{key}", f"serving.sse.{key}", name)
+            add(f"compare.openai_vs_grpc.{key}", f"serving.openai-sse.{key}", name)
+    for name in names:
+        if m := re.fullmatch(r"(decode|offline)\.engine\.([\w-]+)\.det", name):
+            add(f"compare.det_vs_fast.{m[1]}.{m[2]}", name, f"{m[1]}.engine.{m[2]}.fast")
+    return out
+
+
+def compare_figures(figures: Iterable[Figure]) -> list[Figure]:
+    """The comparison figures for whatever was measured; skipped ones when a side has no value."""
+    by_name = {f.name: f for f in figures}
+    out = []
+    for c in comparisons(by_name):
+        num, den = by_name[c.numerator], by_name[c.denominator]
+        details = {"of": c.numerator, "over": c.denominator}
+        if num.value is None or den.value is None:
+            missing = c.numerator if num.value is None else c.denominator
+            out.append(skipped(c.name, "ratio", SECTION, f"{missing} was not measured"))
+            continue
+        ratio = speedup(num.value, den.value, num.better)
+        out.append(Figure(name=c.name, value=ratio, unit="ratio", section=SECTION, details=details))
+    return out

@@ -1,0 +1,145 @@
+"""Profile: the sizes of one benchmark run (default, --full, or --smoke).
+
+The default run takes a few minutes on the 2-core machine; ``--full`` is the
+thorough one (nano-vllm's 256-request offline shape, more requests per load
+level, every variant in both engine modes); ``--smoke`` only checks the
+harness end to end on a busy machine, and its numbers mean little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.resources import Variant
+
+FP32 = Variant("float32", "none")
+BF16 = Variant("bfloat16", "none")
+INT8 = Variant("float32", "int8")
+INT4 = Variant("float32", "int4")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Every size and list of variants a run uses."""
+
+    name: str
+    repeats: int  # single-stream decode and prefill: median of this many runs
+    decode_prompt_len: int
+    decode_tokens: int
+    prefill_lengths: tuple[int, ...]
+    offline_requests: int
+    offline_prompt_len: tuple[int, int]  # uniform, inclusive
+    offline_output_len: tuple[int, int]
+    offline_hf_batch: int
+    concurrencies: tuple[int, ...]
+    serving_prompt_len: int
+    serving_max_tokens: int
+    requests_per_worker: int  # each load level sends concurrency * this many requests ...
+    min_requests: int  # ... but at least this many
+    level_max_seconds: float  # no new requests after this long at one level
+    long_mix_concurrency: int
+    long_mix_every: int  # every k-th request of the long-prompt mix ...
+    long_prompt_len: int  # ... has a prompt this long
+    long_mix_transformers: bool  # static batches padded to the long prompts are slow: --full only
+    openai_concurrencies: tuple[int, ...]
+    decode_variants: tuple[tuple[Variant, bool], ...]  # (variant, deterministic)
+    offline_variants: tuple[tuple[Variant, bool], ...]
+    prefill_variants: tuple[tuple[Variant, bool], ...]
+    server_variants: tuple[Variant, ...]  # servers besides fp32: single-stream decode and one load level
+    server_variant_concurrency: int
+
+    def level_requests(self, concurrency: int) -> int:
+        return max(self.min_requests, concurrency * self.requests_per_worker)
+
+
+def _both_modes(*variants: Variant) -> tuple[tuple[Variant, bool], ...]:
+    return tuple((v, det) for v in variants for det in (True, False))
+
+
+DEFAULT = Profile(
+    name="default",
+    repeats=3,
+    decode_prompt_len=32,
+    decode_tokens=128,
+    prefill_lengths=(512, 2048),
+    offline_requests=32,
+    offline_prompt_len=(64, 512),
+    offline_output_len=(32, 128),
+    offline_hf_batch=16,
+    concurrencies=(1, 4, 16, 64),
+    serving_prompt_len=64,
+    serving_max_tokens=64,
+    requests_per_worker=2,
+    min_requests=4,
+    level_max_seconds=60.0,
+    long_mix_concurrency=16,
+    long_mix_every=4,
+    long_prompt_len=1024,
+    long_mix_transformers=False,
+    openai_concurrencies=(16,),
+    decode_variants=_both_modes(FP32, BF16, INT8, INT4),
+    offline_variants=((FP32, True), (FP32, False), (BF16, True), (INT8, True), (INT4, True)),
+    prefill_variants=((FP32, True), (BF16, True)),
+    server_variants=(),
+    server_variant_concurrency=16,
+)
+
+FULL = Profile(
+    name="full",
+    repeats=5,
+    decode_prompt_len=32,
+    decode_tokens=512,
+    prefill_lengths=(512, 2048),
+    # nano-vllm's bench.py: 256 sequences, prompt and output lengths uniform from 100;
+    # outputs capped at 512 (not 1024) so the transformers baseline ends in minutes.
+    offline_requests=256,
+    offline_prompt_len=(100, 1024),
+    offline_output_len=(100, 512),
+    offline_hf_batch=16,
+    concurrencies=(1, 4, 16, 64),
+    serving_prompt_len=64,
+    serving_max_tokens=64,
+    requests_per_worker=8,
+    min_requests=16,
+    level_max_seconds=180.0,
+    long_mix_concurrency=16,
+    long_mix_every=4,
+    long_prompt_len=1024,
+    long_mix_transformers=True,
+    openai_concurrencies=(1, 4, 16, 64),
+    decode_variants=_both_modes(FP32, BF16, INT8, INT4),
+    offline_variants=_both_modes(FP32, BF16, INT8, INT4),
+    prefill_variants=_both_modes(FP32, BF16, INT8, INT4),
+    server_variants=(BF16, INT8, INT4),
+    server_variant_concurrency=16,
+)
+
+SMOKE = Profile(
+    name="smoke",
+    repeats=1,
+    decode_prompt_len=16,
+    decode_tokens=8,
+    prefill_lengths=(128, 512),
+    offline_requests=4,
+    offline_prompt_len=(16, 64),
+    offline_output_len=(4, 8),
+    offline_hf_batch=16,
+    concurrencies=(1, 4),
+    serving_prompt_len=64,
+    serving_max_tokens=8,
+    requests_per_worker=1,
+    min_requests=2,
+    level_max_seconds=60.0,
+    long_mix_concurrency=4,
+    long_mix_every=4,
+    long_prompt_len=512,
+    long_mix_transformers=False,
+    openai_concurrencies=(4,),
+    decode_variants=((FP32, True), (FP32, False)),
+    offline_variants=((FP32, True),),
+    prefill_variants=((FP32, True),),
+    server_variants=(),
+    server_variant_concurrency=4,
+)
+
+PROFILES = {p.name: p for p in (DEFAULT, FULL, SMOKE)}

@@ -1,0 +1,163 @@
+"""``make bench``: protoserve against itself and against transformers, side by side in one run.
+
+    python -m bench.run                    # default run: a few minutes on 2 cores
+    python -m bench.run --full             # the thorough run
+    python -m bench.run --only decode      # one section (offline, prefill, decode, serving)
+    python -m bench.run --json-out r.json  # also write every figure (and the run's metadata) here
+
+Prints a table, then one JSON line per figure, on stdout; progress goes to
+stderr. Every run is also saved under bench/results/ (gitignored), with the
+server logs. See bench/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.compare import compare_figures
+from bench.context import BenchContext
+from bench.figures import Figure, resolve
+from bench.profile import PROFILES, Profile
+from bench.report import format_table, json_lines
+from bench.runner import Step, run_steps
+from bench.sections import decode, offline, prefill, serving
+from bench.targets import targets_for
+
+SECTIONS = {
+    "offline": offline.steps,
+    "prefill": prefill.steps,
+    "decode": decode.steps,
+    "serving": serving.steps,
+}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+log = logging.getLogger("bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the thorough run (tens of minutes)")
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes: checks the harness end to end; the numbers mean little",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"run only this section (repeatable or comma-separated): {', '.join(SECTIONS)}",
+    )
+    parser.add_argument("--json-out", metavar="FILE", help="also write all results to FILE")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, here and in the server [2]")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (prompt bodies and lengths) [0]")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where runs and server logs go")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (tracebacks of failures)")
+    return parser
+
+
+def selected_sections(only: Sequence[str]) -> list[str]:
+    """Sections to run, in the canonical order; all of them when ``only`` is empty."""
+    names = [n.strip() for item in only for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    return [s for s in SECTIONS if not names or s in names]
+
+
+def collect_steps(ctx: BenchContext, sections: Sequence[str]) -> list[Step]:
+    return [step for name in sections for step in SECTIONS[name](ctx)]
+
+
+def finish(figures: list[Figure]) -> list[Figure]:
+    """Add the comparisons, then attach targets and ratios to transformers."""
+    figures = figures + compare_figures(figures)
+    return resolve(figures, targets_for(f.name for f in figures))
+
+
+def metadata(
+    profile: Profile, sections: Sequence[str], threads: int, started: float, load_start: Sequence[float]
+):
+    import torch
+
+    return {
+        "profile": profile.name,
+        "sections": list(sections),
+        "threads": threads,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "seconds": round(time.time() - started, 1),
+        "load_average_start": [round(x, 2) for x in load_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def write_results(path: Path, meta: dict[str, Any], figures: Sequence[Figure]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "figures": [f.to_json() for f in figures]}, indent=1) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s bench: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "httpcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    profile = PROFILES["full" if args.full else "smoke" if args.smoke else "default"]
+    sections = selected_sections(args.only)
+    started, load_start = time.time(), os.getloadavg()
+
+    import torch
+
+    # Same thread count for every in-process path (engine and transformers) and the server.
+    torch.set_num_threads(args.threads)
+    log.info(
+        "profile %s, sections %s, %d threads, load average %s",
+        profile.name,
+        ",".join(sections),
+        args.threads,
+        " ".join(f"{x:.2f}" for x in load_start),
+    )
+    ctx = BenchContext(profile, seed=args.seed)
+    figures = finish(run_steps(collect_steps(ctx, sections), args.results_dir, args.threads))
+    meta = metadata(profile, sections, args.threads, started, load_start)
+
+    print(
+        f"protoserve bench: profile={meta['profile']} sections={','.join(sections)} threads={args.threads} "
+        f"cpus={meta['cpus']} torch={meta['torch']} took={meta['seconds']}s "
+        f"load_avg start={meta['load_average_start'][0]} end={meta['load_average_end'][0]}"
+    )
+    print("ratios: 'x transformers' > 1 means protoserve is better (faster, or lower latency)\n")
+    print(format_table(figures))
+    print()
+    for line in json_lines(figures):
+        print(line)
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    saved = args.results_dir / f"bench-{profile.name}-{stamp}.json"
+    write_results(saved, meta, figures)
+    if args.json_out:
+        write_results(Path(args.json_out), meta, figures)
+    log.info("results saved to %s", saved)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

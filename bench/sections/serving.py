@@ -1,0 +1,273 @@
+"""Serving load: closed-loop clients at concurrency 1, 4, 16, 64, plus a long-prompt mix.
+
+Each level sends ``concurrency * requests_per_worker`` requests (64-token
+prompts, 64 new tokens) and stops starting new ones after
+``level_max_seconds``. The same workload runs through the engine in this
+process (AsyncEngine, the ceiling), through the gRPC server, through the
+gateway's native SSE route and (at some levels) its OpenAI completions route.
+The transformers baseline is one static batch of the same size as the
+concurrency, same prompts and lengths.
+
+Figures: aggregate output tokens/s per (path, level), with TTFT and
+inter-token latency percentiles and error counts beside it; gRPC TTFT p50 as
+figures of its own (the issue's target is at 16 concurrent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from bench import engine_direct
+from bench.context import BenchContext
+from bench.figures import Figure, skipped
+from bench.load_generator import run_load, warm_up
+from bench.load_result import LoadResult
+from bench.profile import FP32
+from bench.resources import EngineModel, Server, TransformersModel, Variant
+from bench.runner import Step
+from bench.transports import (
+    EngineTransport,
+    GatewaySseTransport,
+    GrpcTransport,
+    OpenAiSseTransport,
+    Transport,
+)
+from bench.workload import RequestSpec, serving_workload
+
+SECTION = "serving"
+UNIT = "tok/s"
+WORKLOAD = 4
+LONG_MIX = "long_mix"
+
+
+def level_key(concurrency: int) -> str:
+    return f"c{concurrency}"
+
+
+def long_mix_key(ctx: BenchContext) -> str:
+    return f"{LONG_MIX}.c{ctx.profile.long_mix_concurrency}"
+
+
+def baseline_name(key: str) -> str:
+    """The transformers figure a level is compared with: a static batch as large as the concurrency."""
+    return f"serving.transformers.{key.replace('c', 'batch', 1) if key.startswith('c') else key}"
+
+
+def _level_specs(ctx: BenchContext, concurrency: int, count: int | None = None) -> list[RequestSpec]:
+    p = ctx.profile
+    factory = ctx.factory(WORKLOAD * 1000 + concurrency)
+    return serving_workload(
+        factory, count or p.level_requests(concurrency), p.serving_prompt_len, p.serving_max_tokens
+    )
+
+
+def _long_mix_specs(ctx: BenchContext) -> list[RequestSpec]:
+    p = ctx.profile
+    factory = ctx.factory(WORKLOAD * 1000 + 999)
+    return serving_workload(
+        factory,
+        p.level_requests(p.long_mix_concurrency),
+        p.serving_prompt_len,
+        p.serving_max_tokens,
+        long_every=p.long_mix_every,
+        long_prompt_len=p.long_prompt_len,
+    )
+
+
+def _warm_specs(ctx: BenchContext) -> list[RequestSpec]:
+    factory = ctx.factory(WORKLOAD * 1000 + 998)
+    return serving_workload(factory, 2, ctx.profile.serving_prompt_len, 4)
+
+
+def _baseline(ctx: BenchContext, key: str) -> str | None:
+    """The transformers figure for this level, when the profile measures one."""
+    if key.startswith(LONG_MIX) and not ctx.profile.long_mix_transformers:
+        return None
+    return baseline_name(key)
+
+
+def _load_figure(ctx: BenchContext, name: str, result: LoadResult, concurrency: int, key: str) -> Figure:
+    if result.requests and result.errors == result.requests:
+        raise RuntimeError(f"all {result.requests} requests failed: {result.first_error}")
+    return Figure(
+        name=name,
+        value=result.tokens_per_s,
+        unit=UNIT,
+        section=SECTION,
+        baseline=_baseline(ctx, key),
+        details={"concurrency": concurrency, **result.details()},
+    )
+
+
+def _ttft_figure(ctx: BenchContext, name: str, result: LoadResult, key: str) -> Figure | None:
+    if result.ttft is None:
+        return None
+    base = _baseline(ctx, key)
+    return Figure(
+        name=f"{name}.ttft_p50",
+        value=result.ttft.p50,
+        unit="s",
+        section=SECTION,
+        better="lower",
+        baseline=f"{base}.ttft_p50" if base else None,
+    )
+
+
+async def _levels(
+    ctx: BenchContext,
+    transport: Transport,
+    prefix: str,
+    levels: tuple[int, ...],
+    long_mix: bool,
+    ttft_figures: bool = False,
+) -> list[Figure]:
+    """Every level (and the long mix) through one transport; the transport is closed at the end."""
+    p = ctx.profile
+    figures: list[Figure] = []
+    try:
+        await warm_up(transport, _warm_specs(ctx))
+        runs = [(level_key(c), c, _level_specs(ctx, c)) for c in levels]
+        if long_mix:
+            runs.append((long_mix_key(ctx), p.long_mix_concurrency, _long_mix_specs(ctx)))
+        for key, concurrency, specs in runs:
+            name = f"{prefix}.{key}"
+            result, _ = await run_load(transport, specs, concurrency, p.level_max_seconds)
+            try:
+                figures.append(_load_figure(ctx, name, result, concurrency, key))
+            except RuntimeError as exc:  # every request failed: report it, go on with the next level
+                figures.append(skipped(name, UNIT, SECTION, str(exc)))
+                continue
+            ttft = _ttft_figure(ctx, name, result, key) if ttft_figures else None
+            if ttft is not None:
+                figures.append(ttft)
+    finally:
+        await transport.close()
+    return figures
+
+
+def _expects(ctx: BenchContext, prefix: str, levels: tuple[int, ...], long_mix: bool, ttft: bool = False):
+    keys = [level_key(c) for c in levels] + ([long_mix_key(ctx)] if long_mix else [])
+    out = [(f"{prefix}.{k}", UNIT) for k in keys]
+    if ttft:
+        out += [(f"{prefix}.{k}.ttft_p50", "s") for k in keys]
+    return tuple(out)
+
+
+def _engine_step(ctx: BenchContext) -> Step:
+    levels = ctx.profile.concurrencies
+
+    def run(loaded: Any) -> list[Figure]:
+        from engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine(engine_direct.make_engine(loaded, deterministic=True), "bench")
+
+        async def measure() -> list[Figure]:
+            engine.start()
+            try:
+                return await _levels(ctx, EngineTransport(engine), "serving.engine", levels, long_mix=True)
+            finally:
+                await engine.shutdown()
+
+        return asyncio.run(measure())
+
+    return Step(
+        SECTION,
+        EngineModel(FP32),
+        "serving load, engine in-process",
+        run,
+        _expects(ctx, "serving.engine", levels, True),
+    )
+
+
+def _transformers_step(ctx: BenchContext) -> Step:
+    p = ctx.profile
+    keys = [level_key(c) for c in p.concurrencies] + ([long_mix_key(ctx)] if p.long_mix_transformers else [])
+
+    def run(hf: Any) -> list[Figure]:
+        hf.generate_batch(_warm_specs(ctx))
+        figures = []
+        batches = [(level_key(c), c, _level_specs(ctx, c, count=c)) for c in p.concurrencies]
+        if p.long_mix_transformers:
+            batches.append((long_mix_key(ctx), p.long_mix_concurrency, _long_mix_specs(ctx)))
+        for key, batch, specs in batches:
+            result = LoadResult.of(hf.generate_batches(specs, batch))
+            name = baseline_name(key)
+            figures.append(
+                Figure(
+                    name=name,
+                    value=result.tokens_per_s,
+                    unit=UNIT,
+                    section=SECTION,
+                    details={"batch": batch, **result.details()},
+                )
+            )
+            if result.ttft is not None:
+                figures.append(
+                    Figure(
+                        name=f"{name}.ttft_p50",
+                        value=result.ttft.p50,
+                        unit="s",
+                        section=SECTION,
+                        better="lower",
+                    )
+                )
+        return figures
+
+    expects = tuple((baseline_name(k), UNIT) for k in keys) + tuple(
+        (f"{baseline_name(k)}.ttft_p50", "s") for k in keys
+    )
+    return Step(SECTION, TransformersModel(), "serving workload, transformers static batches", run, expects)
+
+
+def _server_step(ctx: BenchContext) -> Step:
+    p = ctx.profile
+    levels = p.concurrencies
+    widest = max(levels + p.openai_concurrencies + (p.long_mix_concurrency,))
+
+    gateway_expects = _expects(ctx, "serving.sse", levels, True) + _expects(
+        ctx, "serving.openai-sse", p.openai_concurrencies, False
+    )
+
+    def run(server: Any) -> list[Figure]:
+        async def measure() -> list[Figure]:
+            figures = await _levels(
+                ctx, GrpcTransport(server.grpc_target), "serving.grpc", levels, True, True
+            )
+            if server.http_base_url is None:
+                return figures + [
+                    skipped(n, u, SECTION, "the server started no REST gateway") for n, u in gateway_expects
+                ]
+            figures += await _levels(
+                ctx, GatewaySseTransport(server.http_base_url, widest), "serving.sse", levels, True
+            )
+            openai = OpenAiSseTransport(server.http_base_url, widest, server.model_name())
+            figures += await _levels(ctx, openai, "serving.openai-sse", p.openai_concurrencies, False)
+            return figures
+
+        return asyncio.run(measure())
+
+    expects = _expects(ctx, "serving.grpc", levels, True, ttft=True) + gateway_expects
+    return Step(SECTION, Server(FP32), "serving load through gRPC and the gateway", run, expects)
+
+
+def _server_variant_step(ctx: BenchContext, variant: Variant) -> Step:
+    c = ctx.profile.server_variant_concurrency
+    prefix = f"serving.grpc.{variant.label}"
+
+    def run(server: Any) -> list[Figure]:
+        return asyncio.run(_levels(ctx, GrpcTransport(server.grpc_target), prefix, (c,), False))
+
+    return Step(
+        SECTION,
+        Server(variant),
+        f"serving load through gRPC, {variant.label}",
+        run,
+        _expects(ctx, prefix, (c,), False),
+    )
+
+
+def steps(ctx: BenchContext) -> list[Step]:
+    out = [_engine_step(ctx), _transformers_step(ctx), _server_step(ctx)]
+    out.extend(_server_variant_step(ctx, v) for v in ctx.profile.server_variants)
+    return out
