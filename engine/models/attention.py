@@ -2,10 +2,11 @@
 
 Two algorithms over the same inputs:
 
-* ``sdpa_attention``: per sequence, gather its context K/V into contiguous
-  tensors and call ``F.scaled_dot_product_attention``. Fast, but the kernel's
-  blocking depends on the query count, so a token's output changes in the last
-  bits between prefill, chunked prefill and decode.
+* ``sdpa_attention`` / ``decode_attention`` (fast): gather context K/V into
+  contiguous tensors and call ``F.scaled_dot_product_attention``, per sequence
+  for prefill chunks and in one padded call for all single-token decodes. Fast,
+  but the kernel's blocking depends on the query count and the padding, so a
+  token's output changes in the last bits with the batch and the chunking.
 
 * ``tiled_attention`` (deterministic): the batch is cut into *query tiles* of
   ``QUERY_TILE`` tokens of one sequence (zero-padded) and the context into *key
@@ -31,8 +32,12 @@ import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 
-QUERY_TILE = 16  # query tokens per tile in deterministic mode
-KEY_BLOCK = 64  # key positions per block in deterministic mode
+# Tile shapes of deterministic mode. Any fixed values are invariant; these were the fastest
+# measured on SmolLM2 over decode batches (T=1, 32) and a 256-token prefill: a decode token
+# fills one of a tile's QUERY_TILE slots, so larger tiles waste decode work, smaller ones
+# multiply the K/V gathered for prefill.
+QUERY_TILE = 4  # query tokens per tile
+KEY_BLOCK = 64  # key positions per block
 # Bound on the float32 score elements one deterministic chunk materializes (~128 MiB);
 # tiles are independent, so splitting the batch into chunks of tiles changes no result.
 MAX_SCORE_ELEMENTS = 32 * 1024 * 1024
@@ -164,6 +169,41 @@ def tiled_attention(
     return out.to(q.dtype)
 
 
+@dataclass
+class DecodePlan:
+    """Sequences with one new token each, attended together in one padded SDPA call (fast mode)."""
+
+    seqs: list[int]  # batch indices of the sequences
+    rows: torch.Tensor  # [B] int64 row of T of each one's query
+    slots: torch.Tensor  # [B, L] int64 cache slots of each context, padded to the longest (slot 0)
+    visible: torch.Tensor  # [B, 1, 1, L] bool: key visible to the query (False on padding)
+
+
+def build_decode_plan(
+    batch: ForwardBatch, seqs: list[int], block_size: int, sliding_window: int | None
+) -> DecodePlan:
+    seq_lens = torch.tensor([batch.seq_lens_list[i] for i in seqs], dtype=torch.long)
+    key_pos = torch.arange(int(seq_lens.max()))
+    tables = batch.block_tables[seqs].long()
+    table_idx = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, table_idx] * block_size + key_pos % block_size
+    q_pos = seq_lens - 1
+    visible = visible_mask(q_pos.reshape(-1, 1), key_pos, sliding_window)  # [B, 1, L]
+    rows = batch.query_start_loc[seqs].long()
+    return DecodePlan(seqs, rows, slots, visible.unsqueeze(1))
+
+
+def decode_attention(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """q [B, H, D] (one query per sequence) over the plan's contexts -> [B, H, D]."""
+    qh = q.float().unsqueeze(2)  # [B, H, 1, D]
+    kh = k_slots[plan.slots].float().transpose(1, 2)  # [B, KVH, L, D]
+    vh = v_slots[plan.slots].float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.visible, scale=scale, enable_gqa=True)
+    return out.squeeze(2).to(q.dtype)
+
+
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,19 +213,14 @@ def sdpa_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """One sequence: q [n, H, D] at ``q_positions`` over its contiguous context k/v [L, KVH, D] -> [n, H, D]."""
-    n, num_heads, _ = q.shape
+    n = q.shape[0]
     context = k.shape[0]
-    rep = num_heads // k.shape[1]
     qh = q.float().transpose(0, 1)  # [H, n, D]
     kh = k.float().transpose(0, 1)
     vh = v.float().transpose(0, 1)
-    if rep > 1:
-        kh = kh.repeat_interleave(rep, dim=0)
-        vh = vh.repeat_interleave(rep, dim=0)
-    full_prefill = n == context and sliding_window is None
-    if full_prefill:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, scale=scale)
+    if n == context and sliding_window is None:  # a whole prompt: plain causal
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, scale=scale, enable_gqa=True)
     else:
         mask = visible_mask(q_positions, torch.arange(context), sliding_window)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).to(q.dtype)

@@ -26,7 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.models.attention import TilePlan, build_tile_plan, context_slots, sdpa_attention, tiled_attention
+from engine.models.attention import (
+    DecodePlan,
+    TilePlan,
+    build_decode_plan,
+    build_tile_plan,
+    context_slots,
+    decode_attention,
+    sdpa_attention,
+    tiled_attention,
+)
 
 
 @dataclass
@@ -37,8 +46,9 @@ class AttentionMetadata:
     sliding_window: int | None
     deterministic: bool
     num_heads: int
-    tile_plan: TilePlan | None  # deterministic mode only
-    context_slots: list[torch.Tensor]  # per sequence: cache slots of positions 0..seq_len-1 (fast path)
+    tile_plan: TilePlan | None  # deterministic mode
+    decode_plan: DecodePlan | None  # fast mode: the single-token sequences, attended together
+    context_slots: dict[int, torch.Tensor]  # fast mode, other sequences: slots of positions 0..seq_len-1
 
 
 class KVCache(ABC):
@@ -140,12 +150,15 @@ class PagedKVCache(KVCache):
             plan = build_tile_plan(
                 batch, self.block_size, sliding_window, num_heads // self.num_kv_heads, self.num_kv_heads
             )
-            return AttentionMetadata(batch, sliding_window, True, num_heads, plan, [])
-        slots = [
-            context_slots(batch.block_tables[i], torch.arange(n), self.block_size)
+            return AttentionMetadata(batch, sliding_window, True, num_heads, plan, None, {})
+        decodes = [i for i, n in enumerate(batch.query_lens_list) if n == 1]
+        decode_plan = build_decode_plan(batch, decodes, self.block_size, sliding_window) if decodes else None
+        slots = {
+            i: context_slots(batch.block_tables[i], torch.arange(n), self.block_size)
             for i, n in enumerate(batch.seq_lens_list)
-        ]
-        return AttentionMetadata(batch, sliding_window, False, num_heads, None, slots)
+            if batch.query_lens_list[i] > 1
+        }
+        return AttentionMetadata(batch, sliding_window, False, num_heads, None, decode_plan, slots)
 
     def attend(
         self,
@@ -164,8 +177,11 @@ class PagedKVCache(KVCache):
             assert meta.tile_plan is not None
             return tiled_attention(q, k_slots, v_slots, meta.tile_plan, scale)
         out = torch.empty_like(q)
+        if meta.decode_plan is not None:
+            rows = meta.decode_plan.rows
+            out[rows] = decode_attention(q[rows], k_slots, v_slots, meta.decode_plan, scale)
         starts = batch.query_start_loc.tolist()
-        for i, slots in enumerate(meta.context_slots):
+        for i, slots in meta.context_slots.items():
             a, b = starts[i], starts[i + 1]
             out[a:b] = sdpa_attention(
                 q[a:b], k_slots[slots], v_slots[slots], batch.positions[a:b], scale, meta.sliding_window
@@ -204,7 +220,7 @@ class ContiguousKVCache(KVCache):
     def prepare(
         self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
     ) -> AttentionMetadata:
-        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, [])
+        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, None, {})
 
     def attend(
         self,

@@ -11,9 +11,10 @@ deterministic); skipped when the model package is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +29,28 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SHARDED = {"qwen2": "40KB"}
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
-def one_thread():
+def one_thread() -> Iterator[None]:
     """Run the test on one intra-op thread.
 
-    Tiny models are all per-op overhead, and OpenMP's hand-off between two
-    threads multiplies it when the 2-core machine is busy (measured 10-30x);
-    invariance holds for any fixed thread count, and the kernel-level and
-    SmolLM2 tests keep the default count.
+    With libgomp's default active wait, two threads on this 2-core machine are
+    10x slower than one as soon as other processes compete for the cores
+    (measured: 8 SmolLM2 greedy tokens 1.7s on one thread, 21s on two, at load
+    4). Invariance holds for any fixed thread count; the kernel-level tests and
+    one test per model keep the default count.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with intra_op_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +95,8 @@ def smollm2_chat(smollm2) -> tuple[list[int], list[int]]:
     """A chat-templated prompt's ids and our float32 model's 32 greedy tokens after it."""
     tok = smollm2.tokenizer
     prompt = tok.encode(tok.apply_chat_template(CHAT))
-    return prompt, greedy_generate(smollm2.model, [prompt], GREEDY_TOKENS)[0]
+    with intra_op_threads(1):  # see one_thread
+        return prompt, greedy_generate(smollm2.model, [prompt], GREEDY_TOKENS)[0]
 
 
 @pytest.fixture(scope="session")

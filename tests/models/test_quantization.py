@@ -105,6 +105,7 @@ QUALITY_BOUNDS = {  # (mode, group size): (min top-1 agreement, max mean |logit 
 }
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_quantized_smollm2_quality(smollm2, smollm2_chat) -> None:
     """Along the float32 model's greedy continuation (teacher-forced), how often each quantized model
     picks the same token and how far its logits are; int8 also generates freely."""

@@ -9,12 +9,12 @@ logits for sequences batched together vs alone on the real model.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from decoder_test_helpers import (
     Driver,
     all_at_once,
     each_alone,
-    greedy_generate,
     paged_cache,
     prefill_then_decode_batched,
 )
@@ -49,6 +49,7 @@ def test_config_and_tokenizer(smollm2) -> None:
     )
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_logits_match_transformers(smollm2, smollm2_hf, smollm2_chat) -> None:
     prompt, _ = smollm2_chat
     ours = Driver(smollm2.model, paged_cache(smollm2.model, num_blocks=8, block_size=16)).run(
@@ -64,6 +65,7 @@ def test_logits_match_transformers(smollm2, smollm2_hf, smollm2_chat) -> None:
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_greedy_tokens_match_transformers(smollm2, smollm2_hf, smollm2_chat) -> None:
     prompt, ours = smollm2_chat
     theirs = _hf_greedy(smollm2_hf, prompt, len(ours))
@@ -71,6 +73,7 @@ def test_greedy_tokens_match_transformers(smollm2, smollm2_hf, smollm2_chat) -> 
     assert ours == theirs
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_bfloat16_agrees_with_float32(smollm2_path, smollm2, smollm2_chat) -> None:
     prompt, continuation = smollm2_chat
     bf16 = load_model(smollm2_path, dtype="bfloat16", progress=False)
@@ -82,18 +85,16 @@ def test_bfloat16_agrees_with_float32(smollm2_path, smollm2, smollm2_chat) -> No
     out = Driver(bf16.model, paged_cache(bf16.model, 16, 16)).run([seq], all_at_once)[0][positions]
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = (out - ref).abs().mean().item()
-    free = greedy_generate(bf16.model, [prompt], 8)[0]
-    print(
-        f"SmolLM2 bfloat16 vs float32: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}, first 8 free tokens {free == continuation[:8]}"
-    )
+    print(f"SmolLM2 bfloat16 vs float32: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
     assert agree >= 0.85 and err <= 0.5
 
 
 def test_batched_equals_alone_on_real_model(smollm2, smollm2_chat) -> None:
-    """Bit-identical logits for a few sequences prefilled and decoded together vs each alone."""
+    """Bit-identical logits for a few sequences prefilled and decoded together vs each alone
+    (default intra-op threads, as the engine runs)."""
     prompt, continuation = smollm2_chat
-    seqs = [prompt + continuation[:6], prompt[:7] + continuation[:4], prompt[-20:] + continuation[:9]]
-    lens = [len(prompt), 7, 20]
+    seqs = [prompt + continuation[:2], prompt[-20:] + continuation[:3]]
+    lens = [len(prompt), 20]
     model = smollm2.model
     together = Driver(model, paged_cache(model, 24, 16)).run(seqs, prefill_then_decode_batched(lens))
     alone = Driver(model, paged_cache(model, 24, 16)).run(seqs, each_alone)
