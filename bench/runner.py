@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.figures import Figure, skipped
+from bench.report import format_value
 from bench.resources import ResourceKey, acquire, collect, release
 
 log = logging.getLogger("bench")
@@ -81,6 +82,14 @@ def run_steps(steps: Sequence[Step], results_dir: Path, threads: int) -> list[Fi
                     produced = step.skipped(f"failed ({short_reason(exc)})")
                 figures.extend(produced)
                 log.info("  done in %.1fs", time.perf_counter() - started)
+                # Each figure as soon as it exists: an interrupted long run still leaves its numbers in the log.
+                for f in produced:
+                    log.info(
+                        "  %s = %s %s",
+                        f.name,
+                        format_value(f.value),
+                        f.unit if f.value is not None else f.note,
+                    )
         finally:
             release(key, resource)
             resource = None
