@@ -40,6 +40,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, flag, None)
         if value is not None:
             setattr(config, attr, value)
+    if getattr(args, "no_deterministic", False):
+        config.deterministic = False
     config.validate()
     return config
 
@@ -55,6 +57,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, help="context window cap in tokens [the model's]")
+    parser.add_argument(
+        "--no-deterministic",
+        action="store_true",
+        help="faster kernels whose results may change with the batch a request runs in "
+        "[deterministic: a request's tokens never depend on other traffic]",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     parser.add_argument(
         "--log-level",
