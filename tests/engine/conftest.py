@@ -6,9 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-TINY_VOCAB = 320  # 256 byte tokens + <|endoftext|> in the tokenizer; ids above have no text
-TINY_EOS = 256
+from tiny_checkpoint_ids import TINY_EOS, TINY_VOCAB
 
 
 def write_byte_tokenizer(directory: Path) -> None:

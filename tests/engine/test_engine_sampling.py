@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import TINY_EOS
+from tiny_checkpoint_ids import TINY_EOS
 
 from engine.llm import LLM
 from engine.request import FinishReason, GenerationRequest
