@@ -20,10 +20,9 @@ NODE_TESTS = REPO / "clients" / "node" / "test"
 @pytest.fixture(scope="module")
 def node() -> str:
     path = shutil.which("node")
-    if path is None:
-        pytest.skip("node is not installed")
-    if not (REPO / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.skip("node_modules is missing: run `make install` (npm ci)")
+    # node and `npm ci` are part of `make install`: their absence fails the suite rather than skipping it.
+    assert path is not None, "node is not installed"
+    assert (REPO / "node_modules" / "@grpc" / "grpc-js").is_dir(), "node_modules is missing: run `make install` (npm ci)"
     return path
 
 
