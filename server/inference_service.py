@@ -9,11 +9,9 @@ import grpc
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 from server import errors
-from server.auth import Authenticator, Identity
+from server.admission import AdmittingServicer
 from server.frontend import RequestResult, new_request_id
-from server.health import Readiness
-from server.inflight import Call, InflightRequests
-from server.model_registry import ModelRegistry
+from server.inflight import Call
 
 # Requests in one Batch call; each holds engine memory while it waits.
 MAX_BATCH_REQUESTS = 256
@@ -27,26 +25,8 @@ def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
     return asyncio.get_running_loop().time() + max(0.0, remaining)
 
 
-class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceServicer):
     """Generate, stream, batch, cancel, tokenize and describe models over gRPC."""
-
-    def __init__(
-        self,
-        models: ModelRegistry,
-        auth: Authenticator,
-        inflight: InflightRequests,
-        readiness: Readiness,
-    ) -> None:
-        self.models = models
-        self.auth = auth
-        self.inflight = inflight
-        self.readiness = readiness
-
-    def _admit(self, context: grpc.aio.ServicerContext) -> Identity:
-        """Authenticate and check the server takes work; every RPC but CheckHealth starts here."""
-        identity = self.auth.identify(context.invocation_metadata())
-        self.readiness.check()
-        return identity
 
     async def _run(self, call: Call, request: pb.GenerateRequest, request_id: str, path_prefix: str = ""):
         """Validate and run one GenerateRequest inside ``call``; returns its RequestResult."""

@@ -27,12 +27,11 @@ from engine.sampling_params import ContextPolicy, SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
 from server import errors
-from server.auth import Authenticator, Identity
+from server.admission import AdmittingServicer
+from server.auth import Identity
 from server.frontend import ChatTurn, Frontend, RequestResult, new_request_id
-from server.health import Readiness
 from server.inference_service import call_deadline
-from server.inflight import Call, InflightRequests
-from server.model_registry import ModelRegistry
+from server.inflight import Call
 
 SERVER_VERSION = "protoserve-0.1.0"
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -181,25 +180,8 @@ class _OffsetTracker:
         return out
 
 
-class OpenAIService(openai_pb2_grpc.OpenAIServiceServicer):
+class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     """OpenAI-compatible completions, chat completions and models over gRPC."""
-
-    def __init__(
-        self,
-        models: ModelRegistry,
-        auth: Authenticator,
-        inflight: InflightRequests,
-        readiness: Readiness,
-    ) -> None:
-        self.models = models
-        self.auth = auth
-        self.inflight = inflight
-        self.readiness = readiness
-
-    def _admit(self, context: grpc.aio.ServicerContext) -> Identity:
-        identity = self.auth.identify(context.invocation_metadata())
-        self.readiness.check()
-        return identity
 
     # ---- request preparation -----------------------------------------------------------
 

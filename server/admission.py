@@ -1,0 +1,32 @@
+"""Admission: what every generating servicer checks before it does work."""
+
+from __future__ import annotations
+
+import grpc
+
+from server.auth import Authenticator, Identity
+from server.health import Readiness
+from server.inflight import InflightRequests
+from server.model_registry import ModelRegistry
+
+
+class AdmittingServicer:
+    """Shared state and the entry check of the InferenceService and OpenAIService servicers."""
+
+    def __init__(
+        self,
+        models: ModelRegistry,
+        auth: Authenticator,
+        inflight: InflightRequests,
+        readiness: Readiness,
+    ) -> None:
+        self.models = models
+        self.auth = auth
+        self.inflight = inflight
+        self.readiness = readiness
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> Identity:
+        """Authenticate and check the server takes work; every RPC but CheckHealth starts here."""
+        identity = self.auth.identify(context.invocation_metadata())
+        self.readiness.check()
+        return identity
