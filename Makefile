@@ -14,7 +14,7 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 
-.PHONY: help install proto proto-check lint test run bench clean
+.PHONY: help install kernels proto proto-check lint test run bench clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
@@ -41,7 +41,12 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed node_modules/.installed proto
+install: $(VENV)/.installed node_modules/.installed proto kernels
+
+# The C++ CPU kernels (kernels/cpu/*.cpp), compiled for this CPU ahead of the
+# first request; a no-op when the cached build is current.
+kernels: $(VENV)/.installed
+	$(PY) -m kernels.cpu.extension
 
 # Generated code lives in gen/ (not committed): Python messages, .pyi stubs,
 # gRPC stubs, the descriptor set Envoy reads, and the REST gateway's route

@@ -121,6 +121,7 @@ def load_model(
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
     model.set_deterministic(deterministic)
+    model.pack_for_kernels()
     return LoadedModel(
         model=model,
         config=config,

@@ -33,6 +33,7 @@ from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import AttentionMetadata, KVCache
 from engine.models.linear import Linear
+from kernels.cpu import norm_rope
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -88,6 +89,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Layers
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Float32 activations on a CPU with the fused norm/RoPE kernel (kernels/cpu/norm_rope.cpp)."""
+    return x.dtype == torch.float32 and norm_rope.available()
+
+
 class RMSNorm(nn.Module):
     """``w * x / sqrt(mean(x^2) + eps)``, computed in float32 over the last dim."""
 
@@ -97,6 +103,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):  # always this path for float32, contiguous or not: one implementation, one result
+            return norm_rope.rms_norm(x.contiguous(), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -139,7 +147,11 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if _fused(q):  # in place on views of the qkv output: no copies
+            norm_rope.rope_(q, cos, sin)
+            norm_rope.rope_(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = kv_cache.attend(self.layer_idx, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, q_size))
 
@@ -176,7 +188,12 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        if _fused(x):  # x += attn and the second norm in one pass; x is this forward's own buffer
+            h = norm_rope.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
+                                        self.post_attention_layernorm.eps)
+            return x.add_(self.mlp(h))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -212,6 +229,13 @@ class Decoder(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "deterministic"):
                 module.deterministic = enabled
+
+    def pack_for_kernels(self) -> int:
+        """Move every linear layer onto the CPU kernel where it can run; returns how many moved.
+
+        Call once the weights are final (loaded and quantized): the packed copy does not follow later edits.
+        """
+        return sum(1 for m in self.modules() if hasattr(m, "pack_for_kernel") and m.pack_for_kernel())
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""Build and load the C++ CPU kernels (``kernels/cpu/*.cpp``) as PyTorch extensions.
+
+Each ``<name>.cpp`` is one extension module, compiled on first use with the
+machine's compiler for the machine's own CPU (``-march=native``) and cached by
+PyTorch under ``$PROTOSERVE_KERNEL_CACHE`` (default ``~/.cache/protoserve/kernels``),
+rebuilt when the source changes. ``make install`` builds them ahead of time so
+no request pays the compile.
+
+The kernels use AVX-512; on a CPU without it, or where no compiler is present,
+``load`` returns None and every caller keeps its PyTorch path. The OpenMP runtime
+they link is the one torch already loaded (same soname), so torch's thread count
+and thread pool are theirs too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+KERNEL_NAMES = ("linear", "norm_rope", "paged_attention")
+REQUIRED_CPU_CAPABILITY = ("AVX512",)
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "protoserve" / "kernels"
+    return Path(os.environ.get("PROTOSERVE_KERNEL_CACHE", default))
+
+
+def cpu_supported() -> bool:
+    """The kernels are written for AVX-512 (F, BW, VL)."""
+    return torch.backends.cpu.get_cpu_capability() in REQUIRED_CPU_CAPABILITY
+
+
+def disabled() -> bool:
+    """``PROTOSERVE_CPU_KERNELS=0`` forces the PyTorch paths (for comparisons)."""
+    return os.environ.get("PROTOSERVE_CPU_KERNELS", "1") == "0"
+
+
+@functools.cache
+def load(name: str) -> types.ModuleType | None:
+    """The compiled extension ``name``, or None when this machine cannot use it."""
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {name!r} (known: {KERNEL_NAMES})")
+    if disabled() or not cpu_supported():
+        return None
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"protoserve_{name}",
+            sources=[str(SOURCE_DIR / f"{name}.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back, loudly
+        log.warning("CPU kernel %r not available, using the PyTorch path: %s", name, exc)
+        return None
+
+
+def build_all() -> dict[str, bool]:
+    """Compile every kernel now (``make install``); returns which ones loaded."""
+    return {name: load(name) is not None for name in KERNEL_NAMES}
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    for kernel, ok in build_all().items():
+        print(f"{kernel}: {'built' if ok else 'not available on this machine'}")

@@ -1,0 +1,240 @@
+// Weight-stationary linear layers for the CPU: y = x @ W^T (+ bias), x float32 [M, K].
+//
+// Decode multiplies a handful of rows by every weight of the model each step, so
+// on this hardware the step is bound by reading weights from memory, not by
+// arithmetic. The weights are therefore stored in the narrowest format the
+// model allows (float32, bfloat16, int8 per-channel, int4 grouped), widened to
+// float32 in registers, and each widened vector is reused for up to four input
+// rows before the next one is loaded.
+//
+// Packed layout (see kernels/cpu/packed_linear.py): output channels in blocks
+// of NB = 4, and within a block the K dimension in chunks of 16 values, the
+// four channels' chunks side by side, so one thread streams one contiguous
+// region. int4 chunks hold 32 values per 16 bytes (low nibbles: the first 16,
+// high nibbles: the next 16).
+//
+// Batch invariance: the result for (row m, channel n) is one fused multiply-add
+// chain over the 16-value chunks in ascending order, followed by the same
+// horizontal reduction, whatever M is, whichever rows share a register tile and
+// however the channel blocks are split across threads. So a row's output is
+// bit-identical alone, in a batch, or in a prompt chunk of any size.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NB = 4;    // output channels per block
+constexpr int MB = 4;        // input rows per register tile
+constexpr int64_t CHUNK = 16;
+constexpr int64_t M_PANEL = 64;  // input rows kept hot while a thread walks its channel blocks
+
+enum class Format : int64_t { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
+
+// Widen the four channels' chunk `kc` of block `nb` to float32.
+struct F32Weights {
+  const float* data;
+  int64_t chunks;  // K / 16
+  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+    const float* p = data + (nb * chunks + kc) * NB * CHUNK;
+    for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(p + j * CHUNK);
+  }
+};
+
+struct BF16Weights {
+  const uint16_t* data;
+  int64_t chunks;
+  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+    const uint16_t* p = data + (nb * chunks + kc) * NB * CHUNK;
+    for (int j = 0; j < NB; ++j) {
+      __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * CHUNK)));
+      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+  }
+};
+
+// Per-channel scale is applied once to the finished dot product (see finish()).
+struct I8Weights {
+  const int8_t* data;
+  int64_t chunks;
+  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+    const int8_t* p = data + (nb * chunks + kc) * NB * CHUNK;
+    for (int j = 0; j < NB; ++j) {
+      __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * CHUNK)));
+      w[j] = _mm512_cvtepi32_ps(wide);
+    }
+  }
+};
+
+// w = q * scale + min per group of `group` input columns (min = zero - 8 * scale).
+struct I4Weights {
+  const uint8_t* data;    // [Nb, K/32, NB, 16]
+  const float* scales;    // [Nb, K/group, NB]
+  const float* mins;      // [Nb, K/group, NB]
+  int64_t chunks;         // K / 16
+  int64_t groups;         // K / group
+  int group_shift;        // log2(group / 16): a shift, not a division, per chunk
+  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+    const uint8_t* p = data + ((nb * (chunks >> 1) + (kc >> 1)) * NB) * CHUNK;
+    const int64_t g = kc >> group_shift;
+    const float* s = scales + (nb * groups + g) * NB;
+    const float* m = mins + (nb * groups + g) * NB;
+    const __m512i low_nibble = _mm512_set1_epi32(0xF);
+    for (int j = 0; j < NB; ++j) {
+      __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * CHUNK)));
+      __m512i q = (kc & 1) ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, low_nibble);
+      w[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[j]), _mm512_set1_ps(m[j]));
+    }
+  }
+};
+
+// Rows [m0, m0 + R) of x against channel block nb: R x NB dot products.
+template <int R, typename W>
+inline void tile(const W& weights, const float* x, int64_t K, int64_t nb, float sums[MB][NB]) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t chunks = K / CHUNK;
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    __m512 w[NB];
+    weights.load(nb, kc, w);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + kc * CHUNK);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+template <typename W>
+inline void dispatch_tile(const W& weights, const float* x, int64_t K, int64_t nb, int rows, float sums[MB][NB]) {
+  switch (rows) {
+    case 4: tile<4>(weights, x, K, nb, sums); break;
+    case 3: tile<3>(weights, x, K, nb, sums); break;
+    case 2: tile<2>(weights, x, K, nb, sums); break;
+    default: tile<1>(weights, x, K, nb, sums); break;
+  }
+}
+
+// A block's K x NB weights widened once into `buffer` (the float32 layout), so
+// that many row tiles reuse them; the same arithmetic as widening in registers.
+template <typename W>
+inline void widen_block(const W& weights, int64_t nb, int64_t chunks, float* buffer) {
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    __m512 w[NB];
+    weights.load(nb, kc, w);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(buffer + (kc * NB + j) * CHUNK, w[j]);
+  }
+}
+
+template <typename W>
+void run(const W& weights, const float* x, int64_t M, int64_t K, int64_t N, const float* channel_scale,
+         const float* bias, float* out) {
+  const int64_t blocks = (N + NB - 1) / NB;
+  // One block is ~K*NB weights: give each thread whole blocks, at least a few.
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    float sums[MB][NB];
+    const int64_t chunks = K / CHUNK;
+    // More rows than one tile: widen each block once and let every tile read it.
+    const bool widen = !std::is_same<W, F32Weights>::value && M > MB;
+    std::vector<float> buffer(widen ? K * NB : 0);
+    const F32Weights widened{buffer.data(), chunks};
+    for (int64_t p0 = 0; p0 < M; p0 += M_PANEL) {
+      const int64_t p1 = std::min(M, p0 + M_PANEL);
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        if (widen) widen_block(weights, nb, chunks, buffer.data());
+        for (int64_t m0 = p0; m0 < p1; m0 += MB) {
+          const int rows = static_cast<int>(std::min<int64_t>(MB, p1 - m0));
+          const float* xr = x + m0 * K;
+          if (widen) {
+            dispatch_tile(widened, xr, K, 0, rows, sums);
+          } else {
+            dispatch_tile(weights, xr, K, nb, rows, sums);
+          }
+          for (int r = 0; r < rows; ++r) {
+            for (int j = 0; j < NB; ++j) {
+              const int64_t n = nb * NB + j;
+              if (n >= N) break;
+              float y = sums[r][j];
+              if (channel_scale) y *= channel_scale[n];
+              if (bias) y += bias[n];
+              out[(m0 + r) * N + n] = y;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// x: [M, K] float32; data/scales/mins: packed by packed_linear.py; returns [M, N] float32.
+torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
+                            const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int64_t chunks = K / CHUNK;
+  const int64_t blocks = (N + NB - 1) / NB;
+  switch (static_cast<Format>(format)) {
+    case Format::F32: {
+      TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.numel() == blocks * NB * K, "bad float32 pack");
+      run(F32Weights{data.data_ptr<float>(), chunks}, x.data_ptr<float>(), M, K, N, nullptr, bias_ptr,
+          out.data_ptr<float>());
+      break;
+    }
+    case Format::BF16: {
+      TORCH_CHECK(data.scalar_type() == torch::kBFloat16 && data.numel() == blocks * NB * K, "bad bfloat16 pack");
+      run(BF16Weights{reinterpret_cast<const uint16_t*>(data.data_ptr()), chunks}, x.data_ptr<float>(), M, K, N,
+          nullptr, bias_ptr, out.data_ptr<float>());
+      break;
+    }
+    case Format::I8: {
+      TORCH_CHECK(data.scalar_type() == torch::kInt8 && data.numel() == blocks * NB * K, "bad int8 pack");
+      TORCH_CHECK(scales.has_value() && scales->scalar_type() == torch::kFloat32 && scales->numel() >= N,
+                  "int8 needs float32 per-channel scales");
+      run(I8Weights{data.data_ptr<int8_t>(), chunks}, x.data_ptr<float>(), M, K, N, scales->data_ptr<float>(),
+          bias_ptr, out.data_ptr<float>());
+      break;
+    }
+    case Format::I4: {
+      TORCH_CHECK(K % 32 == 0 && group_size >= 32 && (group_size & (group_size - 1)) == 0 && K % group_size == 0,
+                  "int4 needs in_features a multiple of 32 and a power-of-two group size >= 32 dividing it");
+      TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.numel() == blocks * NB * K / 2, "bad int4 pack");
+      const int64_t groups = K / group_size;
+      TORCH_CHECK(scales.has_value() && mins.has_value() && scales->scalar_type() == torch::kFloat32 &&
+                      mins->scalar_type() == torch::kFloat32 && scales->numel() == blocks * groups * NB &&
+                      mins->numel() == blocks * groups * NB,
+                  "int4 needs float32 scales and mins [blocks, groups, 4]");
+      run(I4Weights{data.data_ptr<uint8_t>(), scales->data_ptr<float>(), mins->data_ptr<float>(), chunks, groups,
+                    __builtin_ctzll(static_cast<uint64_t>(group_size / CHUNK))},
+          x.data_ptr<float>(), M, K, N, nullptr, bias_ptr, out.data_ptr<float>());
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unknown weight format ", format);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)");
+}

@@ -1,0 +1,108 @@
+"""kernels/cpu/linear.cpp: every weight format against a float64 reference, and batch invariance.
+
+The kernel must give the reference product (to float32 rounding) for float32,
+bfloat16, int8 and int4 weights, odd output sizes (padding to blocks of 4),
+biases and all row counts around its 4-row tile and 64-row panel; and a row's
+output must be bit-identical alone, in any batch, and with 1 or 2 threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import extension
+from kernels.cpu import packed_linear as pl
+
+pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512")
+
+
+def _weights(fmt: str, n: int, k: int, g: torch.Generator) -> pl.PackedWeight:
+    w = torch.randn(n, k, generator=g) * 0.05
+    if fmt == "float32":
+        return pl.pack_dense(w)
+    if fmt == "bfloat16":
+        return pl.pack_dense(w.bfloat16())
+    if fmt == "int8":
+        return pl.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g))
+    group = 64 if k % 64 == 0 else 32
+    return pl.pack_int4(
+        torch.randint(0, 16, (n, k), generator=g),
+        torch.rand(n, k // group, generator=g) * 0.01,
+        torch.randn(n, k // group, generator=g) * 0.05,
+        group,
+    )
+
+
+FORMATS = ["float32", "bfloat16", "int8", "int4"]
+
+
+def test_kernel_loads_on_this_machine() -> None:
+    """make install builds it; a supported CPU that cannot load it is a broken install, not a skip."""
+    assert pl.available()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(577, 576), (960, 576), (576, 1536), (6, 64), (49, 32)], ids=str)
+def test_matches_reference(fmt: str, shape: tuple[int, int]) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 7 + k)
+    weight = _weights(fmt, n, k, g)
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 3, 4, 5, 17, 64, 70):
+        x = torch.randn(rows, k, generator=g)
+        got = pl.packed_linear(x, weight, bias if rows % 2 else None)
+        want = pl.reference_linear(x, weight, bias if rows % 2 else None)
+        assert got.shape == (rows, n)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unpack_inverts_pack(fmt: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    n, k = 13, 64
+    if fmt in ("float32", "bfloat16"):
+        w = torch.randn(n, k, generator=g).to(getattr(torch, fmt))
+        assert torch.equal(pl.unpack(pl.pack_dense(w)), w.float())
+    elif fmt == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, generator=g)
+        assert torch.equal(pl.unpack(pl.pack_int8(q, s)), q.float() * s[:, None])
+    else:
+        q = torch.randint(0, 16, (n, k), generator=g)
+        s, m = torch.rand(n, 2, generator=g), torch.randn(n, 2, generator=g)
+        want = q.float() * s.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+        assert torch.equal(pl.unpack(pl.pack_int4(q, s, m, 32)), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_bit_identical_alone_batched_and_across_threads(fmt: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    weight = _weights(fmt, 1536, 576, g)
+    x = torch.randn(150, 576, generator=g)
+    full = pl.packed_linear(x, weight)
+    for i in (0, 1, 63, 64, 149):
+        assert torch.equal(pl.packed_linear(x[i : i + 1], weight)[0], full[i])
+    for a, b in ((3, 10), (60, 130), (0, 5)):
+        assert torch.equal(pl.packed_linear(x[a:b], weight), full[a:b])
+    perm = torch.randperm(150, generator=g)
+    assert torch.equal(pl.packed_linear(x[perm], weight), full[perm])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(pl.packed_linear(x, weight), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_inputs_raise() -> None:
+    weight = pl.pack_dense(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pl.pack_dense(torch.randn(8, 24))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        pl.packed_linear(torch.randn(2, 24), weight)
+    with pytest.raises(RuntimeError, match="bad float32 pack"):
+        pl.packed_linear(torch.randn(2, 48), weight)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        pl.pack_int4(torch.zeros(4, 48, dtype=torch.int64), torch.ones(4, 1), torch.zeros(4, 1), 48)
+    assert pl.packed_linear(torch.randn(0, 32), weight).shape == (0, 8)
