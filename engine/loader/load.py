@@ -117,7 +117,7 @@ def load_model(
     model.eval()
     before = model.weight_bytes()
     try:
-        report = quantize_linears(model, quantization, group_size)
+        report = quantize_linears(model, quantization, group_size, head_int8=True)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
     model.set_deterministic(deterministic)

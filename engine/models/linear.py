@@ -299,8 +299,11 @@ def quantize_linears(
     mode: str,
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
     skip: tuple[str, ...] = ("lm_head",),
+    head_int8: bool = False,
 ) -> QuantizationReport:
     """Replace every ``Linear`` (except names in ``skip``) by its int8/int4 form, in place.
+
+    ``head_int8`` also turns a skipped ``lm_head`` into int8 (counted in no byte total of the report).
 
     All layers are checked before any is replaced, so a bad group size leaves the model untouched.
     """
@@ -314,6 +317,11 @@ def quantize_linears(
         for name, m in targets:
             check_int4_shape(m.out_features, m.in_features, group_size, name)
     after = 0
+    if head_int8 and isinstance(getattr(model, "lm_head", None), Linear):
+        # The LM head reads vocab x hidden weights every step (a quarter of SmolLM2's bytes); int8
+        # per channel, as llama.cpp keeps the output layer at 8 bits under 4-bit layers. A tied
+        # embedding keeps its float table for the lookup.
+        model.lm_head = Int8Linear.from_linear(model.lm_head)
     for name, m in targets:
         q = Int8Linear.from_linear(m) if mode == "int8" else Int4Linear.from_linear(m, group_size, name)
         parent_name, _, attr = name.rpartition(".")

@@ -106,3 +106,27 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="multiples of 32"):
         pl.pack_int4(torch.zeros(4, 48, dtype=torch.int64), torch.ones(4, 1), torch.zeros(4, 1), 48)
     assert pl.packed_linear(torch.randn(0, 32), weight).shape == (0, 8)
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_model_layers_give_the_same_product_on_the_kernel(mode: str) -> None:
+    """Linear / Int8Linear / Int4Linear before and after pack_for_kernel: the same weights.
+
+    The PyTorch int8/int4 ops round activations to bfloat16 and the kernel does not, so those two
+    agree to bfloat16 precision; float32 agrees to float32 rounding.
+    """
+    from engine.models.linear import Int4Linear, Int8Linear, Linear
+
+    g = torch.Generator().manual_seed(4)
+    lin = Linear(576, 1536, bias=True)
+    lin.weight.data.copy_(torch.randn(1536, 576, generator=g) * 0.05)
+    lin.bias.data.copy_(torch.randn(1536, generator=g))
+    layer = {"none": lambda: lin, "int8": lambda: Int8Linear.from_linear(lin),
+             "int4": lambda: Int4Linear.from_linear(lin, 32)}[mode]()
+    layer.deterministic = False
+    x = torch.randn(9, 576, generator=g)
+    before = layer(x)
+    assert layer.pack_for_kernel()
+    after = layer(x)
+    tol = 1e-4 if mode == "none" else 2e-2
+    torch.testing.assert_close(after, before, rtol=tol, atol=tol)

@@ -140,3 +140,12 @@ def test_quantized_smollm2_quality(smollm2, smollm2_chat) -> None:
         print(line)
         assert agree >= min_agree and err <= max_err
         del model
+    # What load_model serves: int4/32 layers plus the int8 LM head, within the same bounds.
+    model = copy.deepcopy(full)
+    quantize_linears(model, "int4", 32, head_int8=True)
+    assert isinstance(model.lm_head, Int8Linear)
+    out = logits(model)
+    agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    err = (out - ref).abs().mean().item()
+    print(f"SmolLM2 int4/32 + int8 head: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
+    assert agree >= 0.85 and err <= 0.5
