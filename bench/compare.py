@@ -27,8 +27,11 @@ class Comparison:
     denominator: str
 
 
-def comparisons(names: Iterable[str]) -> list[Comparison]:
-    """Every comparison whose two figures are in ``names``, in a stable order."""
+def comparisons(names: Iterable[str], served: str = "fp32") -> list[Comparison]:
+    """Every comparison whose two figures are in ``names``, in a stable order.
+
+    ``served`` is the label of the variant the server figures ran (the engine figure they are held to).
+    """
     names = list(names)
     present = set(names)
     out: list[Comparison] = []
@@ -37,11 +40,11 @@ def comparisons(names: Iterable[str]) -> list[Comparison]:
         if numerator in present and denominator in present:
             out.append(Comparison(name, numerator, denominator))
 
-    add("compare.grpc_vs_engine.decode", "decode.grpc", "decode.engine.fp32.det")
+    add("compare.grpc_vs_engine.decode", "decode.grpc", f"decode.engine.{served}.det")
     add("compare.sse_vs_grpc.decode", "decode.sse", "decode.grpc")
     for name in names:
         if m := re.fullmatch(r"prefill\.grpc\.(\d+)", name):
-            add(f"compare.grpc_vs_engine.prefill.{m[1]}", name, f"prefill.engine.fp32.det.{m[1]}")
+            add(f"compare.grpc_vs_engine.prefill.{m[1]}", name, f"prefill.engine.{served}.det.{m[1]}")
     for name in names:
         if m := re.fullmatch(r"serving\.grpc\.((?:long_mix\.)?c\d+)", name):
             key = m[1]
@@ -54,11 +57,11 @@ def comparisons(names: Iterable[str]) -> list[Comparison]:
     return out
 
 
-def compare_figures(figures: Iterable[Figure]) -> list[Figure]:
+def compare_figures(figures: Iterable[Figure], served: str = "fp32") -> list[Figure]:
     """The comparison figures for whatever was measured; skipped ones when a side has no value."""
     by_name = {f.name: f for f in figures}
     out = []
-    for c in comparisons(by_name):
+    for c in comparisons(by_name, served):
         num, den = by_name[c.numerator], by_name[c.denominator]
         details = {"of": c.numerator, "over": c.denominator}
         if num.value is None or den.value is None:

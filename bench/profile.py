@@ -45,7 +45,10 @@ class Profile:
     decode_variants: tuple[tuple[Variant, bool], ...]  # (variant, deterministic)
     offline_variants: tuple[tuple[Variant, bool], ...]
     prefill_variants: tuple[tuple[Variant, bool], ...]
-    server_variants: tuple[Variant, ...]  # servers besides fp32: single-stream decode and one load level
+    # The variant of the headline server figures (decode.grpc, prefill.grpc, serving.*) and of the
+    # in-process engine they are compared with; int4 is what llama.cpp's Q4 figures compare with.
+    serving_variant: Variant
+    server_variants: tuple[Variant, ...]  # other servers: single-stream decode and one load level
     server_variant_concurrency: int
 
     def level_requests(self, concurrency: int) -> int:
@@ -77,10 +80,11 @@ DEFAULT = Profile(
     long_prompt_len=1024,
     long_mix_transformers=False,
     openai_concurrencies=(16,),
-    decode_variants=(*_both_modes(FP32, BF16), (INT8, True), (INT4, True)),
-    offline_variants=((FP32, True), (FP32, False), (BF16, True), (INT8, True), (INT4, True)),
-    prefill_variants=((FP32, True), (BF16, True)),
-    server_variants=(),
+    decode_variants=((FP32, True), (BF16, True), (INT8, True), (INT4, True), (INT4, False)),
+    offline_variants=((FP32, True), (INT8, True), (INT4, True)),
+    prefill_variants=((FP32, True), (INT4, True)),
+    serving_variant=INT4,
+    server_variants=(FP32,),
     server_variant_concurrency=16,
 )
 
@@ -110,7 +114,8 @@ FULL = Profile(
     decode_variants=_both_modes(FP32, BF16, INT8, INT4),
     offline_variants=_both_modes(FP32, BF16, INT8, INT4),
     prefill_variants=_both_modes(FP32, BF16, INT8, INT4),
-    server_variants=(BF16, INT8, INT4),
+    serving_variant=INT4,
+    server_variants=(FP32, BF16, INT8),
     server_variant_concurrency=16,
 )
 
@@ -138,6 +143,7 @@ SMOKE = Profile(
     decode_variants=((FP32, True), (FP32, False)),
     offline_variants=((FP32, True),),
     prefill_variants=((FP32, True),),
+    serving_variant=FP32,
     server_variants=(),
     server_variant_concurrency=4,
 )

@@ -79,9 +79,9 @@ def collect_steps(ctx: BenchContext, sections: Sequence[str]) -> list[Step]:
     return [step for name in sections for step in SECTIONS[name](ctx)]
 
 
-def finish(figures: list[Figure]) -> list[Figure]:
+def finish(figures: list[Figure], served: str = "fp32") -> list[Figure]:
     """Add the comparisons, then attach targets and ratios to transformers."""
-    figures = figures + compare_figures(figures)
+    figures = figures + compare_figures(figures, served)
     return resolve(figures, targets_for(f.name for f in figures))
 
 
@@ -136,12 +136,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         " ".join(f"{x:.2f}" for x in load_start),
     )
     ctx = BenchContext(profile, seed=args.seed)
-    figures = finish(run_steps(collect_steps(ctx, sections), args.results_dir, args.threads))
+    figures = finish(
+        run_steps(collect_steps(ctx, sections), args.results_dir, args.threads), profile.serving_variant.label
+    )
     meta = metadata(profile, sections, args.threads, started, load_start)
 
     print(
         f"protoserve bench: profile={meta['profile']} sections={','.join(sections)} threads={args.threads} "
-        f"cpus={meta['cpus']} torch={meta['torch']} took={meta['seconds']}s "
+        f"cpus={meta['cpus']} torch={meta['torch']} served={profile.serving_variant.label} "
+        f"took={meta['seconds']}s "
         f"load_avg start={meta['load_average_start'][0]} end={meta['load_average_end'][0]}"
     )
     print("ratios: 'x transformers' > 1 means protoserve is better (faster, or lower latency)\n")

@@ -13,7 +13,6 @@ from typing import Any
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
-from bench.profile import FP32
 from bench.resources import EngineModel, Server, TransformersModel, Variant
 from bench.runner import Step
 from bench.stats import median, significant
@@ -60,7 +59,7 @@ def _engine_step(ctx: BenchContext, variant: Variant, deterministic: bool) -> St
         warm, runs = _specs(ctx)
         engine_direct.warm_up(engine, [warm])
         timelines = [engine_direct.run_requests(engine, [spec])[0] for spec in runs]
-        note = "server default" if variant == FP32 and deterministic else ""
+        note = "as served" if variant == ctx.profile.serving_variant and deterministic else ""
         return [_figure(name, timelines, note)]
 
     return Step(
@@ -93,7 +92,8 @@ async def _sequential(
 
 
 def _server_step(ctx: BenchContext, variant: Variant) -> Step:
-    suffix = "" if variant == FP32 else f".{variant.label}"
+    headline = variant == ctx.profile.serving_variant
+    suffix = "" if headline else f".{variant.label}"
     grpc_name, sse_name = f"decode.grpc{suffix}", f"decode.sse{suffix}"
 
     def run(server: Any) -> list[Figure]:
@@ -101,13 +101,13 @@ def _server_step(ctx: BenchContext, variant: Variant) -> Step:
         figures = [
             _figure(grpc_name, asyncio.run(_sequential(GrpcTransport(server.grpc_target), warm, runs)))
         ]
-        if server.http_base_url is not None and variant == FP32:
+        if server.http_base_url is not None and headline:
             warm, runs = _specs(ctx)
             sse = asyncio.run(_sequential(GatewaySseTransport(server.http_base_url, 1), warm, runs))
             figures.append(_figure(sse_name, sse))
         return figures
 
-    expects = ((grpc_name, UNIT), (sse_name, UNIT)) if variant == FP32 else ((grpc_name, UNIT),)
+    expects = ((grpc_name, UNIT), (sse_name, UNIT)) if headline else ((grpc_name, UNIT),)
     return Step(SECTION, Server(variant), f"decode through server {variant.label}", run, expects)
 
 
@@ -115,6 +115,6 @@ def steps(ctx: BenchContext) -> list[Step]:
     p = ctx.profile
     out = [_engine_step(ctx, variant, det) for variant, det in p.decode_variants]
     out.append(_transformers_step(ctx))
-    out.append(_server_step(ctx, FP32))
+    out.append(_server_step(ctx, p.serving_variant))
     out.extend(_server_step(ctx, v) for v in p.server_variants)
     return out

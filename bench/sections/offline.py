@@ -14,7 +14,6 @@ from typing import Any
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
-from bench.profile import FP32
 from bench.resources import EngineModel, TransformersModel, Variant
 from bench.runner import Step
 from bench.workload import RequestSpec, offline_workload, output_tokens
@@ -73,7 +72,7 @@ def _engine_step(ctx: BenchContext, variant: Variant, deterministic: bool) -> St
             raise RuntimeError(
                 f"engine generated {produced} tokens, the workload asked for {output_tokens(specs)}"
             )
-        note = "server default" if variant == FP32 and deterministic else ""
+        note = "as served" if variant == ctx.profile.serving_variant and deterministic else ""
         return [_figure(ctx, name, specs, seconds, note)]
 
     return Step(

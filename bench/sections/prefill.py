@@ -14,7 +14,6 @@ from typing import Any
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
-from bench.profile import FP32
 from bench.resources import EngineModel, Server, TransformersModel, Variant
 from bench.runner import Step
 from bench.stats import median
@@ -65,7 +64,7 @@ def _engine_step(ctx: BenchContext, variant: Variant, deterministic: bool) -> St
             warm, runs = _specs(ctx, length)
             engine_direct.warm_up(engine, [warm])
             timelines = [engine_direct.run_requests(engine, [spec])[0] for spec in runs]
-            note = "server default" if variant == FP32 and deterministic else ""
+            note = "as served" if variant == ctx.profile.serving_variant and deterministic else ""
             figures.append(_figure(name, length, timelines, note))
         return figures
 
@@ -115,8 +114,8 @@ def _server_step(ctx: BenchContext) -> Step:
 
     return Step(
         SECTION,
-        Server(FP32),
-        "prefill through gRPC",
+        Server(ctx.profile.serving_variant),
+        f"prefill through gRPC, {ctx.profile.serving_variant.label}",
         lambda server: asyncio.run(measure(server.grpc_target)),
         tuple((n, UNIT) for n in names.values()),
     )

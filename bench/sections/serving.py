@@ -23,7 +23,6 @@ from bench.context import BenchContext
 from bench.figures import Figure, skipped
 from bench.load_generator import run_load, warm_up
 from bench.load_result import LoadResult
-from bench.profile import FP32
 from bench.resources import EngineModel, Server, TransformersModel, Variant
 from bench.runner import Step
 from bench.transports import (
@@ -173,8 +172,8 @@ def _engine_step(ctx: BenchContext) -> Step:
 
     return Step(
         SECTION,
-        EngineModel(FP32),
-        "serving load, engine in-process",
+        EngineModel(ctx.profile.serving_variant),
+        f"serving load, engine in-process, {ctx.profile.serving_variant.label}",
         run,
         _expects(ctx, "serving.engine", levels, True),
     )
@@ -248,7 +247,8 @@ def _server_step(ctx: BenchContext) -> Step:
         return asyncio.run(measure())
 
     expects = _expects(ctx, "serving.grpc", levels, True, ttft=True) + gateway_expects
-    return Step(SECTION, Server(FP32), "serving load through gRPC and the gateway", run, expects)
+    variant = ctx.profile.serving_variant
+    return Step(SECTION, Server(variant), f"serving load through gRPC and the gateway, {variant.label}", run, expects)
 
 
 def _server_variant_step(ctx: BenchContext, variant: Variant) -> Step:

@@ -306,3 +306,17 @@ def test_failures_become_skipped_figures(monkeypatch, tmp_path: Path) -> None:
     assert "forward exploded" in figures["decode.engine.fp32.fast"].note
     assert "no int4 kernel" in figures["decode.engine.int4.det"].note
     assert released == ["resource:engine model fp32"]  # the one resource that loaded was released
+
+
+def test_server_figures_are_held_to_the_engine_figure_of_the_served_variant() -> None:
+    figures = [
+        _fig("decode.engine.fp32.det", 50.0),
+        _fig("decode.engine.int4.det", 100.0),
+        _fig("decode.grpc", 95.0),
+    ]
+    assert {f.name: f.value for f in compare_figures(figures, "int4")} == {
+        "compare.grpc_vs_engine.decode": pytest.approx(0.95)
+    }
+    assert {f.name: f.value for f in compare_figures(figures)} == {
+        "compare.grpc_vs_engine.decode": pytest.approx(1.9)
+    }
