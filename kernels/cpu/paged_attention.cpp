@@ -1,0 +1,595 @@
+// Causal attention of a flattened batch over the paged KV cache, for the CPU.
+//
+// One kernel for both engine modes: it is fast (AVX-512, no gather of the
+// context into new tensors) and batch-invariant by construction.
+//
+// Layout: q [T, H, D] float32; k/v cache [num_blocks, block_size, KVH, D] float32
+// or bfloat16; sequence b owns query rows query_start_loc[b]..query_start_loc[b+1]
+// and, after this step, a context of seq_lens[b] tokens whose K/V the caller has
+// already written. Its query row i sits at position p = seq_lens[b] - n_b + i
+// and sees key j iff j <= p and (no window or j > p - window). Query head h reads
+// KV head h / (H / KVH).
+//
+// Work unit = a tile of up to QUERY_TILE consecutive queries of one sequence and one
+// KV head: the GQA group's query heads and the tile's queries share every K/V row
+// loaded. Each query walks exactly its own visible keys in ascending order, in key
+// blocks of KEY_BLOCK = 16 positions aligned to position 0 (the same blocks whatever
+// the cache's block size), with an online softmax:
+//
+//   scores  s_u = tree_sum_l( chain_c q[16c+l] * k_u[16c+l] )   (fixed tree below)
+//   m'      = max(m, max_u s_u)                                  (exact)
+//   p_u     = exp(s_u - m')  for visible u, exactly 0 otherwise
+//   l       = l * exp(m - m') + p               (16 lanes, summed once at the end)
+//   acc     = acc * exp(m - m') + sum_u p_u v_u  (one FMA chain per lane, ascending u)
+//
+// Batch invariance: every one of those operations is a function of the query's
+// own q vector, its position and its sequence's cached K/V only. Which other
+// tokens are in the batch decides only which units exist and which thread runs
+// them (units are handed out dynamically) and which queries share a tile, never a
+// query's arithmetic: the same code path runs for T = 1 or T = 4096, a score lane
+// never mixes with another lane, a query's state is its own, and no key block or
+// key outside the query's range enters it. So a token's output is bit-identical
+// alone, in any batch, in a prompt chunk of any size and on any thread count. (The vector path for D % 16 == 0 and the scalar
+// path for other D give different bits, but the path depends only on D.)
+//
+// Build flags (kernels/cpu/extension.py) include -ffp-contract=off, so the only
+// fused multiply-adds are the explicit _mm512_fmadd_ps below.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one zmm of scores)
+constexpr int LANES = 16;      // floats per zmm
+constexpr int QUERY_TILE = 8;  // consecutive queries of a sequence sharing each loaded K/V block
+// Below this many (query head x visible key x head_dim) multiply-adds in a call, the
+// OpenMP fork/join costs more than it saves; the result is the same either way.
+constexpr int64_t MIN_PARALLEL_WORK = 1 << 17;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+// exp(x) below this is flushed to exactly 0 (exp(-87) is still a normal float), so
+// the accumulators never see denormals.
+constexpr float EXP_MIN = -87.0f;
+
+struct Problem {
+  const float* q;                // [T, H, D]
+  const void* k;                 // [num_slots, KVH, D] (float or uint16 bfloat16 bits)
+  const void* v;
+  const int32_t* block_tables;   // [B, max_blocks]
+  int64_t max_blocks;
+  float* out;                    // [T, H, D]
+  int64_t num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int group;                     // query heads per KV head
+  int block_size;                // cache block size (slots per block)
+  float scale;
+  int window;                    // 0 = none
+};
+
+// ---- float32 / bfloat16 loads -------------------------------------------------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {
+  // bfloat16 -> float32 is the 16 bits shifted into the high half: exact.
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline float load1(const float* p) { return *p; }
+
+inline float load1(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// ---- exp --------------------------------------------------------------------------------
+
+// exp(x) for x <= 0 (Cephes expf polynomial: ~1 ulp on the range), flushed to exactly 0
+// below EXP_MIN and for lanes outside `keep`.
+inline __m512 exp_nonpositive(__m512 x, __mmask16 keep) {
+  keep &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_MIN), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));  // also turns -inf (masked lanes) finite
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+}
+
+// ---- scores -----------------------------------------------------------------------------
+
+// Sixteen vectors of per-lane partial dot products -> one vector of their lane sums,
+// out[u] = sum over lanes of part[u]. Each output lane is the same fixed tree of its own
+// vector's lanes, ((l, l+8), then (l, l+4), (l, l+2), (l, l+1)), never mixed with another
+// key's lanes, so a score does not depend on which keys share its block.
+inline __m512 sum_lanes16(const __m512 part[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // (l, l+8): chunks 0,1 + chunks 2,3 of two keys
+    const __m512 a = part[2 * i], b = part[2 * i + 1];
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // (l, l+4): chunk 0 + chunk 1 of each key
+    const __m512 a = w[2 * i], b = w[2 * i + 1];
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // (l, l+2) inside each 128-bit chunk
+    const __m512 a = x[2 * i], b = x[2 * i + 1];
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  // (l, l+1): lane 4c + i now holds key 4i + c; put the keys back in order.
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// Scores of one (pre-scaled) query head against the block's 16 key rows (float32).
+// Lane l of key u's partial is one multiply-add chain over q[16c + l] * k_u[16c + l],
+// c ascending; rows of invisible keys point at a visible row and are masked later.
+// CH > 0: head_dim = 16 * CH known at compile time, the query kept in registers;
+// CH == 0: any multiple of 16. Both compute the same chains.
+template <int CH>
+__attribute__((always_inline)) inline __m512 block_scores(const float* q, const float* const krow[16], int chunks) {
+  __m512 part[16];
+  if constexpr (CH > 0) {
+    __m512 qc[CH];
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c) qc[c] = _mm512_loadu_ps(q + c * LANES);
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) {
+      const float* k = krow[u];
+      __m512 acc = _mm512_mul_ps(qc[0], _mm512_loadu_ps(k));
+#pragma GCC unroll 8
+      for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(qc[c], _mm512_loadu_ps(k + c * LANES), acc);
+      part[u] = acc;
+    }
+  } else {
+    __m512 qc = _mm512_loadu_ps(q);
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) part[u] = _mm512_mul_ps(qc, _mm512_loadu_ps(krow[u]));
+    for (int c = 1; c < chunks; ++c) {
+      qc = _mm512_loadu_ps(q + c * LANES);
+#pragma GCC unroll 16
+      for (int u = 0; u < 16; ++u) part[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(krow[u] + c * LANES), part[u]);
+    }
+  }
+  return sum_lanes16(part);
+}
+
+// The maximum of the 16 lanes, in every lane (exact: max does not round).
+inline __m512 max_all_lanes(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+// ---- P @ V ------------------------------------------------------------------------------
+
+// acc[g] = acc[g] * corr[g] + sum_{u=ua..ub} p[g][u] * v_u for G heads of the group and CC
+// zmm columns starting at column chunk c0: each loaded V vector serves the G heads.
+// Per lane this is one FMA chain in ascending u whatever G and CC are.
+template <typename KT, int G, int CC>
+void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[16], int ua,
+             int ub, int c0) {
+  __m512 a[G][CC];
+  for (int g = 0; g < G; ++g) {
+    const __m512 cg = _mm512_set1_ps(corr[g]);
+    for (int c = 0; c < CC; ++c)
+      a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * head_dim + (c0 + c) * LANES), cg);
+  }
+  for (int u = ua; u <= ub; ++u) {
+    __m512 vc[CC];
+    for (int c = 0; c < CC; ++c) vc[c] = load16(vrow[u] + (c0 + c) * LANES);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pu = _mm512_set1_ps(probs[g * KEY_BLOCK + u]);
+      for (int c = 0; c < CC; ++c) a[g][c] = _mm512_fmadd_ps(pu, vc[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CC; ++c) _mm512_storeu_ps(acc + g * head_dim + (c0 + c) * LANES, a[g][c]);
+}
+
+template <typename KT>
+using PvFn = void (*)(float*, int, const float*, const float*, const KT* const*, int, int, int);
+
+template <typename KT, int G>
+constexpr PvFn<KT> pv_for_cc(int cc) {
+  return cc == 1   ? &pv_tile<KT, G, 1>
+         : cc == 2 ? &pv_tile<KT, G, 2>
+         : cc == 3 ? &pv_tile<KT, G, 3>
+                   : &pv_tile<KT, G, 4>;
+}
+
+template <typename KT>
+PvFn<KT> pv_kernel(int g, int cc) {
+  switch (g) {
+    case 1: return pv_for_cc<KT, 1>(cc);
+    case 2: return pv_for_cc<KT, 2>(cc);
+    case 3: return pv_for_cc<KT, 3>(cc);
+    default: return pv_for_cc<KT, 4>(cc);
+  }
+}
+
+// ---- one unit -----------------------------------------------------------------------------
+
+// A run of consecutive query rows of one sequence, attended together for one KV head so
+// that each K/V block is brought into L1 once for all of them. Every query still walks
+// only its own key range with its own state: the tile decides what is cached, not what
+// is computed.
+struct Tile {
+  int64_t row;   // first query row (of T)
+  int32_t n;     // queries in the tile, 1..QUERY_TILE
+  int32_t seq;   // sequence
+  int32_t pos0;  // position of the first query
+};
+
+// Scratch of one thread, reused across its units and calls (thread_local: no allocation
+// once a thread has seen the largest shapes).
+struct Scratch {
+  std::vector<float> q;      // [QUERY_TILE, group, D] scaled queries
+  std::vector<float> acc;    // [QUERY_TILE, group, D] running sum of p * v
+  std::vector<float> m;      // [QUERY_TILE, group] running max
+  std::vector<__m512> l;     // [QUERY_TILE, group] running sum of p, per lane
+  std::vector<float> probs;  // [QUERY_TILE, group, KEY_BLOCK] this block's scores, then probabilities
+  std::vector<float> corr;   // [QUERY_TILE, group] this block's rescale factors
+  std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
+
+  void fit(const Problem& pb) {
+    const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.group * pb.head_dim, g = QUERY_TILE * pb.group;
+    grow(q, gd);
+    grow(acc, gd);
+    grow(m, g);
+    grow(l, g);
+    grow(probs, g * KEY_BLOCK);
+    grow(corr, g);
+    grow(kbuf, static_cast<size_t>(KEY_BLOCK) * pb.head_dim);
+  }
+
+ private:
+  template <typename V>
+  static void grow(V& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+  }
+};
+
+inline int first_key(const Problem& pb, int pos) { return pb.window > 0 ? std::max(0, pos - pb.window + 1) : 0; }
+
+// Slot (row of the flattened cache) of positions j0+ua .. j0+ub of sequence `table`.
+inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua, int ub, int64_t slots[16]) {
+  const int bs = pb.block_size;
+  int j = j0 + ua;
+  int blk = j / bs, off = j % bs;
+  for (int u = ua; u <= ub; ++u) {
+    slots[u] = static_cast<int64_t>(table[blk]) * bs + off;
+    if (++off == bs) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
+// One key block for one query, in three steps that the tile loop runs for all of its
+// queries in turn (so each step is a long run of independent work):
+// scores of all `group` heads (lanes outside ua..ub = -inf) ...
+template <int CH>
+inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[16], int ua, int ub,
+                               float* scores) {
+  const int D = pb.head_dim, chunks = D / LANES;
+  const __mmask16 visible = static_cast<__mmask16>(((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u));
+  for (int g = 0; g < pb.group; ++g) {
+    const __m512 sc = block_scores<CH>(q + g * D, krow, chunks);
+    _mm512_storeu_ps(scores + g * KEY_BLOCK, _mm512_mask_blend_ps(visible, _mm512_set1_ps(NEG_INF), sc));
+  }
+}
+
+// ... the online-softmax update of (m, l), scores -> probabilities, and the rescale factor
+// corr = exp(m - m') of the state: branch-free, corr is exactly 1 when the max did not move
+// (exp(0) = 1) and exactly 0 on the first block (m = -inf) ...
+inline void block_query_softmax(int group, int ua, int ub, float* m, __m512* l, float* probs, float* corr) {
+  const __mmask16 visible = static_cast<__mmask16>(((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u));
+  for (int g = 0; g < group; ++g) {
+    const __m512 sc = _mm512_loadu_ps(probs + g * KEY_BLOCK);
+    const __m512 m_old = _mm512_set1_ps(m[g]);
+    const __m512 m_new = _mm512_max_ps(m_old, max_all_lanes(sc));
+    const __m512 c = exp_nonpositive(_mm512_sub_ps(m_old, m_new), 0xFFFF);
+    const __m512 pr = exp_nonpositive(_mm512_sub_ps(sc, m_new), visible);
+    _mm512_storeu_ps(probs + g * KEY_BLOCK, pr);
+    l[g] = _mm512_fmadd_ps(l[g], c, pr);
+    corr[g] = _mm512_cvtss_f32(c);
+    m[g] = _mm512_cvtss_f32(m_new);
+  }
+}
+
+// ... and acc = acc * corr + P @ V over the visible keys.
+template <typename KT>
+inline void block_query_pv(const Problem& pb, float* acc, const float* probs, const float* corr,
+                           const KT* const vrow[16], int ua, int ub) {
+  const int D = pb.head_dim, chunks = D / LANES;
+  for (int g0 = 0; g0 < pb.group; g0 += 4) {
+    const int ng = std::min(4, pb.group - g0);
+    for (int c0 = 0; c0 < chunks; c0 += 4)
+      pv_kernel<KT>(ng, std::min(4, chunks - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vrow, ua, ub, c0);
+  }
+}
+
+// Ask for the next key block's K/V rows while this one is computed: the blocks of a
+// sequence are scattered, so the hardware prefetcher cannot guess them, and decode reads
+// every row from beyond L2.
+template <typename KT>
+inline void prefetch_block(const Problem& pb, const int32_t* table, const KT* kbase, const KT* vbase,
+                           int64_t row_stride, int j0, int last) {
+  int64_t slots[16];
+  const int ub = std::min(last - j0, KEY_BLOCK - 1);
+  block_slots(pb, table, j0, 0, ub, slots);
+  const int row_bytes = pb.head_dim * static_cast<int>(sizeof(KT));
+  for (int u = 0; u <= ub; ++u) {
+    const char* k = reinterpret_cast<const char*>(kbase + slots[u] * row_stride);
+    const char* v = reinterpret_cast<const char*>(vbase + slots[u] * row_stride);
+    for (int off = 0; off < row_bytes; off += 64) {
+      _mm_prefetch(k + off, _MM_HINT_T0);
+      _mm_prefetch(v + off, _MM_HINT_T0);
+    }
+  }
+}
+
+// The tile's queries for KV head kvh, D % 16 == 0.
+template <typename KT, int CH>
+void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
+  const int D = pb.head_dim, chunks = D / LANES, G = pb.group, GD = G * D;
+  const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
+  const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
+  const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh) * D;
+  const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh) * D;
+
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+  for (int i = 0; i < tile.n; ++i) {
+    const float* qrow = pb.q + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
+    for (int e = 0; e < GD; e += LANES)
+      _mm512_storeu_ps(&s.q[i * GD + e], _mm512_mul_ps(_mm512_loadu_ps(qrow + e), scale));
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + tile.n * GD, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + tile.n * G, NEG_INF);
+  std::fill(s.l.begin(), s.l.begin() + tile.n * G, _mm512_setzero_ps());
+
+  // Key blocks in ascending order. Per block: the rows of every key any query of the tile
+  // sees, then for each query its own lanes qa..qb (none when qa > qb: the block is outside
+  // its range), its scores, its softmax update, its P @ V. Each step runs over all the
+  // tile's queries before the next, so the core has independent work to overlap.
+  const int tile_lo = first_key(pb, tile.pos0), tile_hi = tile.pos0 + tile.n - 1;
+  const int kb_last = tile_hi / KEY_BLOCK;
+  const float* krow[16];
+  const KT* vrow[16];
+  int qa[QUERY_TILE], qb[QUERY_TILE];
+  int64_t slots[16];
+  for (int kb = tile_lo / KEY_BLOCK; kb <= kb_last; ++kb) {
+    const int j0 = kb * KEY_BLOCK;
+    const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
+    block_slots(pb, table, j0, ua, ub, slots);
+    for (int u = ua; u <= ub; ++u) {
+      const KT* k = kbase + slots[u] * row_stride;
+      vrow[u] = vbase + slots[u] * row_stride;
+      if constexpr (std::is_same_v<KT, float>) {
+        krow[u] = k;
+      } else {  // widen once per block, not once per query head
+        float* dst = &s.kbuf[u * D];
+        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + c * LANES, load16(k + c * LANES));
+        krow[u] = dst;
+      }
+    }
+    for (int u = 0; u < ua; ++u) krow[u] = krow[ua];  // lanes no query sees: any readable row
+    for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
+    if (kb < kb_last) prefetch_block(pb, table, kbase, vbase, row_stride, j0 + KEY_BLOCK, tile_hi);
+
+    for (int i = 0; i < tile.n; ++i) {
+      const int pos = tile.pos0 + i;
+      qa[i] = std::max(first_key(pb, pos) - j0, 0);
+      qb[i] = std::min(pos - j0, KEY_BLOCK - 1);
+    }
+    for (int i = 0; i < tile.n; ++i)
+      if (qa[i] <= qb[i]) block_query_scores<CH>(pb, &s.q[i * GD], krow, qa[i], qb[i], &s.probs[i * G * KEY_BLOCK]);
+    for (int i = 0; i < tile.n; ++i)
+      if (qa[i] <= qb[i])
+        block_query_softmax(G, qa[i], qb[i], &s.m[i * G], &s.l[i * G], &s.probs[i * G * KEY_BLOCK], &s.corr[i * G]);
+    for (int i = 0; i < tile.n; ++i)
+      if (qa[i] <= qb[i])
+        block_query_pv<KT>(pb, &s.acc[i * GD], &s.probs[i * G * KEY_BLOCK], &s.corr[i * G], vrow, qa[i], qb[i]);
+  }
+
+  for (int i = 0; i < tile.n; ++i) {
+    float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
+    for (int g = 0; g < G; ++g) {
+      const __m512 denom = _mm512_set1_ps(_mm512_reduce_add_ps(s.l[i * G + g]));
+      const float* acc = &s.acc[i * GD + g * D];
+      for (int c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(orow + g * D + c * LANES, _mm512_div_ps(_mm512_loadu_ps(acc + c * LANES), denom));
+    }
+  }
+}
+
+// Any D: each query of the tile alone, the same block walk in plain scalar code.
+template <typename KT>
+void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
+  const int D = pb.head_dim, G = pb.group;
+  const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
+  const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
+  const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh) * D;
+  const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh) * D;
+  int64_t slots[16];
+  float sc[KEY_BLOCK];
+  for (int i = 0; i < tile.n; ++i) {
+    const int p = tile.pos0 + i, lo = first_key(pb, p);
+    const float* qrow = pb.q + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
+    float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
+    for (int g = 0; g < G; ++g) {
+      const float* q = qrow + g * D;
+      float* acc = s.acc.data();
+      std::fill(acc, acc + D, 0.0f);
+      float m = NEG_INF, l = 0.0f;
+      for (int kb = lo / KEY_BLOCK; kb <= p / KEY_BLOCK; ++kb) {
+        const int j0 = kb * KEY_BLOCK;
+        const int ua = std::max(lo - j0, 0), ub = std::min(p - j0, KEY_BLOCK - 1);
+        block_slots(pb, table, j0, ua, ub, slots);
+        float bmax = NEG_INF;
+        for (int u = ua; u <= ub; ++u) {
+          const KT* k = kbase + slots[u] * row_stride;
+          float dot = 0.0f;
+          for (int d = 0; d < D; ++d) dot += (q[d] * pb.scale) * load1(k + d);
+          sc[u] = dot;
+          bmax = std::max(bmax, dot);
+        }
+        const float m_new = std::max(m, bmax);
+        const float corr = m == m_new ? 1.0f : (m == NEG_INF ? 0.0f : std::exp(m - m_new));
+        l *= corr;
+        for (int d = 0; d < D; ++d) acc[d] *= corr;
+        for (int u = ua; u <= ub; ++u) {
+          const float pu = std::exp(sc[u] - m_new);
+          l += pu;
+          const KT* v = vbase + slots[u] * row_stride;
+          for (int d = 0; d < D; ++d) acc[d] += pu * load1(v + d);
+        }
+        m = m_new;
+      }
+      for (int d = 0; d < D; ++d) orow[g * D + d] = acc[d] / l;
+    }
+  }
+}
+
+template <typename KT>
+void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work) {
+  const int64_t units = static_cast<int64_t>(tiles.size()) * pb.num_kv_heads;
+  const bool vector = pb.head_dim % LANES == 0;
+  std::atomic<int64_t> next{0};
+  // Units are handed out one at a time: a causal prefill's units differ many-fold in cost,
+  // and which thread runs a unit changes nothing in its result.
+  auto worker = [&]() {
+    thread_local Scratch scratch;
+    scratch.fit(pb);
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      const Tile& tile = tiles[u / pb.num_kv_heads];
+      const int kvh = static_cast<int>(u % pb.num_kv_heads);
+      switch (pb.head_dim) {  // the common head sizes with the query held in registers
+        case 16: attend_tile_vec<KT, 1>(pb, tile, kvh, scratch); break;
+        case 32: attend_tile_vec<KT, 2>(pb, tile, kvh, scratch); break;
+        case 64: attend_tile_vec<KT, 4>(pb, tile, kvh, scratch); break;
+        case 128: attend_tile_vec<KT, 8>(pb, tile, kvh, scratch); break;
+        default:
+          if (vector)
+            attend_tile_vec<KT, 0>(pb, tile, kvh, scratch);
+          else
+            attend_tile_scalar<KT>(pb, tile, kvh, scratch);
+      }
+    }
+  };
+  const int threads = at::get_num_threads();
+  if (threads <= 1 || units <= 1 || total_work < MIN_PARALLEL_WORK || at::in_parallel_region()) {
+    worker();
+  } else {
+    at::parallel_for(0, std::min<int64_t>(threads, units), 1, [&](int64_t, int64_t) { worker(); });
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                              const torch::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "q must be a contiguous float32 [T, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, KVH, D] tensors of one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
+              "the cache must be float32 or bfloat16");
+  for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
+                "block_tables, query_start_loc and seq_lens must be contiguous int32 CPU tensors");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "cache head_dim ", k_cache.size(3), " != q head_dim ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && query_start_loc.dim() == 1, "bad index shapes");
+  const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == B && query_start_loc.size(0) == B + 1,
+              "block_tables must have B rows and query_start_loc B + 1 entries");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK(D > 0 && bs > 0, "empty head_dim or block_size");
+
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T");
+  thread_local std::vector<Tile> tiles;  // reused across calls
+  tiles.clear();
+  int64_t total_work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = qsl[b], n = qsl[b + 1] - qsl[b], len = lens[b];
+    TORCH_CHECK(n >= 0 && n <= len, "sequence ", b, ": ", n, " queries but a context of ", len);
+    TORCH_CHECK(len <= max_blocks * bs, "sequence ", b, ": context ", len, " exceeds its block table");
+    for (int64_t blk = 0; blk < (len + bs - 1) / bs; ++blk) {
+      const int32_t id = tables[b * max_blocks + blk];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, ": block id ", id, " out of range");
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
+      const int64_t m = std::min<int64_t>(QUERY_TILE, n - i0);
+      tiles.push_back(
+          {start + i0, static_cast<int32_t>(m), static_cast<int32_t>(b), static_cast<int32_t>(len - n + i0)});
+    }
+    for (int64_t pos = len - n; pos < len; ++pos)
+      total_work += sliding_window > 0 ? std::min<int64_t>(pos + 1, sliding_window) : pos + 1;
+  }
+  total_work *= H * D;
+
+  auto out = torch::empty({T, H, D}, q.options());
+  if (T == 0) return out;
+  Problem pb{q.data_ptr<float>(),
+             k_cache.data_ptr(),
+             v_cache.data_ptr(),
+             tables,
+             max_blocks,
+             out.data_ptr<float>(),
+             T,
+             static_cast<int>(H),
+             static_cast<int>(KVH),
+             static_cast<int>(D),
+             static_cast<int>(H / KVH),
+             static_cast<int>(bs),
+             static_cast<float>(scale),
+             static_cast<int>(sliding_window)};
+  {
+    pybind11::gil_scoped_release no_gil;
+    if (k_cache.scalar_type() == torch::kFloat32)
+      run<float>(pb, tiles, total_work);
+    else
+      run<uint16_t>(pb, tiles, total_work);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)");
+}

@@ -1,0 +1,254 @@
+"""kernels/cpu/paged_attention.cpp: correctness against a float64 reference, and batch invariance.
+
+The kernel must match the plain per-query reference for every head size (the
+AVX-512 path for multiples of 16, the scalar one otherwise), GQA ratios, cache
+block sizes, float32 and bfloat16 caches, sliding windows, scattered block
+tables and batches mixing prefill chunks with single-token decodes. And since
+it serves the engine's deterministic mode, a query's output must be
+bit-identical alone, inside any batch, in a prompt chunk of any size and with
+1 or 2 threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.cpu import extension
+from kernels.cpu import paged_attention as pa
+
+pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512")
+
+
+@dataclass
+class Cache:
+    """A paged K/V cache holding whole sequences at random, non-contiguous blocks."""
+
+    k: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    v: torch.Tensor
+    tables: list[list[int]]  # block ids of each sequence
+    lens: list[int]  # tokens of each sequence in the cache
+    block_size: int
+
+
+def make_cache(
+    lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, g: torch.Generator
+) -> Cache:
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3  # spare blocks hold garbage no query may read
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for n in need:
+        tables.append(perm[start : start + n])
+        start += n
+    return Cache(k, v, tables, list(lens), block_size)
+
+
+@dataclass
+class Step:
+    """One call's batch: (sequence, first query position, query count) per entry."""
+
+    entries: list[tuple[int, int, int]]
+
+
+def run(
+    cache: Cache,
+    q_all: list[torch.Tensor],
+    step: Step,
+    scale: float,
+    window: int,
+    fn=pa.paged_attention,
+) -> list[torch.Tensor]:
+    """Attend the step's queries (rows of q_all[seq] at their positions); one [n, H, D] per entry."""
+    q = torch.cat([q_all[s][p : p + n] for s, p, n in step.entries])
+    width = max(len(cache.tables[s]) for s, _, _ in step.entries) + 2  # padded, like the engine's
+    tables = torch.zeros(len(step.entries), width, dtype=torch.int32)
+    for i, (s, _, _) in enumerate(step.entries):
+        tables[i, : len(cache.tables[s])] = torch.tensor(cache.tables[s], dtype=torch.int32)
+    counts = torch.tensor([n for _, _, n in step.entries], dtype=torch.int32)
+    qsl = torch.zeros(len(step.entries) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(counts, 0)
+    seq_lens = torch.tensor([p + n for _, p, n in step.entries], dtype=torch.int32)  # context after the step
+    out = fn(q, cache.k, cache.v, tables, qsl, seq_lens, scale, window)
+    return list(out.split(counts.tolist()))
+
+
+def test_kernel_loads_on_this_machine() -> None:
+    """make install builds it; a supported CPU that cannot load it is a broken install, not a skip."""
+    assert pa.available()
+
+
+CASES = [
+    # (head_dim, num_heads, kv_heads, block_size, window)
+    (64, 9, 3, 16, 0),  # SmolLM2
+    (64, 9, 3, 16, 20),
+    (64, 4, 4, 5, 0),  # block size not a divisor of the 16-key blocks
+    (16, 4, 2, 1, 0),  # the tiny test models
+    (16, 4, 2, 4, 7),
+    (32, 6, 2, 32, 0),  # qwen3 tiny
+    (128, 8, 1, 16, 33),  # GQA 8
+    (80, 3, 3, 16, 0),  # multiple of 16, not a register-held size
+    (24, 6, 2, 16, 0),  # scalar path
+    (24, 3, 1, 3, 9),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"D{d}-H{h}-KV{kv}-bs{bs}-w{w}" for d, h, kv, bs, w in CASES])
+def test_matches_reference(case: tuple[int, int, int, int, int], dtype: torch.dtype) -> None:
+    head_dim, heads, kv_heads, block_size, window = case
+    g = torch.Generator().manual_seed(sum(case))
+    lens = [70, 1, 33, 16, 17, 5, 48]
+    cache = make_cache(lens, kv_heads, head_dim, block_size, dtype, g)
+    q_all = [torch.randn(n, heads, head_dim, generator=g) * 2 for n in lens]
+    # A mixed step: whole prompts, prompt chunks in the middle, single-token decodes.
+    step = Step([(0, 30, 40), (1, 0, 1), (2, 32, 1), (3, 0, 16), (4, 9, 8), (5, 4, 1), (6, 20, 13)])
+    scale = head_dim**-0.5
+    out = run(cache, q_all, step, scale, window)
+    ref = run(cache, q_all, step, scale, window, fn=pa.paged_attention_reference)
+    for a, b in zip(out, ref, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_peaked_and_flat_scores() -> None:
+    """Large score ranges (probabilities that underflow to 0) and all-equal scores.
+
+    Scores of magnitude ~250 carry float32 rounding of ~250 * 2^-24 each, hence the
+    looser tolerance for the peaked case.
+    """
+    g = torch.Generator().manual_seed(3)
+    cache = make_cache([100], 2, 64, 16, torch.float32, g)
+    q_all = [torch.randn(100, 4, 64, generator=g) * 30]
+    step = Step([(0, 0, 100)])
+    out = run(cache, q_all, step, 1.0, 0)[0]
+    ref = run(cache, q_all, step, 1.0, 0, fn=pa.paged_attention_reference)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    flat = [torch.zeros(100, 4, 64)]
+    out = run(cache, flat, step, 1.0, 0)[0]
+    ref = run(cache, flat, step, 1.0, 0, fn=pa.paged_attention_reference)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_bad_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache([20], 2, 16, 4, torch.float32, g)
+    q = torch.randn(3, 4, 16)
+    tables = torch.tensor([cache.tables[0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    ok = pa.paged_attention(q, cache.k, cache.v, tables, qsl, torch.tensor([20], dtype=torch.int32), 0.25)
+    assert ok.shape == (3, 4, 16)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        pa.paged_attention(q, cache.k, cache.v, tables, qsl, torch.tensor([21], dtype=torch.int32), 0.25)
+    with pytest.raises(RuntimeError, match="queries but a context"):
+        pa.paged_attention(q, cache.k, cache.v, tables, qsl, torch.tensor([2], dtype=torch.int32), 0.25)
+    bad_tables = tables.clone()
+    bad_tables[0, 1] = cache.k.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        pa.paged_attention(q, cache.k, cache.v, bad_tables, qsl, torch.tensor([20], dtype=torch.int32), 0.25)
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        pa.paged_attention(
+            q[:, :3], cache.k, cache.v, tables, qsl, torch.tensor([20], dtype=torch.int32), 0.25
+        )
+
+
+# -- batch invariance ---------------------------------------------------------------------------
+
+INVARIANCE = [
+    # (head_dim, num_heads, kv_heads, block_size, window, dtype)
+    (64, 9, 3, 16, 0, torch.float32),
+    (64, 9, 3, 16, 37, torch.bfloat16),
+    (16, 4, 2, 4, 0, torch.float32),
+    (24, 6, 2, 16, 0, torch.float32),
+]
+
+
+@pytest.fixture(params=INVARIANCE, ids=[f"D{c[0]}-bs{c[3]}-w{c[4]}-{str(c[5])[6:]}" for c in INVARIANCE])
+def setup(request) -> Iterator[tuple[Cache, list[torch.Tensor], int, float]]:
+    head_dim, heads, kv_heads, block_size, window, dtype = request.param
+    g = torch.Generator().manual_seed(head_dim + window)
+    lens = [150, 37, 64, 1, 90, 23]
+    cache = make_cache(lens, kv_heads, head_dim, block_size, dtype, g)
+    q_all = [torch.randn(n, heads, head_dim, generator=g) for n in lens]
+    yield cache, q_all, window, head_dim**-0.5
+
+
+def alone(cache: Cache, q_all: list[torch.Tensor], window: int, scale: float) -> list[torch.Tensor]:
+    """Every query of every sequence in a call of its own (a decode step)."""
+    return [
+        torch.cat([run(cache, q_all, Step([(s, p, 1)]), scale, window)[0] for p in range(n)])
+        for s, n in enumerate(cache.lens)
+    ]
+
+
+def chunked(
+    cache: Cache, q_all: list[torch.Tensor], window: int, scale: float, sizes: list[int]
+) -> list[torch.Tensor]:
+    """Each sequence's prompt in consecutive chunks (sizes cycled), one sequence per call."""
+    outs = []
+    for s, n in enumerate(cache.lens):
+        parts, p, i = [], 0, 0
+        while p < n:
+            c = min(sizes[i % len(sizes)], n - p)
+            parts.append(run(cache, q_all, Step([(s, p, c)]), scale, window)[0])
+            p, i = p + c, i + 1
+        outs.append(torch.cat(parts))
+    return outs
+
+
+def random_batches(
+    cache: Cache, q_all: list[torch.Tensor], window: int, scale: float, seed: int
+) -> list[torch.Tensor]:
+    """All sequences advancing together in random chunk sizes, in shuffled order within each call."""
+    g = torch.Generator().manual_seed(seed)
+    done = [0] * len(cache.lens)
+    parts: list[list[torch.Tensor]] = [[] for _ in cache.lens]
+    while any(d < n for d, n in zip(done, cache.lens, strict=True)):
+        entries = []
+        for s, n in enumerate(cache.lens):
+            if done[s] < n:
+                c = min(n - done[s], int(torch.randint(1, 40, (1,), generator=g)))
+                entries.append((s, done[s], c))
+                done[s] += c
+        order = torch.randperm(len(entries), generator=g).tolist()
+        entries = [entries[i] for i in order]
+        for (s, _, _), out in zip(entries, run(cache, q_all, Step(entries), scale, window), strict=True):
+            parts[s].append(out)
+    return [torch.cat(p) for p in parts]
+
+
+def test_same_bits_alone_chunked_and_batched(setup) -> None:
+    cache, q_all, window, scale = setup
+    ref = alone(cache, q_all, window, scale)
+    schedules = {
+        "whole prompts": chunked(cache, q_all, window, scale, [10**6]),
+        "chunks of 7": chunked(cache, q_all, window, scale, [7]),
+        "chunks of 3, 16, 33": chunked(cache, q_all, window, scale, [3, 16, 33]),
+        "random batches 0": random_batches(cache, q_all, window, scale, 0),
+        "random batches 1": random_batches(cache, q_all, window, scale, 1),
+    }
+    for name, outs in schedules.items():
+        for s, (a, b) in enumerate(zip(outs, ref, strict=True)):
+            assert torch.equal(a, b), f"sequence {s} differs under '{name}'"
+
+
+def test_same_bits_any_thread_count() -> None:
+    """Enough work that the kernel forks (prefill of 300 + decodes), 1 vs 2 threads."""
+    g = torch.Generator().manual_seed(5)
+    cache = make_cache([300, 200, 120, 64], 3, 64, 16, torch.float32, g)
+    q_all = [torch.randn(n, 9, 64, generator=g) for n in cache.lens]
+    step = Step([(0, 0, 300), (1, 199, 1), (2, 100, 20), (3, 63, 1)])
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            results.append(torch.cat(run(cache, q_all, step, 0.125, 0)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
