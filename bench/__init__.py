@@ -1,0 +1,5 @@
+"""Benchmarks. The in-process paths (engine, transformers) run under the server's OpenMP wait policy."""
+
+from engine.omp_policy import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()

@@ -47,6 +47,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.omp_policy import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before torch loads: the suite shares 2 cores with live servers
+
 REPO = Path(__file__).resolve().parents[1]
 LOAD_TIMEOUT_S = 180.0
 _LISTEN_RE = re.compile(r"protoserve listening on (\S+) \(grpc\)(?:, http on \S+:(\d+))?")
