@@ -3,7 +3,7 @@
 // One kernel for both engine modes: it is fast (AVX-512, no gather of the
 // context into new tensors) and batch-invariant by construction.
 //
-// Layout: q [T, H, D] float32; k/v cache [num_blocks, block_size, KVH, D] float32
+// Layout: q [T, H, D] float32 (rows may be strided); k/v cache [num_blocks, block_size, KVH, D] float32
 // or bfloat16; sequence b owns query rows query_start_loc[b]..query_start_loc[b+1]
 // and, after this step, a context of seq_lens[b] tokens whose K/V the caller has
 // already written. Its query row i sits at position p = seq_lens[b] - n_b + i
@@ -62,7 +62,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float EXP_MIN = -87.0f;
 
 struct Problem {
-  const float* q;                // [T, H, D]
+  const float* q;                // [T, H, D], rows q_stride floats apart
+  int64_t q_stride;
   const void* k;                 // [num_slots, KVH, D] (float or uint16 bfloat16 bits)
   const void* v;
   const int32_t* block_tables;   // [B, max_blocks]
@@ -365,7 +366,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
 
   const __m512 scale = _mm512_set1_ps(pb.scale);
   for (int i = 0; i < tile.n; ++i) {
-    const float* qrow = pb.q + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
+    const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh) * G * D;
     for (int e = 0; e < GD; e += LANES)
       _mm512_storeu_ps(&s.q[i * GD + e], _mm512_mul_ps(_mm512_loadu_ps(qrow + e), scale));
   }
@@ -440,7 +441,7 @@ void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s
   float sc[KEY_BLOCK];
   for (int i = 0; i < tile.n; ++i) {
     const int p = tile.pos0 + i, lo = first_key(pb, p);
-    const float* qrow = pb.q + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
+    const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh) * G * D;
     float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
     for (int g = 0; g < G; ++g) {
       const float* q = qrow + g * D;
@@ -517,8 +518,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
-              "q must be a contiguous float32 [T, H, D] tensor");
+  // q may be a view of the fused qkv projection's output: rows apart, each row [H, D] dense.
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && (q.size(2) == 1 || q.stride(2) == 1) &&
+                  (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              "q must be a float32 [T, H, D] tensor with dense rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, KVH, D] tensors of one dtype");
@@ -566,6 +569,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   auto out = torch::empty({T, H, D}, q.options());
   if (T == 0) return out;
   Problem pb{q.data_ptr<float>(),
+             q.size(0) > 1 ? q.stride(0) : H * D,
              k_cache.data_ptr(),
              v_cache.data_ptr(),
              tables,

@@ -53,21 +53,18 @@ def paged_attention(
     ext = _extension()
     if ext is None:
         raise RuntimeError("the paged_attention CPU kernel is not available on this machine")
-    # Converting only what needs it: this runs once per layer per step.
+    # Converting only what needs it: this runs once per layer per step. q may stay a view of
+    # the fused qkv output (strided rows); the kernel needs each row's [H, D] dense.
     if q.dtype != torch.float32:
         q = q.float()
+    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        q = q.contiguous()
     index = [
-        t if t.dtype == torch.int32 else t.to(torch.int32) for t in (block_tables, query_start_loc, seq_lens)
+        t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+        for t in (block_tables, query_start_loc, seq_lens)
     ]
     return ext.paged_attention(
-        q.contiguous(),
-        k_cache,
-        v_cache,
-        index[0].contiguous(),
-        index[1].contiguous(),
-        index[2].contiguous(),
-        float(scale),
-        int(sliding_window or 0),
+        q, k_cache, v_cache, index[0], index[1], index[2], float(scale), int(sliding_window or 0)
     )
 
 

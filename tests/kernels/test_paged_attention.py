@@ -135,6 +135,19 @@ def test_peaked_and_flat_scores() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_strided_query_rows() -> None:
+    """q as the engine passes it: a view of the fused qkv output, rows further apart than H * D."""
+    g = torch.Generator().manual_seed(1)
+    cache = make_cache([40], 3, 64, 16, torch.float32, g)
+    qkv = torch.randn(40, (9 + 2 * 3) * 64, generator=g)
+    q = qkv[:, : 9 * 64].view(40, 9, 64)
+    assert not q.is_contiguous()
+    args = (cache.k, cache.v, torch.tensor([cache.tables[0]], dtype=torch.int32))
+    index = (torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32))
+    out = pa.paged_attention(q, *args, *index, 0.125)
+    assert torch.equal(out, pa.paged_attention(q.contiguous(), *args, *index, 0.125))
+
+
 def test_rejects_bad_inputs() -> None:
     g = torch.Generator().manual_seed(0)
     cache = make_cache([20], 2, 16, 4, torch.float32, g)
