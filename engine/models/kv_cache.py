@@ -8,7 +8,12 @@ context (cached + new), causally, with an optional sliding window and GQA.
 Two implementations of that interface:
 
 * ``PagedKVCache``: preallocated per-layer ``[num_blocks, block_size, kv_heads,
-  head_dim]`` K and V pools addressed by block tables, the engine's cache.
+  head_dim]`` K and V pools addressed by block tables, the engine's cache. Its
+  attention is the C++ kernel ``kernels/cpu/paged_attention.cpp`` when the CPU
+  can run it: batch invariant by construction, so it serves both modes, and it
+  reads K/V in place, so a step builds no per-batch plan. Otherwise the PyTorch
+  paths of ``engine.models.attention`` (deterministic tiles, or the fast gather
+  + SDPA).
 * ``ContiguousKVCache``: one contiguous ``[max_seq_len, kv_heads, head_dim]``
   region per sequence and the plain per-sequence SDPA; a second, simpler
   implementation that tests compare the paged cache against.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -36,19 +42,30 @@ from engine.models.attention import (
     sdpa_attention,
     tiled_attention,
 )
+from kernels.cpu import paged_attention as attention_kernel
+
+# How a PagedKVCache step attends: the C++ kernel (both modes), or the PyTorch fallbacks.
+AttentionPath = Literal["kernel", "tiled", "fast", "sdpa"]
 
 
 @dataclass
 class AttentionMetadata:
-    """What every layer's attention needs from one batch, computed once per forward."""
+    """What every layer's attention needs from one batch, computed once per forward.
+
+    ``path`` says which implementation the step's layers run: "kernel" (the C++ paged
+    attention, in either mode, needing nothing beyond the batch), "tiled" (deterministic
+    PyTorch fallback, with ``tile_plan``), "fast" (PyTorch fallback, with ``decode_plan``
+    and ``context_slots``) or "sdpa" (ContiguousKVCache's per-sequence reference).
+    """
 
     batch: ForwardBatch
     sliding_window: int | None
     deterministic: bool
     num_heads: int
-    tile_plan: TilePlan | None  # deterministic mode
-    decode_plan: DecodePlan | None  # fast mode: the single-token sequences, attended together
-    context_slots: dict[int, torch.Tensor]  # fast mode, other sequences: slots of positions 0..seq_len-1
+    tile_plan: TilePlan | None  # path "tiled"
+    decode_plan: DecodePlan | None  # path "fast": the single-token sequences, attended together
+    context_slots: dict[int, torch.Tensor]  # path "fast", other sequences: slots of positions 0..seq_len-1
+    path: AttentionPath
 
 
 class KVCache(ABC):
@@ -93,8 +110,12 @@ class KVCache(ABC):
 class PagedKVCache(KVCache):
     """Block-paged K/V pools, ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 
-    Zero-initialized: attention reads stale slots beyond a sequence's length
-    (masked to probability exactly 0), and 0 * garbage must stay 0, never NaN.
+    Zero-initialized: the PyTorch fallbacks read stale slots beyond a sequence's
+    length (masked to probability exactly 0), and 0 * garbage must stay 0, never NaN.
+
+    ``use_kernel``: None (default) uses the C++ attention kernel whenever it is
+    available for this cache's dtype; False forces the PyTorch paths (comparisons,
+    benchmarks); True requires the kernel.
     """
 
     def __init__(
@@ -105,7 +126,12 @@ class PagedKVCache(KVCache):
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        use_kernel: bool | None = None,
     ):
+        kernel_ok = dtype in (torch.float32, torch.bfloat16) and attention_kernel.available()
+        if use_kernel and not kernel_ok:
+            raise RuntimeError(f"the paged attention kernel cannot serve a {dtype} cache on this machine")
+        self.use_kernel = kernel_ok if use_kernel is None else use_kernel
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -132,10 +158,12 @@ class PagedKVCache(KVCache):
         budget_bytes: int,
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
+        use_kernel: bool | None = None,
     ) -> PagedKVCache:
         """As many blocks as fit in ``budget_bytes`` (at least one)."""
         per_block = cls.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        return cls(num_layers, max(1, budget_bytes // per_block), block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = max(1, budget_bytes // per_block)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, use_kernel)
 
     @property
     def nbytes(self) -> int:
@@ -146,11 +174,15 @@ class PagedKVCache(KVCache):
     def prepare(
         self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
     ) -> AttentionMetadata:
+        if self.use_kernel:  # no plan to build: the kernel walks the block tables itself
+            return AttentionMetadata(
+                batch, sliding_window, deterministic, num_heads, None, None, {}, path="kernel"
+            )
         if deterministic:
             plan = build_tile_plan(
                 batch, self.block_size, sliding_window, num_heads // self.num_kv_heads, self.num_kv_heads
             )
-            return AttentionMetadata(batch, sliding_window, True, num_heads, plan, None, {})
+            return AttentionMetadata(batch, sliding_window, True, num_heads, plan, None, {}, "tiled")
         decodes = [i for i, n in enumerate(batch.query_lens_list) if n == 1]
         decode_plan = build_decode_plan(batch, decodes, self.block_size, sliding_window) if decodes else None
         slots = {
@@ -158,7 +190,7 @@ class PagedKVCache(KVCache):
             for i, n in enumerate(batch.seq_lens_list)
             if batch.query_lens_list[i] > 1
         }
-        return AttentionMetadata(batch, sliding_window, False, num_heads, None, decode_plan, slots)
+        return AttentionMetadata(batch, sliding_window, False, num_heads, None, decode_plan, slots, "fast")
 
     def attend(
         self,
@@ -170,10 +202,23 @@ class PagedKVCache(KVCache):
         scale: float,
     ) -> torch.Tensor:
         batch = meta.batch
+        # First the new K/V into the pool: every path (the kernel too) reads the context from it.
         self._write(self.k[layer], self.v[layer], k, v, batch.slot_mapping)
+        if meta.path == "kernel":
+            out = attention_kernel.paged_attention(
+                q,
+                self.k[layer],
+                self.v[layer],
+                batch.block_tables,
+                batch.query_start_loc,
+                batch.seq_lens,
+                scale,
+                meta.sliding_window,
+            )
+            return out if out.dtype == q.dtype else out.to(q.dtype)
         k_slots = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         v_slots = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-        if meta.deterministic:
+        if meta.path == "tiled":
             assert meta.tile_plan is not None
             return tiled_attention(q, k_slots, v_slots, meta.tile_plan, scale)
         out = torch.empty_like(q)
@@ -220,7 +265,7 @@ class ContiguousKVCache(KVCache):
     def prepare(
         self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
     ) -> AttentionMetadata:
-        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, None, {})
+        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, None, {}, "sdpa")
 
     def attend(
         self,
