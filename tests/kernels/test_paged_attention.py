@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from engine.models.batch_builder import SequenceChunk, build_forward_batch
+from engine.models.kv_cache import PagedKVCache
 from kernels.cpu import extension
 from kernels.cpu import paged_attention as pa
 
@@ -265,3 +267,48 @@ def test_same_bits_any_thread_count() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+# -- in the engine's cache -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_paged_cache_kernel_path_matches_pytorch_fallbacks(window: int | None) -> None:
+    """PagedKVCache attends with the kernel in both modes; its PyTorch fallbacks agree with it."""
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 4
+    caches = {
+        "kernel": PagedKVCache(1, 64, bs, kv_heads, head_dim),
+        "fallback": PagedKVCache(1, 64, bs, kv_heads, head_dim, use_kernel=False),
+    }
+    assert caches["kernel"].use_kernel
+    # Two steps: prompts (one chunked), then a mix of a chunk and decodes over what is cached.
+    steps = [
+        [SequenceChunk([0] * 30, 0, range(0, 10)), SequenceChunk([0] * 12, 0, range(10, 20))],
+        [
+            SequenceChunk([0], 30, range(0, 10)),
+            SequenceChunk([0] * 9, 12, range(10, 20)),
+            SequenceChunk([0] * 5, 0, range(20, 22)),
+        ],
+    ]
+    for chunks in steps:
+        batch = build_forward_batch(chunks, bs)
+        t = batch.num_tokens
+        q = torch.randn(t, heads, head_dim, generator=g)
+        k = torch.randn(t, kv_heads, head_dim, generator=g)
+        v = torch.randn(t, kv_heads, head_dim, generator=g)
+        outs = {}
+        for deterministic in (True, False):
+            for name, cache in caches.items():
+                meta = cache.prepare(
+                    batch, num_heads=heads, sliding_window=window, deterministic=deterministic
+                )
+                expected = "kernel" if name == "kernel" else ("tiled" if deterministic else "fast")
+                assert meta.path == expected
+                assert meta.tile_plan is None or name == "fallback"  # the kernel builds no plan
+                outs[name, deterministic] = cache.attend(0, q, k, v, meta, head_dim**-0.5)
+        assert torch.equal(outs["kernel", True], outs["kernel", False])  # one kernel for both modes
+        for deterministic in (True, False):
+            torch.testing.assert_close(
+                outs["kernel", True], outs["fallback", deterministic], rtol=1e-5, atol=1e-5
+            )
