@@ -306,20 +306,27 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
 }
 
 // ... the online-softmax update of (m, l), scores -> probabilities, and the rescale factor
-// corr = exp(m - m') of the state: branch-free, corr is exactly 1 when the max did not move
-// (exp(0) = 1) and exactly 0 on the first block (m = -inf) ...
+// corr = exp(m - m') of the state: exactly 0 on the first block (m = -inf), and exactly 1
+// when the max did not move, the common case once a sequence's large scores are seen, so
+// that case skips the exp (same bits: exp(0) is 1 and l * 1 + p rounds like l + p) ...
 inline void block_query_softmax(int group, int ua, int ub, float* m, __m512* l, float* probs, float* corr) {
   const __mmask16 visible = static_cast<__mmask16>(((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u));
   for (int g = 0; g < group; ++g) {
     const __m512 sc = _mm512_loadu_ps(probs + g * KEY_BLOCK);
     const __m512 m_old = _mm512_set1_ps(m[g]);
     const __m512 m_new = _mm512_max_ps(m_old, max_all_lanes(sc));
-    const __m512 c = exp_nonpositive(_mm512_sub_ps(m_old, m_new), 0xFFFF);
+    const float m_new1 = _mm512_cvtss_f32(m_new);
     const __m512 pr = exp_nonpositive(_mm512_sub_ps(sc, m_new), visible);
     _mm512_storeu_ps(probs + g * KEY_BLOCK, pr);
-    l[g] = _mm512_fmadd_ps(l[g], c, pr);
-    corr[g] = _mm512_cvtss_f32(c);
-    m[g] = _mm512_cvtss_f32(m_new);
+    if (m_new1 == m[g]) {  // the usual case once the big scores are seen: corr = exp(0) = 1 exactly
+      l[g] = _mm512_add_ps(l[g], pr);
+      corr[g] = 1.0f;
+    } else {
+      const __m512 c = exp_nonpositive(_mm512_sub_ps(m_old, m_new), 0xFFFF);
+      l[g] = _mm512_fmadd_ps(l[g], c, pr);
+      corr[g] = _mm512_cvtss_f32(c);
+    }
+    m[g] = m_new1;
   }
 }
 
