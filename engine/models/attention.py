@@ -1,6 +1,10 @@
 """Causal attention of a flattened batch over a slot-addressed KV cache, on CPU in PyTorch.
 
-Two algorithms over the same inputs:
+The engine's paged cache attends with the C++ kernel ``kernels/cpu/paged_attention.cpp``
+whenever the CPU can run it (it is both fast and batch invariant, so it serves both
+modes). These PyTorch paths are its fallback on other machines (or with
+``PROTOSERVE_CPU_KERNELS=0``), and ``sdpa_attention`` is also the reference
+``ContiguousKVCache`` uses. Two algorithms over the same inputs:
 
 * ``sdpa_attention`` / ``decode_attention`` (fast): gather context K/V into
   contiguous tensors and call ``F.scaled_dot_product_attention``, per sequence
