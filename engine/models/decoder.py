@@ -32,7 +32,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import AttentionMetadata, KVCache
-from engine.models.linear import Linear
+from engine.models.linear import KernelPackable, Linear
 from kernels.cpu import norm_rope
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -235,7 +235,7 @@ class Decoder(nn.Module):
 
         Call once the weights are final (loaded and quantized): the packed copy does not follow later edits.
         """
-        return sum(1 for m in self.modules() if hasattr(m, "pack_for_kernel") and m.pack_for_kernel())
+        return sum(1 for m in self.modules() if isinstance(m, KernelPackable) and m.pack_for_kernel())
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

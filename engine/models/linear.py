@@ -71,7 +71,34 @@ def tiled_linear(
     return out[:rows]
 
 
-class Linear(nn.Module):
+class KernelPackable(nn.Module):
+    """A linear layer that can move onto the CPU kernel once its weights are final.
+
+    ``pack_for_kernel`` checks, in one place for all formats, that the kernel runs here and takes
+    this layer's in_features; each subclass says in ``_kernel_pack`` how its weights pack.
+    """
+
+    in_features: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed: kernel.PackedWeight | None = None
+
+    def pack_for_kernel(self) -> bool:
+        """Copy the (final) weights into the kernel's layout; False where the kernel cannot run them."""
+        if not (kernel.available() and kernel.supports(self.in_features)):
+            return False
+        packed = self._kernel_pack()
+        if packed is None:
+            return False
+        self.packed = packed
+        return True
+
+    def _kernel_pack(self) -> kernel.PackedWeight | None:
+        raise NotImplementedError
+
+
+class Linear(KernelPackable):
     """``y = x @ W.T + b`` on 2-D input, batch-invariant when ``deterministic`` is set."""
 
     def __init__(
@@ -85,14 +112,9 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.deterministic = True
-        self.packed: kernel.PackedWeight | None = None
 
-    def pack_for_kernel(self) -> bool:
-        """Copy the (final) weight into the CPU kernel's layout; False where the kernel cannot run it."""
-        if not (kernel.available() and kernel.supports(self.in_features)):
-            return False
-        self.packed = kernel.pack_dense(self.weight.detach())
-        return True
+    def _kernel_pack(self) -> kernel.PackedWeight:
+        return kernel.pack_dense(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -123,7 +145,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[:, None]
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(KernelPackable):
     """Weight-only int8 linear over ``aten._weight_int8pack_mm`` (bfloat16 compute)."""
 
     def __init__(
@@ -140,13 +162,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).clone())
         self.out_dtype = out_dtype
         self.deterministic = True  # the kernel is row-by-row: invariant either way
-        self.packed: kernel.PackedWeight | None = None
 
-    def pack_for_kernel(self) -> bool:
-        if not (kernel.available() and kernel.supports(self.in_features)):
-            return False
-        self.packed = kernel.pack_int8(self.weight_int8, self.scales.float())
-        return True
+    def _kernel_pack(self) -> kernel.PackedWeight:
+        return kernel.pack_int8(self.weight_int8, self.scales.float())
 
     @classmethod
     def from_linear(cls, linear: Linear) -> Int8Linear:
@@ -211,7 +229,7 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return w.reshape(n, k)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(KernelPackable):
     """Weight-only grouped int4 linear over ``aten._weight_int4pack_mm_for_cpu`` (bfloat16 compute)."""
 
     def __init__(
@@ -232,18 +250,17 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).clone())
         self.out_dtype = out_dtype
         self.deterministic = True  # the kernel is row-by-row: invariant either way
-        self.packed: kernel.PackedWeight | None = None
         self._codes: torch.Tensor | None = None  # [N, K] int32 0..15, kept until pack_for_kernel
 
-    def pack_for_kernel(self) -> bool:
-        if self._codes is None or not (kernel.available() and kernel.supports(self.in_features)):
-            return False
+    def _kernel_pack(self) -> kernel.PackedWeight | None:
+        if self._codes is None:  # built without its codes (not by from_linear): nothing to pack from
+            return None
         # The kernel's form of the same weights: w = (q - 8) * s + z = q * s + (z - 8 * s).
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, K/group, 2]
         scales, zeros = sz[..., 0], sz[..., 1]
-        self.packed = kernel.pack_int4(self._codes, scales, zeros - 8.0 * scales, self.group_size)
+        packed = kernel.pack_int4(self._codes, scales, zeros - 8.0 * scales, self.group_size)
         self._codes = None
-        return True
+        return packed
 
     @classmethod
     def from_linear(cls, linear: Linear, group_size: int, name: str = "linear") -> Int4Linear:
