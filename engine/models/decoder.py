@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.fused_step import FusedStep
 from engine.models.kv_cache import AttentionMetadata, KVCache
 from engine.models.linear import KernelPackable, Linear
 from kernels.cpu import norm_rope
@@ -222,6 +223,7 @@ class Decoder(nn.Module):
             persistent=False,
         )
         self.deterministic = True
+        self.fused_step: FusedStep | None = None  # set by pack_for_kernels where it can run
 
     def set_deterministic(self, enabled: bool) -> None:
         """Batch-invariant kernels (slower) or shape-dependent fast ones, for every layer."""
@@ -234,8 +236,11 @@ class Decoder(nn.Module):
         """Move every linear layer onto the CPU kernel where it can run; returns how many moved.
 
         Call once the weights are final (loaded and quantized): the packed copy does not follow later edits.
+        When every layer moved, the forward also becomes one C++ call (``FusedStep``).
         """
-        return sum(1 for m in self.modules() if isinstance(m, KernelPackable) and m.pack_for_kernel())
+        moved = sum(1 for m in self.modules() if isinstance(m, KernelPackable) and m.pack_for_kernel())
+        self.fused_step = FusedStep.build(self)
+        return moved
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -248,6 +253,8 @@ class Decoder(nn.Module):
         )
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         x = self.embed_tokens(batch.input_ids)
+        if self.fused_step is not None and self.fused_step.accepts(kv_cache):
+            return self.fused_step(batch, kv_cache, x, cos, sin, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x[batch.logits_indices])

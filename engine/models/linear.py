@@ -334,6 +334,8 @@ def quantize_linears(
         for name, m in targets:
             check_int4_shape(m.out_features, m.in_features, group_size, name)
     after = 0
+    if getattr(model, "fused_step", None) is not None:  # bound to the weights being replaced
+        model.fused_step = None
     if head_int8 and isinstance(getattr(model, "lm_head", None), Linear):
         # The LM head reads vocab x hidden weights every step (a quarter of SmolLM2's bytes); int8
         # per channel, as llama.cpp keeps the output layer at 8 bits under 4-bit layers. A tied

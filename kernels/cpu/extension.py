@@ -1,9 +1,10 @@
-"""Build and load the C++ CPU kernels (``kernels/cpu/*.cpp``) as PyTorch extensions.
+"""Build and load the C++ CPU kernels (``kernels/cpu/*.cpp``) as one PyTorch extension.
 
-Each ``<name>.cpp`` is one extension module, compiled on first use with the
-machine's compiler for the machine's own CPU (``-march=native``) and cached by
-PyTorch under ``$PROTOSERVE_KERNEL_CACHE`` (default ``~/.cache/protoserve/kernels``),
-rebuilt when the source changes. ``make install`` builds them ahead of time so
+All sources build one module (``module.cpp`` holds the bindings), so the fused
+decoder step calls the other kernels in C++ (``kernels.h``). It is compiled on
+first use with the machine's compiler for the machine's own CPU
+(``-march=native``) and cached by PyTorch under ``$PROTOSERVE_KERNEL_CACHE``
+(default ``~/.cache/protoserve/kernels``), rebuilt when a source changes. ``make install`` builds them ahead of time so
 no request pays the compile.
 
 The kernels use AVX-512; on a CPU without it, or where no compiler is present,
@@ -25,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-KERNEL_NAMES = ("linear", "norm_rope", "paged_attention")
+KERNEL_NAMES = ("linear", "norm_rope", "paged_attention", "decoder_step")
+SOURCES = ("module.cpp", "linear.cpp", "norm_rope.cpp", "paged_attention.cpp", "decoder_step.cpp")
 REQUIRED_CPU_CAPABILITY = ("AVX512",)
 
 
@@ -44,28 +46,32 @@ def disabled() -> bool:
     return os.environ.get("PROTOSERVE_CPU_KERNELS", "1") == "0"
 
 
-@functools.cache
 def load(name: str) -> types.ModuleType | None:
-    """The compiled extension ``name``, or None when this machine cannot use it."""
+    """The compiled extension holding kernel ``name``, or None when this machine cannot use it."""
     if name not in KERNEL_NAMES:
         raise ValueError(f"unknown kernel {name!r} (known: {KERNEL_NAMES})")
+    return _module()
+
+
+@functools.cache
+def _module() -> types.ModuleType | None:
     if disabled() or not cpu_supported():
         return None
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / name
+    build_dir = cache_dir() / "cpu"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name=f"protoserve_{name}",
-            sources=[str(SOURCE_DIR / f"{name}.cpp")],
+            name="protoserve_cpu",
+            sources=[str(SOURCE_DIR / source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back, loudly
-        log.warning("CPU kernel %r not available, using the PyTorch path: %s", name, exc)
+        log.warning("CPU kernels not available, using the PyTorch paths: %s", exc)
         return None
 
 

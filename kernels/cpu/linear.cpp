@@ -19,6 +19,8 @@
 // however the channel blocks are split across threads. So a row's output is
 // bit-identical alone, in a batch, or in a prompt chunk of any size.
 
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -174,6 +176,10 @@ void run(const W& weights, const float* x, int64_t M, int64_t K, int64_t N, cons
   });
 }
 
+}  // namespace
+
+namespace protoserve {
+
 // x: [M, K] float32; data/scales/mins: packed by packed_linear.py; returns [M, N] float32.
 torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
                             const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
@@ -233,8 +239,4 @@ torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch:
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)");
-}
+}  // namespace protoserve

@@ -5,6 +5,8 @@
 // one call each removes most of a layer's non-GEMM time. Every row is
 // computed alone in a fixed order, so results do not depend on the batch.
 
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -44,6 +46,10 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() >= 1,
               name, " must be a contiguous float32 tensor");
 }
+
+}  // namespace
+
+namespace protoserve {
 
 // out = weight * x / sqrt(mean(x^2) + eps), over the last dim.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -117,10 +123,4 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; return RMSNorm(residual)");
-  m.def("rope_", &rope_, "rotate-half RoPE in place");
-}
+}  // namespace protoserve

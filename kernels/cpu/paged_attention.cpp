@@ -35,6 +35,8 @@
 // Build flags (kernels/cpu/extension.py) include -ffp-contract=off, so the only
 // fused multiply-adds are the explicit _mm512_fmadd_ps below.
 
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -521,6 +523,8 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work) 
 
 }  // namespace
 
+namespace protoserve {
+
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t sliding_window) {
@@ -590,17 +594,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
              static_cast<int>(bs),
              static_cast<float>(scale),
              static_cast<int>(sliding_window)};
-  {
-    pybind11::gil_scoped_release no_gil;
-    if (k_cache.scalar_type() == torch::kFloat32)
-      run<float>(pb, tiles, total_work);
-    else
-      run<uint16_t>(pb, tiles, total_work);
-  }
+  if (k_cache.scalar_type() == torch::kFloat32)
+    run<float>(pb, tiles, total_work);
+  else
+    run<uint16_t>(pb, tiles, total_work);
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)");
-}
+}  // namespace protoserve

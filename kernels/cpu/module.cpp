@@ -1,0 +1,57 @@
+// The Python bindings of every CPU kernel: one extension module, so the fused
+// decoder step can call the kernels directly (kernels.h). Each call releases
+// the GIL while it computes: the engine runs in a worker thread beside the
+// server's event loop, which must keep serving during a forward.
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using protoserve::DecoderShape;
+using protoserve::DecoderStep;
+using protoserve::LayerWeights;
+using protoserve::LinearWeights;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("packed_linear", &protoserve::packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)",
+        no_gil);
+  m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);
+  m.def("add_rms_norm_", &protoserve::add_rms_norm_, "residual += x; return RMSNorm(residual)", no_gil);
+  m.def("rope_", &protoserve::rope_, "rotate-half RoPE in place", no_gil);
+  m.def("paged_attention", &protoserve::paged_attention,
+        "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)", no_gil);
+
+  py::class_<LinearWeights>(m, "LinearWeights")
+      .def(py::init([](int64_t format, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t out_features,
+                       int64_t group_size) {
+             return LinearWeights{format, std::move(data), std::move(scales), std::move(mins), std::move(bias),
+                                  out_features, group_size};
+           }),
+           py::arg("format"), py::arg("data"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
+           py::arg("out_features"), py::arg("group_size"));
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
+                       c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, LinearWeights qkv,
+                       LinearWeights o, LinearWeights gate_up, LinearWeights down) {
+             return LayerWeights{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
+                                 std::move(k_norm), std::move(qkv), std::move(o), std::move(gate_up),
+                                 std::move(down)};
+           }),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+  py::class_<DecoderShape>(m, "DecoderShape")
+      .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                       double rms_norm_eps, double attention_scale) {
+             return DecoderShape{num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, attention_scale};
+           }),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
+           py::arg("rms_norm_eps"), py::arg("attention_scale"));
+  py::class_<DecoderStep>(m, "DecoderStep")
+      .def(py::init<DecoderShape, std::vector<LayerWeights>, torch::Tensor, LinearWeights>(), py::arg("shape"),
+           py::arg("layers"), py::arg("final_norm"), py::arg("lm_head"))
+      .def("forward", &DecoderStep::forward, "logits of one flattened batch (float32)", py::arg("x"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("logits_indices"),
+           py::arg("sliding_window"), no_gil);
+}
