@@ -164,6 +164,8 @@ class Int8Linear(KernelPackable):
         self.deterministic = True  # the kernel is row-by-row: invariant either way
 
     def _kernel_pack(self) -> kernel.PackedWeight:
+        if kernel.supports_int8_dot(self.in_features):  # VNNI: codes times int8-rounded activations
+            return kernel.pack_int8_dot(self.weight_int8, self.scales.float())
         return kernel.pack_int8(self.weight_int8, self.scales.float())
 
     @classmethod
@@ -258,7 +260,8 @@ class Int4Linear(KernelPackable):
         # The kernel's form of the same weights: w = (q - 8) * s + z = q * s + (z - 8 * s).
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, K/group, 2]
         scales, zeros = sz[..., 0], sz[..., 1]
-        packed = kernel.pack_int4(self._codes, scales, zeros - 8.0 * scales, self.group_size)
+        pack = kernel.pack_int4_dot if kernel.supports_int8_dot(self.in_features) else kernel.pack_int4
+        packed = pack(self._codes, scales, zeros - 8.0 * scales, self.group_size)
         self._codes = None
         return packed
 

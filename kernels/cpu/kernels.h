@@ -15,6 +15,13 @@ torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch:
                             const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
                             const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size);
 
+// int8_dot_linear.cpp (needs AVX-512 VNNI: int8_dot_available()): the same over 4- or 8-bit unsigned codes, x quantized to int8 per 32 values.
+torch::Tensor int8_dot_linear(const torch::Tensor& x, int64_t bits, const torch::Tensor& data,
+                              const torch::Tensor& scales, const torch::Tensor& mins,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
+                              bool fine);
+bool int8_dot_available();
+
 // norm_rope.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);

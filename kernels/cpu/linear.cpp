@@ -37,7 +37,8 @@ constexpr int MB = 4;        // input rows per register tile
 constexpr int64_t CHUNK = 16;
 constexpr int64_t M_PANEL = 64;  // input rows kept hot while a thread walks its channel blocks
 
-enum class Format : int64_t { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
+// I4_DOT / I8_DOT: codes for int8_dot_linear.cpp (activations quantized to int8 too).
+enum class Format : int64_t { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, I4_DOT = 4, I8_DOT = 5 };
 
 // Widen the four channels' chunk `kc` of block `nb` to float32.
 struct F32Weights {
@@ -184,6 +185,11 @@ namespace protoserve {
 torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
                             const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
                             const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size) {
+  if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT)) {
+    TORCH_CHECK(scales.has_value() && mins.has_value(), "integer-dot formats need scales and mins");
+    return int8_dot_linear(x, format == static_cast<int64_t>(Format::I4_DOT) ? 4 : 8, data, *scales, *mins, bias,
+                           out_features, group_size, /*fine=*/true);
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("packed_linear", &protoserve::packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)",
         no_gil);
+  m.def("int8_dot_available", &protoserve::int8_dot_available,
+        "whether this build has the AVX-512 VNNI integer-dot formats");
   m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);
   m.def("add_rms_norm_", &protoserve::add_rms_norm_, "residual += x; return RMSNorm(residual)", no_gil);
   m.def("rope_", &protoserve::rope_, "rotate-half RoPE in place", no_gil);

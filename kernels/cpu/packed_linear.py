@@ -9,6 +9,18 @@ chunk, low nibbles first). Formats:
 * ``int8``: symmetric per-output-channel codes, ``w = q * scale``;
 * ``int4``: asymmetric groups along K, ``w = q * scale + min`` with q in 0..15.
 
+Those four multiply float32 activations. The integer-dot formats
+(``kernels/cpu/int8_dot_linear.cpp``, CPUs with AVX-512 VNNI) quantize the
+activations per block of 32 values to int8 codes plus int8 codes of their
+rounding error (~15 bits in all), and multiply codes by codes:
+
+* ``int4_dot``: the int4 codes, scales and mins, laid out for ``vpdpbusd``;
+* ``int8_dot``: per-channel int8, stored as unsigned ``q + 128`` with
+  ``min = -128 * scale``.
+
+They trade a tiny activation rounding (measured and bounded in the tests)
+for 2-4x fewer instructions per weight at decode batch sizes.
+
 ``reference_linear`` computes the same product in plain PyTorch from the
 unpacked weight, for tests and for machines without the kernel.
 """
@@ -23,7 +35,9 @@ from kernels.cpu.extension import load
 
 BLOCK_N = 4
 CHUNK = 16
-FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4_dot": 4, "int8_dot": 5}
+DOT_LANES = 16  # output channels per vector in the integer-dot layout
+DOT_BLOCK = 32  # activation values per quantization block
 
 
 @dataclass
@@ -34,9 +48,9 @@ class PackedWeight:
     out_features: int
     in_features: int
     data: torch.Tensor
-    scales: torch.Tensor | None = None  # int8: [N]; int4: [blocks, groups, 4]
-    mins: torch.Tensor | None = None  # int4: [blocks, groups, 4]
-    group_size: int = 0  # int4 only
+    scales: torch.Tensor | None = None  # int8: [N]; int4: [blocks, groups, 4]; *_dot: [N/16, groups, 16]
+    mins: torch.Tensor | None = None  # int4: [blocks, groups, 4]; *_dot: [N/16, groups, 16]
+    group_size: int = 0  # int4 and the *_dot formats (int8_dot: in_features)
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +64,16 @@ def available() -> bool:
 def supports(in_features: int) -> bool:
     """The kernel works on 16-value chunks of K."""
     return in_features % CHUNK == 0
+
+
+def int8_dot_available() -> bool:
+    """The integer-dot formats run here (AVX-512 VNNI)."""
+    ext = load("linear")
+    return ext is not None and ext.int8_dot_available()
+
+
+def supports_int8_dot(in_features: int) -> bool:
+    return int8_dot_available() and in_features % DOT_BLOCK == 0
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -102,6 +126,46 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_s
     return PackedWeight("int4", n, k, data, per_block(scales), per_block(mins), group_size)
 
 
+def _pad_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    n = t.shape[0]
+    padded = -(-n // multiple) * multiple
+    return t if padded == n else torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])])
+
+
+def _dot_per_vector(t: torch.Tensor) -> torch.Tensor:
+    """Per-channel-and-group values [N, groups] -> [N/16, groups, 16] (padded channels: 0)."""
+    t = _pad_to(t.float(), DOT_LANES)
+    return t.reshape(-1, DOT_LANES, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> PackedWeight:
+    """int4 codes [N, K] in 0..15 with scales/mins [N, K/group_size] (``w = q * scale + min``)
+    in the integer-dot layout: per 16-channel vector and 32-value block, 4 chunks of 64 bytes,
+    chunk j holding k = 8j..8j+3 (low nibbles) and 8j+4..8j+7 (high), channel c at bytes 4c..4c+3."""
+    n, k = q.shape
+    if k % DOT_BLOCK or group_size % DOT_BLOCK or k % group_size:
+        raise ValueError(f"int4_dot needs K ({k}) and the group ({group_size}) to be multiples of 32")
+    codes = _pad_to(q.to(torch.uint8), DOT_LANES)
+    nv, blocks = codes.shape[0] // DOT_LANES, k // DOT_BLOCK
+    c = codes.reshape(nv, DOT_LANES, blocks, 4, 2, 4)  # [vector, channel, block, chunk, nibble, i]
+    packed = c[..., 0, :] | (c[..., 1, :] << 4)  # [vector, channel, block, chunk, i]
+    data = packed.permute(0, 2, 3, 1, 4).contiguous()  # [vector, block, chunk, channel, i]
+    return PackedWeight("int4_dot", n, k, data, _dot_per_vector(scales), _dot_per_vector(mins), group_size)
+
+
+def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
+    """Per-channel int8 codes [N, K] and scales [N] (``w = q * scale``) in the integer-dot layout:
+    unsigned ``q + 128``, chunk j of a block holding k = 4j..4j+3, and ``min = -128 * scale``."""
+    n, k = q.shape
+    if k % DOT_BLOCK:
+        raise ValueError(f"int8_dot needs K ({k}) to be a multiple of 32")
+    codes = _pad_to((q.to(torch.int16) + 128).to(torch.uint8), DOT_LANES)
+    nv, blocks = codes.shape[0] // DOT_LANES, k // DOT_BLOCK
+    data = codes.reshape(nv, DOT_LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    s = scales.float().reshape(n, 1)
+    return PackedWeight("int8_dot", n, k, data, _dot_per_vector(s), _dot_per_vector(-128.0 * s), k)
+
+
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for x [M, K] (any float dtype), float32 result [M, N]."""
     ext = load("linear")
@@ -122,6 +186,13 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 def unpack(weight: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the packed form stands for (tests, reference)."""
     n, k = weight.out_features, weight.in_features
+    if weight.format in ("int4_dot", "int8_dot"):
+        codes = _dot_codes(weight)
+
+        def per_row_dot(t: torch.Tensor) -> torch.Tensor:  # [N/16, groups, 16] -> [N, K]
+            return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].repeat_interleave(weight.group_size, dim=1)
+
+        return codes * per_row_dot(weight.scales) + per_row_dot(weight.mins)
     if weight.format in ("float32", "bfloat16", "int8"):
         w = weight.data.transpose(1, 2).reshape(-1, k)[:n].float()
         return w * weight.scales[:n, None] if weight.format == "int8" else w
@@ -135,9 +206,58 @@ def unpack(weight: PackedWeight) -> torch.Tensor:
     return codes * per_row(weight.scales) + per_row(weight.mins)
 
 
+def _dot_codes(weight: PackedWeight) -> torch.Tensor:
+    """The unsigned codes [N, K] (as float) of an integer-dot pack."""
+    n, k = weight.out_features, weight.in_features
+    d = weight.data
+    if weight.format == "int4_dot":  # [vector, block, chunk, channel, i] -> [vector, channel, block, chunk, nibble, i]
+        nib = torch.stack([d & 0xF, d >> 4], dim=4)  # [vector, block, chunk, channel, nibble, i]
+        codes = nib.permute(0, 3, 1, 2, 4, 5)
+    else:
+        codes = d.permute(0, 3, 1, 2, 4)
+    return codes.reshape(-1, k)[:n].float()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integer-dot formats' activation rounding: per row and block of 32, coarse codes
+    round(x / s) with s = max|x| / 127, plus fine codes round((x - coarse * s) * 254 / s) for the
+    rounding error. Returns (coarse + fine / 254 [M, K] float64, scales [M, K/32], exact block sums)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // DOT_BLOCK, DOT_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    scale = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    fine_inv = torch.where(amax > 0, 254.0 / scale, torch.zeros_like(amax))
+    coarse = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    fine = torch.round((xb - coarse * scale[..., None]) * fine_inv[..., None]).clamp(-127, 127)
+    codes = coarse.double() + fine.double() / 254.0
+    return codes.reshape(m, k), scale, xb.double().sum(dim=-1)
+
+
 def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product in float64 PyTorch, rounded to float32."""
+    """The same product in float64 PyTorch (for the integer-dot formats, of the int8-rounded
+    activations, block by block, as the kernel computes it), rounded to float32."""
+    if weight.format in ("int4_dot", "int8_dot"):
+        return _reference_dot(x, weight, bias)
     y = x.double() @ unpack(weight).double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+def _reference_dot(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = weight.out_features, weight.in_features
+    blocks, per_group = k // DOT_BLOCK, weight.group_size // DOT_BLOCK
+    codes, x_scales, x_sums = quantize_activations(x)
+    w_codes = _dot_codes(weight).double().reshape(n, blocks, DOT_BLOCK)
+    xq = codes.double().reshape(-1, blocks, DOT_BLOCK)
+    dots = torch.einsum("mbk,nbk->mnb", xq, w_codes)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N/16, groups, 16] -> [N, blocks]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].double().repeat_interleave(per_group, dim=1)
+
+    y = (dots * per_block(weight.scales)[None] * x_scales.double()[:, None, :]).sum(-1)
+    y = y + (per_block(weight.mins)[None] * x_sums[:, None, :]).sum(-1)
     if bias is not None:
         y = y + bias.double()
     return y.float()

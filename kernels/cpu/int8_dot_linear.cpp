@@ -1,0 +1,311 @@
+// Quantized linear layers on integer dot products: y = x @ W^T (+ bias) with
+// W in 4- or 8-bit codes and x quantized on the fly to int8, as llama.cpp does
+// for its Q4/Q8 matmuls.
+//
+// Why: widening int4 weights to float32 costs ~5 vector instructions per 16
+// weights, which made the int4 decode step compute-bound at a quarter of the
+// memory bandwidth. AVX-512 VNNI's vpdpbusd multiplies 64 unsigned 8-bit codes
+// by 64 signed 8-bit activations and adds them into 16 int32 lanes in one
+// instruction; unpacking two nibbles per byte is two more. Batched rows reuse
+// each unpacked weight vector, so prefill and large decode batches run at
+// integer-FMA speed instead of float32 FMA speed.
+//
+// Numerics: every row's activations are cut into blocks of 32 values, each
+// with its own scale sx = max|x| / 127 and codes round(x / sx) in -127..127,
+// plus fine codes of what that rounding lost (step sx / 254), multiplied by the
+// same unpacked weights. Coarse codes alone (llama.cpp's Q8 activations) cost
+// SmolLM2 int4 greedy agreement with float32 0.78 -> with fine codes 0.91, the
+// float-activation figure; fine codes double the dot products, which costs
+// nothing at decode (memory-bound) and ~1.6x on large batches.
+// Weights are w = q * s + m per (output channel, group along K) with unsigned
+// codes q (int4: 0..15, s and m per group; int8: the signed code + 128, s per
+// channel and m = -128 s). One 32-value block of the dot product is then
+//     sum_k w_k x_k  ~  s * sx * sum_k q_k (xq_k + xf_k / 254)  +  m * sum_k x_k,
+// the first sum exact in int32, the second the block's exact float32 sum (so
+// the offset term carries no activation rounding).
+//
+// Batch invariance: each row is quantized alone, and the result for (row,
+// channel) is the same sequence of float operations over its blocks in
+// ascending order whatever the number of rows, the register tile it lands in
+// or the thread that computes it.
+//
+// Layout (see kernels/cpu/packed_linear.py): output channels in vectors of 16;
+// for each vector, K in blocks of 32, each block 256 (int4) or 512 (int8)
+// bytes, read as 64-byte chunks in which channel c's four bytes are at
+// [4c, 4c + 4). int4 chunk j of a block holds k = 8j..8j+3 in the low nibbles
+// and 8j+4..8j+7 in the high ones; int8 chunk j holds k = 4j..4j+3.
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+// Built with -march=native: on a CPU without VNNI this file compiles to a function
+// that refuses, and packed_linear.py keeps those layers on the float formats.
+#if defined(__AVX512VNNI__)
+
+namespace {
+
+constexpr int64_t LANES = 16;     // output channels per vector
+constexpr int64_t BLOCK = 32;     // activation values per quantization block
+constexpr int CV = 2;             // channel vectors per register tile
+constexpr int RT = 4;             // rows per register tile
+constexpr int64_t M_PANEL = 64;   // rows kept hot while a thread walks its channel tiles
+constexpr float FINE_STEPS = 254.0f;  // fine codes step s / 254: |residual| <= s / 2 maps to -127..127
+
+// Row r's activations: int8 coarse and fine codes [K] each, per block the scale and exact float sum.
+struct QuantizedRows {
+  const int8_t* coarse;
+  const int8_t* fine;
+  const float* scales;
+  const float* sums;
+  int64_t K;
+  int64_t blocks;
+};
+
+// One row's blocks, in a fixed order per block (so the same row always gives the same codes).
+// coarse = round(x / s), s = max|x| / 127; fine = round((x - coarse * s) / (s / 254)): the
+// rounding error of the coarse codes, itself in int8 (|x - coarse * s| <= s / 2).
+void quantize_row(const float* x, int64_t blocks, int8_t* coarse, int8_t* fine, float* scales, float* sums) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * BLOCK;
+    const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + LANES)};
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign_off), _mm512_and_ps(v[1], sign_off)));
+    sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    if (amax == 0.0f) {
+      scales[b] = 0.0f;
+      std::fill(coarse + b * BLOCK, coarse + (b + 1) * BLOCK, int8_t{0});
+      std::fill(fine + b * BLOCK, fine + (b + 1) * BLOCK, int8_t{0});
+      continue;
+    }
+    const float scale = amax / 127.0f;
+    scales[b] = scale;
+    const __m512 inv = _mm512_set1_ps(127.0f / amax);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 fine_inv = _mm512_set1_ps(FINE_STEPS / scale);
+    for (int h = 0; h < 2; ++h) {
+      // Round to nearest even (the default MXCSR mode), as torch.round does in the reference.
+      const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 residual = _mm512_sub_ps(v[h], _mm512_mul_ps(q, vscale));
+      const __m512i qf = _mm512_cvtps_epi32(_mm512_mul_ps(residual, fine_inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(coarse + b * BLOCK + h * LANES),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(fine + b * BLOCK + h * LANES), _mm512_cvtsepi32_epi8(qf));
+    }
+  }
+}
+
+// The codes of one 32-value block times the rows' activation codes, into int32 lanes: `acc` for
+// the coarse codes and, with FINE, `acc_fine` for the fine ones (the same weights, loaded once).
+// int4: 4 chunks, each two code vectors (k 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high).
+struct Int4Codes {
+  static constexpr int64_t BLOCK_BYTES = 256;
+  template <int R, bool FINE>
+  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
+                           __m512i acc[R][CV], __m512i acc_fine[R][CV]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[CV], hi[CV];
+      for (int c = 0; c < CV; ++c) {
+        const __m512i bytes = _mm512_loadu_si512(w + c * stride + j * 64);
+        lo[c] = _mm512_and_si512(bytes, nibble);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xlo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 8 * j));
+        const __m512i xhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 8 * j + 4));
+        for (int c = 0; c < CV; ++c) {
+          acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], xlo);
+          acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], xhi);
+        }
+        if (FINE) {
+          const __m512i flo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j));
+          const __m512i fhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j + 4));
+          for (int c = 0; c < CV; ++c) {
+            acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], lo[c], flo);
+            acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], hi[c], fhi);
+          }
+        }
+      }
+    }
+  }
+};
+
+// int8 (+128, unsigned): 8 chunks of k 4j..4j+3.
+struct Int8Codes {
+  static constexpr int64_t BLOCK_BYTES = 512;
+  template <int R, bool FINE>
+  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
+                           __m512i acc[R][CV], __m512i acc_fine[R][CV]) {
+    for (int j = 0; j < 8; ++j) {
+      __m512i q[CV];
+      for (int c = 0; c < CV; ++c) q[c] = _mm512_loadu_si512(w + c * stride + j * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 4 * j));
+        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], q[c], xv);
+        if (FINE) {
+          const __m512i fv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 4 * j));
+          for (int c = 0; c < CV; ++c) acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], q[c], fv);
+        }
+      }
+    }
+  }
+};
+
+struct Problem {
+  const uint8_t* data;    // [Nv, K/32, BLOCK_BYTES]
+  const float* scales;    // [Nv, groups, 16]
+  const float* mins;      // [Nv, groups, 16]
+  const float* bias;      // [N] or null
+  float* out;             // [M, N]
+  int64_t N, Nv, groups, blocks_per_group;
+};
+
+// Rows [m0, m0 + R) against channel vectors [v0, v0 + cv) (cv <= CV; a short last tile reads vector v0 twice).
+template <typename Codes, bool FINE, int R>
+void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int cv) {
+  const int64_t blocks = x.blocks;
+  const int64_t stride = blocks * Codes::BLOCK_BYTES;  // bytes of one channel vector
+  const int64_t v_second = cv > 1 ? v0 + 1 : v0;
+  const uint8_t* w = p.data + v0 * stride;
+  const __m512 fine_step = _mm512_set1_ps(1.0f / FINE_STEPS);
+  __m512 accf[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CV; ++c) accf[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i acc[R][CV], acc_fine[R][CV];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
+    const int8_t* xc[R];
+    const int8_t* xf[R];
+    for (int r = 0; r < R; ++r) {
+      xc[r] = x.coarse + (m0 + r) * x.K + b * BLOCK;
+      xf[r] = x.fine + (m0 + r) * x.K + b * BLOCK;
+    }
+    Codes::template block<R, FINE>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride, xc, xf, acc, acc_fine);
+    const int64_t g = b / p.blocks_per_group;
+    for (int c = 0; c < CV; ++c) {
+      const int64_t v = c == 0 ? v0 : v_second;
+      const __m512 s = _mm512_loadu_ps(p.scales + (v * p.groups + g) * LANES);
+      const __m512 mn = _mm512_loadu_ps(p.mins + (v * p.groups + g) * LANES);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row_block = (m0 + r) * blocks + b;
+        const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(x.scales[row_block]));
+        __m512 dot = _mm512_cvtepi32_ps(acc[r][c]);
+        if (FINE) dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_fine[r][c]), fine_step, dot);
+        accf[r][c] = _mm512_fmadd_ps(dot, sx, accf[r][c]);
+        accf[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[row_block]), accf[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < cv; ++c) {
+    const int64_t n0 = (v0 + c) * LANES;
+    const int64_t valid = std::min<int64_t>(LANES, p.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + n0, mask, _mm512_add_ps(accf[r][c], bias));
+  }
+}
+
+template <typename Codes, bool FINE>
+void run(const Problem& p, const QuantizedRows& x, int64_t M) {
+  const int64_t tiles = (p.Nv + CV - 1) / CV;
+  // Decode reads every weight once: a tile is ~K * 32 codes, give each thread a few.
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t p0 = 0; p0 < M; p0 += M_PANEL) {
+      const int64_t p1 = std::min(M, p0 + M_PANEL);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t v0 = t * CV;
+        const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
+        for (int64_t m0 = p0; m0 < p1; m0 += RT) {
+          switch (std::min<int64_t>(RT, p1 - m0)) {
+            case 4: tile<Codes, FINE, 4>(p, x, m0, v0, cv); break;
+            case 3: tile<Codes, FINE, 3>(p, x, m0, v0, cv); break;
+            case 2: tile<Codes, FINE, 2>(p, x, m0, v0, cv); break;
+            default: tile<Codes, FINE, 1>(p, x, m0, v0, cv); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace protoserve {
+
+bool int8_dot_available() { return true; }
+
+torch::Tensor int8_dot_linear(const torch::Tensor& x, int64_t bits, const torch::Tensor& data,
+                              const torch::Tensor& scales, const torch::Tensor& mins,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
+                              bool fine) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(bits == 4 || bits == 8, "codes are 4 or 8 bits, got ", bits);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % BLOCK == 0, "in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(group_size >= BLOCK && group_size % BLOCK == 0 && K % group_size == 0,
+              "group_size must be a multiple of 32 dividing in_features");
+  const int64_t blocks = K / BLOCK, Nv = (N + LANES - 1) / LANES, groups = K / group_size;
+  const int64_t block_bytes = bits == 4 ? Int4Codes::BLOCK_BYTES : Int8Codes::BLOCK_BYTES;
+  TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous() && data.numel() == Nv * blocks * block_bytes,
+              "bad int", bits, " code pack for [", N, ", ", K, "]");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == Nv * groups * LANES,
+                "scales and mins must be contiguous float32 [", Nv, ", ", groups, ", 16]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  // Per-call scratch, reused by the calling thread: no allocation per step.
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> row_scales, row_sums;
+  codes.resize(2 * M * K);
+  row_scales.resize(M * blocks);
+  row_sums.resize(M * blocks);
+  const float* xp = x.data_ptr<float>();
+  int8_t* cp = codes.data();
+  float* sp = row_scales.data();
+  float* up = row_sums.data();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(xp + r * K, blocks, cp + r * K, cp + (M + r) * K, sp + r * blocks, up + r * blocks);
+  });
+  const QuantizedRows rows{cp, cp + M * K, sp, up, K, blocks};
+  const Problem p{data.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), bias_ptr,
+                  out.data_ptr<float>(), N, Nv, groups, group_size / BLOCK};
+  if (bits == 4) {
+    if (fine) run<Int4Codes, true>(p, rows, M); else run<Int4Codes, false>(p, rows, M);
+  } else {
+    if (fine) run<Int8Codes, true>(p, rows, M); else run<Int8Codes, false>(p, rows, M);
+  }
+  return out;
+}
+
+}  // namespace protoserve
+
+#else  // no AVX-512 VNNI
+
+namespace protoserve {
+
+bool int8_dot_available() { return false; }
+
+torch::Tensor int8_dot_linear(const torch::Tensor&, int64_t, const torch::Tensor&, const torch::Tensor&,
+                              const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t, int64_t, bool) {
+  TORCH_CHECK(false, "this CPU has no AVX-512 VNNI: integer-dot weight formats are not available");
+}
+
+}  // namespace protoserve
+
+#endif
