@@ -76,12 +76,23 @@ def supports_int8_dot(in_features: int) -> bool:
     return int8_dot_available() and in_features % DOT_BLOCK == 0
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+def _pad_rows(t: torch.Tensor, multiple: int = BLOCK_N) -> torch.Tensor:
+    """Zero rows appended up to a multiple of ``multiple`` (the kernel's channel block)."""
     n = t.shape[0]
-    padded = -(-n // BLOCK_N) * BLOCK_N
-    if padded == n:
-        return t
-    return torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])])
+    padded = -(-n // multiple) * multiple
+    return t if padded == n else torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])])
+
+
+def _per_channel_block(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-channel-and-group values [N, groups] -> [N/width, groups, width] (padded channels: 0)."""
+    t = _pad_rows(t.float(), width)
+    return t.reshape(-1, width, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _per_channel(t: torch.Tensor, n: int, repeat: int) -> torch.Tensor:
+    """The inverse of ``_per_channel_block`` for the first n channels, each group value repeated
+    ``repeat`` times along K: [N/width, groups, width] -> [n, groups * repeat]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].repeat_interleave(repeat, dim=1)
 
 
 def _interleave(w: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -119,23 +130,9 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_s
     pairs = codes.reshape(codes.shape[0], k // 32, 2, 16)
     packed = pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)  # [N, K/32, 16]
     data = packed.reshape(blocks, BLOCK_N, k // 32, 16).transpose(1, 2).contiguous()
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [blocks, groups, 4]
-        return _pad_rows(t.float()).reshape(blocks, BLOCK_N, -1).transpose(1, 2).contiguous()
-
-    return PackedWeight("int4", n, k, data, per_block(scales), per_block(mins), group_size)
-
-
-def _pad_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    n = t.shape[0]
-    padded = -(-n // multiple) * multiple
-    return t if padded == n else torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])])
-
-
-def _dot_per_vector(t: torch.Tensor) -> torch.Tensor:
-    """Per-channel-and-group values [N, groups] -> [N/16, groups, 16] (padded channels: 0)."""
-    t = _pad_to(t.float(), DOT_LANES)
-    return t.reshape(-1, DOT_LANES, t.shape[1]).transpose(1, 2).contiguous()
+    return PackedWeight(
+        "int4", n, k, data, _per_channel_block(scales, BLOCK_N), _per_channel_block(mins, BLOCK_N), group_size
+    )
 
 
 def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> PackedWeight:
@@ -145,12 +142,14 @@ def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gro
     n, k = q.shape
     if k % DOT_BLOCK or group_size % DOT_BLOCK or k % group_size:
         raise ValueError(f"int4_dot needs K ({k}) and the group ({group_size}) to be multiples of 32")
-    codes = _pad_to(q.to(torch.uint8), DOT_LANES)
+    codes = _pad_rows(q.to(torch.uint8), DOT_LANES)
     nv, blocks = codes.shape[0] // DOT_LANES, k // DOT_BLOCK
     c = codes.reshape(nv, DOT_LANES, blocks, 4, 2, 4)  # [vector, channel, block, chunk, nibble, i]
     packed = c[..., 0, :] | (c[..., 1, :] << 4)  # [vector, channel, block, chunk, i]
     data = packed.permute(0, 2, 3, 1, 4).contiguous()  # [vector, block, chunk, channel, i]
-    return PackedWeight("int4_dot", n, k, data, _dot_per_vector(scales), _dot_per_vector(mins), group_size)
+    return PackedWeight(
+        "int4_dot", n, k, data, _per_channel_block(scales, DOT_LANES), _per_channel_block(mins, DOT_LANES), group_size
+    )
 
 
 def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
@@ -159,11 +158,13 @@ def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
     n, k = q.shape
     if k % DOT_BLOCK:
         raise ValueError(f"int8_dot needs K ({k}) to be a multiple of 32")
-    codes = _pad_to((q.to(torch.int16) + 128).to(torch.uint8), DOT_LANES)
+    codes = _pad_rows((q.to(torch.int16) + 128).to(torch.uint8), DOT_LANES)
     nv, blocks = codes.shape[0] // DOT_LANES, k // DOT_BLOCK
     data = codes.reshape(nv, DOT_LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     s = scales.float().reshape(n, 1)
-    return PackedWeight("int8_dot", n, k, data, _dot_per_vector(s), _dot_per_vector(-128.0 * s), k)
+    return PackedWeight(
+        "int8_dot", n, k, data, _per_channel_block(s, DOT_LANES), _per_channel_block(-128.0 * s, DOT_LANES), k
+    )
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,24 +187,17 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 def unpack(weight: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the packed form stands for (tests, reference)."""
     n, k = weight.out_features, weight.in_features
-    if weight.format in ("int4_dot", "int8_dot"):
-        codes = _dot_codes(weight)
-
-        def per_row_dot(t: torch.Tensor) -> torch.Tensor:  # [N/16, groups, 16] -> [N, K]
-            return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].repeat_interleave(weight.group_size, dim=1)
-
-        return codes * per_row_dot(weight.scales) + per_row_dot(weight.mins)
     if weight.format in ("float32", "bfloat16", "int8"):
         w = weight.data.transpose(1, 2).reshape(-1, k)[:n].float()
         return w * weight.scales[:n, None] if weight.format == "int8" else w
-    blocks = weight.data.shape[0]
-    packed = weight.data.transpose(1, 2).reshape(blocks * BLOCK_N, k // 32, 16)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(-1, k)[:n].float()
-
-    def per_row(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(blocks * BLOCK_N, -1)[:n].repeat_interleave(weight.group_size, dim=1)
-
-    return codes * per_row(weight.scales) + per_row(weight.mins)
+    if weight.format in ("int4_dot", "int8_dot"):
+        codes = _dot_codes(weight)
+    else:
+        blocks = weight.data.shape[0]
+        packed = weight.data.transpose(1, 2).reshape(blocks * BLOCK_N, k // 32, 16)
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(-1, k)[:n].float()
+    g = weight.group_size
+    return codes * _per_channel(weight.scales, n, g) + _per_channel(weight.mins, n, g)
 
 
 def _dot_codes(weight: PackedWeight) -> torch.Tensor:
@@ -252,12 +246,10 @@ def _reference_dot(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | N
     w_codes = _dot_codes(weight).double().reshape(n, blocks, DOT_BLOCK)
     xq = codes.double().reshape(-1, blocks, DOT_BLOCK)
     dots = torch.einsum("mbk,nbk->mnb", xq, w_codes)
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N/16, groups, 16] -> [N, blocks]
-        return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].double().repeat_interleave(per_group, dim=1)
-
-    y = (dots * per_block(weight.scales)[None] * x_scales.double()[:, None, :]).sum(-1)
-    y = y + (per_block(weight.mins)[None] * x_sums[:, None, :]).sum(-1)
+    scales = _per_channel(weight.scales, n, per_group).double()  # [N, blocks]
+    mins = _per_channel(weight.mins, n, per_group).double()
+    y = (dots * scales[None] * x_scales.double()[:, None, :]).sum(-1)
+    y = y + (mins[None] * x_sums[:, None, :]).sum(-1)
     if bias is not None:
         y = y + bias.double()
     return y.float()
