@@ -29,6 +29,7 @@ bfloat16 values before the weights are rounded against them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,7 @@ def tiled_linear(
     return out[:rows]
 
 
-class KernelPackable(nn.Module):
+class KernelPackable(nn.Module, ABC):
     """A linear layer that can move onto the CPU kernel once its weights are final.
 
     ``pack_for_kernel`` checks, in one place for all formats, that the kernel runs here and takes
@@ -94,8 +95,9 @@ class KernelPackable(nn.Module):
         self.packed = packed
         return True
 
+    @abstractmethod
     def _kernel_pack(self) -> kernel.PackedWeight | None:
-        raise NotImplementedError
+        """This layer's final weights in the kernel layout, or None when it has nothing to pack from."""
 
 
 class Linear(KernelPackable):
