@@ -245,16 +245,16 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Next-token logits [len(batch.logits_indices), vocab] float32; writes the batch's K/V."""
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
+        x = self.embed_tokens(batch.input_ids)
+        if self.fused_step is not None and self.fused_step.accepts(kv_cache):
+            return self.fused_step(batch, kv_cache, x, cos, sin, self.config.sliding_window)
         meta = kv_cache.prepare(
             batch,
             num_heads=self.config.num_heads,
             sliding_window=self.config.sliding_window,
             deterministic=self.deterministic,
         )
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
-        x = self.embed_tokens(batch.input_ids)
-        if self.fused_step is not None and self.fused_step.accepts(kv_cache):
-            return self.fused_step(batch, kv_cache, x, cos, sin, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x[batch.logits_indices])

@@ -81,14 +81,13 @@ class FusedStep:
         if head is None:
             return None
         cfg = model.config
-        first = model.layers[0].self_attn if len(model.layers) else None
         shape = ext.DecoderShape(
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             intermediate_size=cfg.intermediate_size,
             rms_norm_eps=cfg.rms_norm_eps,
-            attention_scale=first.scale if first is not None else cfg.head_dim**-0.5,
+            attention_scale=cfg.head_dim**-0.5,  # Attention.scale's own expression, bit for bit
         )
         return cls(ext.DecoderStep(shape, layers, model.norm.weight.detach().float().contiguous(), head))
 
