@@ -7,11 +7,20 @@
 // (measured ~0.4 ms per layer, a third of an int4 step); here the loop costs
 // microseconds, and the GIL is released for the whole step, so the server's
 // event loop keeps streaming while the model runs.
+//
+// The step runs as one team of OpenMP threads (team.h): one parallel region per
+// step instead of one per operation, the members meeting at spin barriers.
+// Nothing inside the team may throw, so every argument is checked first.
 
 #include "kernels.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <omp.h>
 
+#include <cstring>
+#include <exception>
+#include <mutex>
 #include <utility>
 
 namespace protoserve {
@@ -22,59 +31,197 @@ DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, t
   TORCH_CHECK(shape_.num_heads > 0 && shape_.num_kv_heads > 0 && shape_.head_dim > 0,
               "the decoder step needs positive head counts and head_dim");
   TORCH_CHECK(shape_.num_heads % shape_.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(shape_.head_dim % 2 == 0, "RoPE needs an even head_dim");
+  TORCH_CHECK(final_norm_.scalar_type() == torch::kFloat32 && final_norm_.is_contiguous() && final_norm_.dim() == 1,
+              "final_norm must be a contiguous float32 vector");
+  hidden_ = final_norm_.numel();
+  const int64_t q_size = shape_.num_heads * shape_.head_dim;
   const int64_t qkv = (shape_.num_heads + 2 * shape_.num_kv_heads) * shape_.head_dim;
+  auto check_norm = [](const torch::Tensor& w, int64_t n, const char* name) {
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, name,
+                " must be a contiguous float32 vector of ", n);
+  };
   for (const auto& layer : layers_) {
     TORCH_CHECK(layer.qkv.out_features == qkv, "qkv projection has ", layer.qkv.out_features, " outputs, expected ",
                 qkv);
     TORCH_CHECK(layer.gate_up.out_features == 2 * shape_.intermediate_size, "gate_up projection size mismatch");
+    TORCH_CHECK(layer.o.out_features == hidden_ && layer.down.out_features == hidden_,
+                "o and down projections must return the hidden size ", hidden_);
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "q_norm and k_norm come together");
+    check_norm(layer.input_norm, hidden_, "input_norm");
+    check_norm(layer.post_attention_norm, hidden_, "post_attention_norm");
+    if (layer.q_norm.has_value()) {
+      check_norm(*layer.q_norm, shape_.head_dim, "q_norm");
+      check_norm(*layer.k_norm, shape_.head_dim, "k_norm");
+    }
+    check_packed_linear(layer.qkv, hidden_);
+    check_packed_linear(layer.o, q_size);
+    check_packed_linear(layer.gate_up, hidden_);
+    check_packed_linear(layer.down, shape_.intermediate_size);
   }
+  check_packed_linear(lm_head_, hidden_);
 }
 
 torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    const std::vector<torch::Tensor>& k_caches,
                                    const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                                   const torch::Tensor& seq_lens, const torch::Tensor& logits_indices, int64_t sliding_window) const {
+                                   const torch::Tensor& seq_lens, const torch::Tensor& logits_indices,
+                                   int64_t sliding_window) const {
+  // Every check happens here, before the team starts: inside it nothing may throw.
   const int64_t num_layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
               "one K and one V pool per layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be contiguous float32 [T, hidden]");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == x.size(0),
-              "slot_mapping must be int64 [T]");
-  const int64_t t = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_,
+              "x must be contiguous float32 [T, ", hidden_, "]");
+  const int64_t T = x.size(0);
   const int64_t H = shape_.num_heads, KVH = shape_.num_kv_heads, D = shape_.head_dim;
-  const int64_t q_size = H * D, kv_size = KVH * D;
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "slot_mapping must be int64 [T]");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == D,
+                "cos and sin must be contiguous float32 [T, head_dim]");
+  TORCH_CHECK(num_layers > 0, "the decoder has no layers");
+  const torch::Tensor& pool0 = k_caches[0];
   for (int64_t i = 0; i < num_layers; ++i) {
-    const LayerWeights& layer = layers_[i];
-    // Attention block.
-    const torch::Tensor h = rms_norm(x, layer.input_norm, shape_.rms_norm_eps);
-    const torch::Tensor qkv = layer.qkv(h);
-    torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, H, D});
-    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, KVH, D});
-    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, KVH, D});
-    if (layer.q_norm.has_value()) {
-      q = rms_norm(q.contiguous(), *layer.q_norm, shape_.rms_norm_eps);
-      k = rms_norm(k.contiguous(), *layer.k_norm, shape_.rms_norm_eps);
-    }
-    rope_(q, cos, sin);
-    rope_(k, cos, sin);
-    // The new K/V go into the pool first: the attention reads each context from it.
-    k_caches[i].view({-1, KVH, D}).index_copy_(0, slot_mapping, k);
-    v_caches[i].view({-1, KVH, D}).index_copy_(0, slot_mapping, v);
-    const torch::Tensor attn = paged_attention(q, k_caches[i], v_caches[i], block_tables, query_start_loc, seq_lens,
-                                               shape_.attention_scale, sliding_window);
-    const torch::Tensor o = layer.o(attn.view({t, q_size}));
-    // MLP block: x += o, then its norm, in one pass.
-    const torch::Tensor h2 = add_rms_norm_(o, x, layer.post_attention_norm, shape_.rms_norm_eps);
-    const torch::Tensor gate_up = layer.gate_up(h2);
-    const torch::Tensor act = at::mul(at::silu(gate_up.narrow(1, 0, shape_.intermediate_size)),
-                                      gate_up.narrow(1, shape_.intermediate_size, shape_.intermediate_size));
-    x.add_(layer.down(act));
+    for (const auto* pool : {&k_caches[i], &v_caches[i]})
+      TORCH_CHECK(pool->scalar_type() == torch::kFloat32 && pool->is_contiguous() && pool->dim() == 4 &&
+                      pool->sizes() == pool0.sizes(),
+                  "every K/V pool must be contiguous float32 of one shape");
   }
-  const torch::Tensor last = x.index_select(0, logits_indices);
-  return lm_head_(rms_norm(last, final_norm_, shape_.rms_norm_eps));
+  TORCH_CHECK(pool0.size(2) == KVH && pool0.size(3) == D, "the K/V pools hold ", pool0.size(2), " heads of ",
+              pool0.size(3), ", the model ", KVH, " of ", D);
+  const int64_t num_slots = pool0.size(0) * pool0.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " is outside the K/V pool");
+  TORCH_CHECK(logits_indices.scalar_type() == torch::kInt64 && logits_indices.is_contiguous() &&
+                  logits_indices.dim() == 1,
+              "logits_indices must be int64 [L]");
+  const int64_t L = logits_indices.numel();
+  const int64_t* picks = logits_indices.data_ptr<int64_t>();
+  for (int64_t j = 0; j < L; ++j)
+    TORCH_CHECK(picks[j] >= 0 && picks[j] < T, "logits index ", picks[j], " is outside the batch of ", T);
+  // thread_local: the calling thread's, reused across steps; the team reaches them through these pointers.
+  thread_local AttentionPlan step_plan;
+  thread_local ActivationCodes step_codes;
+  AttentionPlan* const plan = &step_plan;
+  ActivationCodes* const codes = &step_codes;
+  plan_attention(*plan, block_tables, query_start_loc, seq_lens, T, H, D, pool0.size(0), pool0.size(1),
+                 sliding_window);
+
+  // The step's activations, written and read by the whole team.
+  const int64_t I = shape_.intermediate_size, q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
+  const auto opts = x.options();
+  const torch::Tensor h = torch::empty({T, hidden_}, opts);
+  const torch::Tensor qkv = torch::empty({T, qkv_size}, opts);
+  const torch::Tensor attn = torch::empty({T, q_size}, opts);
+  const torch::Tensor o = torch::empty({T, hidden_}, opts);
+  const torch::Tensor gate_up = torch::empty({T, 2 * I}, opts);
+  const torch::Tensor act = torch::empty({T, I}, opts);
+  const torch::Tensor last = torch::empty({L, hidden_}, opts);
+  torch::Tensor logits = torch::empty({L, lm_head_.out_features}, opts);
+  if (T == 0) return logits;
+  codes->fit(T, std::max({hidden_, q_size, I}));
+  std::vector<std::atomic<int64_t>> next_unit(num_layers);
+  for (auto& n : next_unit) n.store(0, std::memory_order_relaxed);
+
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  float* qkvp = qkv.data_ptr<float>();
+  float* attnp = attn.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  float* gup = gate_up.data_ptr<float>();
+  float* actp = act.data_ptr<float>();
+  const float* cosp = cos.data_ptr<float>();
+  const float* sinp = sin.data_ptr<float>();
+  const float eps = static_cast<float>(shape_.rms_norm_eps);
+
+  // One member's whole step. Row-wise work goes by the member's share of the rows (the same
+  // share every time, so a member's row phases need no barrier between them); the linears
+  // and the attention meet at the barrier around them.
+  auto member = [&](const Team& team) {
+    int64_t r0 = 0, r1 = 0;
+    team.share(T, r0, r1);
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const LayerWeights& layer = layers_[i];
+      for (int64_t r = r0; r < r1; ++r)
+        rms_norm_row(xp + r * hidden_, layer.input_norm.data_ptr<float>(), eps, hidden_, hp + r * hidden_);
+      packed_linear_into(layer.qkv, hp, T, hidden_, qkvp, *codes, &team);
+      // This member's tokens: q/k norms, RoPE, and their K/V into the pool, which the attention reads.
+      float* kpool = k_caches[i].data_ptr<float>();
+      float* vpool = v_caches[i].data_ptr<float>();
+      for (int64_t r = r0; r < r1; ++r) {
+        float* qr = qkvp + r * qkv_size;
+        float* kr = qr + q_size;
+        const float* vr = kr + kv_size;
+        if (layer.q_norm.has_value()) {
+          for (int64_t hh = 0; hh < H; ++hh) rms_norm_row(qr + hh * D, layer.q_norm->data_ptr<float>(), eps, D, qr + hh * D);
+          for (int64_t hh = 0; hh < KVH; ++hh)
+            rms_norm_row(kr + hh * D, layer.k_norm->data_ptr<float>(), eps, D, kr + hh * D);
+        }
+        rope_row(qr, H, D, cosp + r * D, sinp + r * D, D);
+        rope_row(kr, KVH, D, cosp + r * D, sinp + r * D, D);
+        std::memcpy(kpool + slots[r] * kv_size, kr, kv_size * sizeof(float));
+        std::memcpy(vpool + slots[r] * kv_size, vr, kv_size * sizeof(float));
+      }
+      team.sync();
+      paged_attention_into(*plan, qkvp, qkv_size, H, k_caches[i], v_caches[i], attnp, shape_.attention_scale, &team,
+                           &next_unit[i]);
+      team.sync();  // the o projection quantizes its own rows, which any member's units wrote
+      packed_linear_into(layer.o, attnp, T, q_size, op, *codes, &team);
+      for (int64_t r = r0; r < r1; ++r)
+        add_rms_norm_row(op + r * hidden_, xp + r * hidden_, layer.post_attention_norm.data_ptr<float>(), eps, hidden_,
+                         hp + r * hidden_);
+      packed_linear_into(layer.gate_up, hp, T, hidden_, gup, *codes, &team);
+      if (r0 < r1) {
+        // ATen's own SiLU and product, on whole rows: the module path's exact bits.
+        const torch::Tensor rows = gate_up.narrow(0, r0, r1 - r0);
+        torch::Tensor out_rows = act.narrow(0, r0, r1 - r0);
+        at::mul_out(out_rows, at::silu(rows.narrow(1, 0, I)), rows.narrow(1, I, I));
+      }
+      packed_linear_into(layer.down, actp, T, I, op, *codes, &team);
+      for (int64_t r = r0; r < r1; ++r) {
+        float* xr = xp + r * hidden_;
+        const float* dr = op + r * hidden_;
+        for (int64_t c = 0; c < hidden_; ++c) xr[c] = xr[c] + dr[c];
+      }
+    }
+    team.sync();  // the picked rows may be any member's
+    int64_t j0 = 0, j1 = 0;
+    team.share(L, j0, j1);
+    float* lastp = last.data_ptr<float>();
+    for (int64_t j = j0; j < j1; ++j)
+      rms_norm_row(xp + picks[j] * hidden_, final_norm_.data_ptr<float>(), eps, hidden_, lastp + j * hidden_);
+    packed_linear_into(lm_head_, lastp, L, hidden_, logits.data_ptr<float>(), *codes, &team);
+  };
+
+  const int threads = std::max(1, at::get_num_threads());
+  SpinBarrier barrier(threads);
+  std::exception_ptr failure;
+  std::mutex failure_lock;
+  auto guarded = [&](int rank, int size) {
+    // The workers are OpenMP threads, not the caller: give them the caller's no-autograd mode
+    // for the ATen calls on the step's (possibly inference-mode) tensors.
+    c10::InferenceMode no_grad;
+    barrier.set_size(size);  // OpenMP may grant fewer threads than asked; every member sets the same size
+    try {
+      member(Team{rank, size, &barrier});
+    } catch (...) {
+      barrier.break_();
+      std::lock_guard<std::mutex> lock(failure_lock);
+      if (!failure) failure = std::current_exception();
+    }
+  };
+  if (threads == 1) {
+    guarded(0, 1);
+  } else {
+#pragma omp parallel num_threads(threads)
+    guarded(omp_get_thread_num(), omp_get_num_threads());
+  }
+  if (failure) std::rethrow_exception(failure);
+  return logits;
 }
 
 }  // namespace protoserve

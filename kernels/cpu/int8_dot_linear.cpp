@@ -214,10 +214,10 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
 }
 
 template <typename Codes, bool FINE>
-void run(const Problem& p, const QuantizedRows& x, int64_t M) {
+void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::Team* team) {
   const int64_t tiles = (p.Nv + CV - 1) / CV;
   // Decode reads every weight once: a tile is ~K * 32 codes, give each thread a few.
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+  protoserve::for_range(team, tiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t p0 = 0; p0 < M; p0 += M_PANEL) {
       const int64_t p1 = std::min(M, p0 + M_PANEL);
       for (int64_t t = t0; t < t1; ++t) {
@@ -242,55 +242,33 @@ namespace protoserve {
 
 bool int8_dot_available() { return true; }
 
-torch::Tensor int8_dot_linear(const torch::Tensor& x, int64_t bits, const torch::Tensor& data,
-                              const torch::Tensor& scales, const torch::Tensor& mins,
-                              const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
-                              bool fine) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(bits == 4 || bits == 8, "codes are 4 or 8 bits, got ", bits);
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K % BLOCK == 0, "in_features must be a multiple of 32, got ", K);
-  TORCH_CHECK(group_size >= BLOCK && group_size % BLOCK == 0 && K % group_size == 0,
-              "group_size must be a multiple of 32 dividing in_features");
-  const int64_t blocks = K / BLOCK, Nv = (N + LANES - 1) / LANES, groups = K / group_size;
-  const int64_t block_bytes = bits == 4 ? Int4Codes::BLOCK_BYTES : Int8Codes::BLOCK_BYTES;
-  TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous() && data.numel() == Nv * blocks * block_bytes,
-              "bad int", bits, " code pack for [", N, ", ", K, "]");
-  for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == Nv * groups * LANES,
-                "scales and mins must be contiguous float32 [", Nv, ", ", groups, ", 16]");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "bias must be contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0) return out;
-  // Per-call scratch, reused by the calling thread: no allocation per step.
-  thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> row_scales, row_sums;
-  codes.resize(2 * M * K);
-  row_scales.resize(M * blocks);
-  row_sums.resize(M * blocks);
-  const float* xp = x.data_ptr<float>();
-  int8_t* cp = codes.data();
-  float* sp = row_scales.data();
-  float* up = row_sums.data();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int64_t M, int64_t K, float* out,
+                          ActivationCodes& codes, const Team* team) {
+  const int64_t N = w.out_features, blocks = K / BLOCK, Nv = (N + LANES - 1) / LANES;
+  int8_t* cp = codes.codes.data();
+  float* sp = codes.scales.data();
+  float* up = codes.sums.data();
+  // Each member quantizes its share of the rows; the tiles then read every row.
+  protoserve::for_range(team, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      quantize_row(xp + r * K, blocks, cp + r * K, cp + (M + r) * K, sp + r * blocks, up + r * blocks);
+      quantize_row(x + r * K, blocks, cp + r * K, cp + (M + r) * K, sp + r * blocks, up + r * blocks);
   });
+  if (team != nullptr) team->sync();
   const QuantizedRows rows{cp, cp + M * K, sp, up, K, blocks};
-  const Problem p{data.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), bias_ptr,
-                  out.data_ptr<float>(), N, Nv, groups, group_size / BLOCK};
-  if (bits == 4) {
-    if (fine) run<Int4Codes, true>(p, rows, M); else run<Int4Codes, false>(p, rows, M);
-  } else {
-    if (fine) run<Int8Codes, true>(p, rows, M); else run<Int8Codes, false>(p, rows, M);
-  }
-  return out;
+  const Problem p{w.data.data_ptr<uint8_t>(),
+                  w.scales->data_ptr<float>(),
+                  w.mins->data_ptr<float>(),
+                  w.bias.has_value() ? w.bias->data_ptr<float>() : nullptr,
+                  out,
+                  N,
+                  Nv,
+                  K / w.group_size,
+                  w.group_size / BLOCK};
+  if (bits == 4)
+    run<Int4Codes, true>(p, rows, M, team);
+  else
+    run<Int8Codes, true>(p, rows, M, team);
+  if (team != nullptr) team->sync();
 }
 
 }  // namespace protoserve
@@ -301,8 +279,8 @@ namespace protoserve {
 
 bool int8_dot_available() { return false; }
 
-torch::Tensor int8_dot_linear(const torch::Tensor&, int64_t, const torch::Tensor&, const torch::Tensor&,
-                              const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t, int64_t, bool) {
+void int8_dot_linear_into(const LinearWeights&, int, const float*, int64_t, int64_t, float*, ActivationCodes&,
+                          const Team*) {
   TORCH_CHECK(false, "this CPU has no AVX-512 VNNI: integer-dot weight formats are not available");
 }
 

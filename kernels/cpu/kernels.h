@@ -5,34 +5,30 @@
 
 #include <torch/extension.h>
 
+#include "team.h"
+
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
 namespace protoserve {
 
-// linear.cpp: y = x @ W^T (+ bias) over a weight packed by packed_linear.py; float32 [M, N].
-torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
-                            const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
-                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size);
+// Scratch of the integer-dot formats: a batch's activations quantized to int8 codes, reused
+// across calls (thread_local for single calls; one shared instance for a team).
+struct ActivationCodes {
+  std::vector<int8_t> codes;  // [2, M, K]: the coarse codes, then the fine ones
+  std::vector<float> scales;  // [M, K / 32] per block
+  std::vector<float> sums;    // [M, K / 32] per block: the exact float sum of x
 
-// int8_dot_linear.cpp (needs AVX-512 VNNI: int8_dot_available()): the same over 4- or 8-bit unsigned codes, x quantized to int8 per 32 values.
-torch::Tensor int8_dot_linear(const torch::Tensor& x, int64_t bits, const torch::Tensor& data,
-                              const torch::Tensor& scales, const torch::Tensor& mins,
-                              const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
-                              bool fine);
-bool int8_dot_available();
+  void fit(int64_t M, int64_t K) {
+    const size_t blocks = static_cast<size_t>(M) * (K / 32);
+    if (codes.size() < static_cast<size_t>(2 * M * K)) codes.resize(2 * M * K);
+    if (scales.size() < blocks) scales.resize(blocks);
+    if (sums.size() < blocks) sums.resize(blocks);
+  }
+};
 
-// norm_rope.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
-void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-
-// paged_attention.cpp
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                              const torch::Tensor& seq_lens, double scale, int64_t sliding_window);
-
-// decoder_step.cpp: one packed linear layer, as packed_linear.py's PackedWeight describes it.
+// One packed linear layer, as packed_linear.py's PackedWeight describes it.
 struct LinearWeights {
   int64_t format = 0;
   torch::Tensor data;
@@ -41,11 +37,65 @@ struct LinearWeights {
   c10::optional<torch::Tensor> bias;
   int64_t out_features = 0;
   int64_t group_size = 0;
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    return packed_linear(x, format, data, scales, mins, bias, out_features, group_size);
-  }
 };
+
+// linear.cpp: y = x @ W^T (+ bias) over a weight packed by packed_linear.py; float32 [M, N].
+torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
+                            const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size);
+// Throws unless `w` is a well-formed pack for `in_features` inputs; packed_linear_into trusts it.
+void check_packed_linear(const LinearWeights& w, int64_t in_features);
+// out [M, N] = x [M, K] @ W^T (+ bias), raw rows; as one member of `team` (which then meets at
+// its barrier inside: before reading x, after writing out), or alone across ATen's threads.
+// `codes` must fit [M, K] for the integer-dot formats.
+void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64_t K, float* out,
+                        ActivationCodes& codes, const Team* team);
+
+// int8_dot_linear.cpp (needs AVX-512 VNNI: int8_dot_available()): the same over 4- or 8-bit unsigned
+// codes (format int4_dot / int8_dot), x quantized to int8 per 32 values.
+void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int64_t M, int64_t K, float* out,
+                          ActivationCodes& codes, const Team* team);
+bool int8_dot_available();
+
+// norm_rope.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+// The same on one row of d values (out may be x): what the tensor entries run per row.
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t d, float* out);
+void add_rms_norm_row(const float* x, float* residual, const float* weight, float eps, int64_t d, float* out);
+// x: one token's `heads` heads of d values, head_stride apart; cos/sin: that token's [d].
+void rope_row(float* x, int64_t heads, int64_t head_stride, const float* cos, const float* sin, int64_t d);
+
+// paged_attention.cpp
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                              const torch::Tensor& seq_lens, double scale, int64_t sliding_window);
+
+// A batch's attention work, checked and cut into units once: every layer of a step shares it.
+struct AttentionTile {
+  int64_t row;   // first query row (of T)
+  int32_t n;     // queries in the tile
+  int32_t seq;   // sequence
+  int32_t pos0;  // position of the first query
+};
+struct AttentionPlan {
+  std::vector<AttentionTile> tiles;
+  int64_t total_work = 0;  // query heads x visible keys x head_dim, for the fork/join decision
+  const int32_t* block_tables = nullptr;
+  int64_t max_blocks = 0;
+  int64_t num_tokens = 0;
+  int64_t sliding_window = 0;
+};
+// Throws on inconsistent indices (block ids are checked against num_blocks).
+void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                    const torch::Tensor& seq_lens, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                    int64_t num_blocks, int64_t block_size, int64_t sliding_window);
+// out [T, H, D] dense; q rows q_stride floats apart; caches float32 or bfloat16 [num_blocks, bs, KVH, D].
+// In a team, members take units from `next` (zero before the first member starts) and do not sync.
+void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t num_heads,
+                          const torch::Tensor& k_cache, const torch::Tensor& v_cache, float* out, double scale,
+                          const Team* team, std::atomic<int64_t>* next);
 
 // One pre-norm decoder block's weights (engine/models/decoder.py: DecoderLayer).
 struct LayerWeights {
@@ -85,6 +135,7 @@ class DecoderStep {
 
  private:
   DecoderShape shape_;
+  int64_t hidden_ = 0;
   std::vector<LayerWeights> layers_;
   torch::Tensor final_norm_;
   LinearWeights lm_head_;

@@ -139,10 +139,10 @@ inline void widen_block(const W& weights, int64_t nb, int64_t chunks, float* buf
 
 template <typename W>
 void run(const W& weights, const float* x, int64_t M, int64_t K, int64_t N, const float* channel_scale,
-         const float* bias, float* out) {
+         const float* bias, float* out, const protoserve::Team* team) {
   const int64_t blocks = (N + NB - 1) / NB;
   // One block is ~K*NB weights: give each thread whole blocks, at least a few.
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+  protoserve::for_range(team, blocks, 8, [&](int64_t b0, int64_t b1) {
     float sums[MB][NB];
     const int64_t chunks = K / CHUNK;
     // More rows than one tile: widen each block once and let every tile read it.
@@ -181,67 +181,108 @@ void run(const W& weights, const float* x, int64_t M, int64_t K, int64_t N, cons
 
 namespace protoserve {
 
+void check_packed_linear(const LinearWeights& w, int64_t K) {
+  const int64_t N = w.out_features;
+  TORCH_CHECK(N > 0 && K > 0, "a linear layer needs positive in and out features");
+  if (w.bias.has_value())
+    TORCH_CHECK(w.bias->scalar_type() == torch::kFloat32 && w.bias->is_contiguous() && w.bias->numel() == N,
+                "bias must be contiguous float32 [N]");
+  TORCH_CHECK(w.data.is_contiguous(), "the packed weight must be contiguous");
+  const int64_t blocks = (N + NB - 1) / NB;
+  switch (static_cast<Format>(w.format)) {
+    case Format::I4_DOT:
+    case Format::I8_DOT: {
+      TORCH_CHECK(int8_dot_available(), "this CPU has no AVX-512 VNNI: integer-dot weight formats are not available");
+      const int64_t bits = w.format == static_cast<int64_t>(Format::I4_DOT) ? 4 : 8;
+      TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
+      TORCH_CHECK(w.group_size >= 32 && w.group_size % 32 == 0 && K % w.group_size == 0,
+                  "group_size must be a multiple of 32 dividing in_features");
+      const int64_t Nv = (N + 15) / 16, groups = K / w.group_size;
+      TORCH_CHECK(w.data.scalar_type() == torch::kUInt8 && w.data.numel() == Nv * (K / 32) * bits * 64,
+                  "bad int", bits, " code pack for [", N, ", ", K, "]");
+      TORCH_CHECK(w.scales.has_value() && w.mins.has_value(), "integer-dot formats need scales and mins");
+      for (const auto* t : {&*w.scales, &*w.mins})
+        TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == Nv * groups * 16,
+                    "scales and mins must be contiguous float32 [", Nv, ", ", groups, ", 16]");
+      return;
+    }
+    case Format::F32:
+      TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
+      TORCH_CHECK(w.data.scalar_type() == torch::kFloat32 && w.data.numel() == blocks * NB * K, "bad float32 pack");
+      return;
+    case Format::BF16:
+      TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
+      TORCH_CHECK(w.data.scalar_type() == torch::kBFloat16 && w.data.numel() == blocks * NB * K, "bad bfloat16 pack");
+      return;
+    case Format::I8:
+      TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
+      TORCH_CHECK(w.data.scalar_type() == torch::kInt8 && w.data.numel() == blocks * NB * K, "bad int8 pack");
+      TORCH_CHECK(w.scales.has_value() && w.scales->scalar_type() == torch::kFloat32 && w.scales->is_contiguous() &&
+                      w.scales->numel() >= N,
+                  "int8 needs float32 per-channel scales");
+      return;
+    case Format::I4: {
+      TORCH_CHECK(K % 32 == 0 && w.group_size >= 32 && (w.group_size & (w.group_size - 1)) == 0 &&
+                      K % w.group_size == 0,
+                  "int4 needs in_features a multiple of 32 and a power-of-two group size >= 32 dividing it");
+      TORCH_CHECK(w.data.scalar_type() == torch::kUInt8 && w.data.numel() == blocks * NB * K / 2, "bad int4 pack");
+      const int64_t groups = K / w.group_size;
+      TORCH_CHECK(w.scales.has_value() && w.mins.has_value() && w.scales->scalar_type() == torch::kFloat32 &&
+                      w.mins->scalar_type() == torch::kFloat32 && w.scales->is_contiguous() &&
+                      w.mins->is_contiguous() && w.scales->numel() == blocks * groups * NB &&
+                      w.mins->numel() == blocks * groups * NB,
+                  "int4 needs float32 scales and mins [blocks, groups, 4]");
+      return;
+    }
+  }
+  TORCH_CHECK(false, "unknown weight format ", w.format);
+}
+
+void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64_t K, float* out,
+                        ActivationCodes& codes, const Team* team) {
+  const Format format = static_cast<Format>(w.format);
+  if (format == Format::I4_DOT || format == Format::I8_DOT) {
+    int8_dot_linear_into(w, format == Format::I4_DOT ? 4 : 8, x, M, K, out, codes, team);
+    return;
+  }
+  if (team != nullptr) team->sync();  // every member's rows of x are written
+  const int64_t N = w.out_features, chunks = K / CHUNK;
+  const float* bias = w.bias.has_value() ? w.bias->data_ptr<float>() : nullptr;
+  switch (format) {
+    case Format::F32:
+      run(F32Weights{w.data.data_ptr<float>(), chunks}, x, M, K, N, nullptr, bias, out, team);
+      break;
+    case Format::BF16:
+      run(BF16Weights{reinterpret_cast<const uint16_t*>(w.data.data_ptr()), chunks}, x, M, K, N, nullptr, bias, out,
+          team);
+      break;
+    case Format::I8:
+      run(I8Weights{w.data.data_ptr<int8_t>(), chunks}, x, M, K, N, w.scales->data_ptr<float>(), bias, out, team);
+      break;
+    default:  // I4: check_packed_linear allows no other format here
+      run(I4Weights{w.data.data_ptr<uint8_t>(), w.scales->data_ptr<float>(), w.mins->data_ptr<float>(), chunks,
+                    K / w.group_size, __builtin_ctzll(static_cast<uint64_t>(w.group_size / CHUNK))},
+          x, M, K, N, nullptr, bias, out, team);
+      break;
+  }
+  if (team != nullptr) team->sync();  // every member's columns of out are written
+}
+
 // x: [M, K] float32; data/scales/mins: packed by packed_linear.py; returns [M, N] float32.
 torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
                             const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
                             const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size) {
-  if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT)) {
-    TORCH_CHECK(scales.has_value() && mins.has_value(), "integer-dot formats need scales and mins");
-    return int8_dot_linear(x, format == static_cast<int64_t>(Format::I4_DOT) ? 4 : 8, data, *scales, *mins, bias,
-                           out_features, group_size, /*fine=*/true);
-  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
-  auto out = torch::empty({M, N}, x.options());
+  const LinearWeights w{format, data, scales, mins, bias, out_features, group_size};
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed_linear(w, K);
+  auto out = torch::empty({M, out_features}, x.options());
   if (M == 0) return out;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "bias must be contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  const int64_t chunks = K / CHUNK;
-  const int64_t blocks = (N + NB - 1) / NB;
-  switch (static_cast<Format>(format)) {
-    case Format::F32: {
-      TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.numel() == blocks * NB * K, "bad float32 pack");
-      run(F32Weights{data.data_ptr<float>(), chunks}, x.data_ptr<float>(), M, K, N, nullptr, bias_ptr,
-          out.data_ptr<float>());
-      break;
-    }
-    case Format::BF16: {
-      TORCH_CHECK(data.scalar_type() == torch::kBFloat16 && data.numel() == blocks * NB * K, "bad bfloat16 pack");
-      run(BF16Weights{reinterpret_cast<const uint16_t*>(data.data_ptr()), chunks}, x.data_ptr<float>(), M, K, N,
-          nullptr, bias_ptr, out.data_ptr<float>());
-      break;
-    }
-    case Format::I8: {
-      TORCH_CHECK(data.scalar_type() == torch::kInt8 && data.numel() == blocks * NB * K, "bad int8 pack");
-      TORCH_CHECK(scales.has_value() && scales->scalar_type() == torch::kFloat32 && scales->numel() >= N,
-                  "int8 needs float32 per-channel scales");
-      run(I8Weights{data.data_ptr<int8_t>(), chunks}, x.data_ptr<float>(), M, K, N, scales->data_ptr<float>(),
-          bias_ptr, out.data_ptr<float>());
-      break;
-    }
-    case Format::I4: {
-      TORCH_CHECK(K % 32 == 0 && group_size >= 32 && (group_size & (group_size - 1)) == 0 && K % group_size == 0,
-                  "int4 needs in_features a multiple of 32 and a power-of-two group size >= 32 dividing it");
-      TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.numel() == blocks * NB * K / 2, "bad int4 pack");
-      const int64_t groups = K / group_size;
-      TORCH_CHECK(scales.has_value() && mins.has_value() && scales->scalar_type() == torch::kFloat32 &&
-                      mins->scalar_type() == torch::kFloat32 && scales->numel() == blocks * groups * NB &&
-                      mins->numel() == blocks * groups * NB,
-                  "int4 needs float32 scales and mins [blocks, groups, 4]");
-      run(I4Weights{data.data_ptr<uint8_t>(), scales->data_ptr<float>(), mins->data_ptr<float>(), chunks, groups,
-                    __builtin_ctzll(static_cast<uint64_t>(group_size / CHUNK))},
-          x.data_ptr<float>(), M, K, N, nullptr, bias_ptr, out.data_ptr<float>());
-      break;
-    }
-    default:
-      TORCH_CHECK(false, "unknown weight format ", format);
-  }
+  thread_local ActivationCodes codes;  // reused by the calling thread: no allocation per step
+  if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT))
+    codes.fit(M, K);
+  packed_linear_into(w, x.data_ptr<float>(), M, K, out.data_ptr<float>(), codes, nullptr);
   return out;
 }
 

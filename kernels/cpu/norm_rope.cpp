@@ -31,7 +31,11 @@ inline float sum_squares(const float* x, int64_t d) {
   return s;
 }
 
-inline void normalize_row(const float* x, const float* w, float eps, int64_t d, float* out) {
+}  // namespace
+
+namespace protoserve {
+
+void rms_norm_row(const float* x, const float* w, float eps, int64_t d, float* out) {
   const float inv = 1.0f / std::sqrt(sum_squares(x, d) / static_cast<float>(d) + eps);
   int64_t i = 0;
   const __m512 vinv = _mm512_set1_ps(inv);
@@ -41,6 +45,29 @@ inline void normalize_row(const float* x, const float* w, float eps, int64_t d, 
   }
   for (; i < d; ++i) out[i] = w[i] * (x[i] * inv);
 }
+
+void add_rms_norm_row(const float* x, float* residual, const float* weight, float eps, int64_t d, float* out) {
+  for (int64_t i = 0; i < d; ++i) residual[i] = residual[i] + x[i];
+  rms_norm_row(residual, weight, eps, d, out);
+}
+
+void rope_row(float* x, int64_t heads, int64_t head_stride, const float* c, const float* s, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_stride;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      const float lo = a * c[i] + (-b) * s[i];
+      const float hi = b * c[i + half] + a * s[i + half];
+      v[i] = lo;
+      v[i + half] = hi;
+    }
+  }
+}
+
+}  // namespace protoserve
+
+namespace {
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() >= 1,
@@ -62,7 +89,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) normalize_row(xp + r * d, wp, static_cast<float>(eps), d, op + r * d);
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * d, wp, static_cast<float>(eps), d, op + r * d);
   });
   return out;
 }
@@ -81,12 +108,7 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, con
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = rp + r * d;
-      const float* add = xp + r * d;
-      for (int64_t i = 0; i < d; ++i) row[i] = row[i] + add[i];
-      normalize_row(row, wp, static_cast<float>(eps), d, op + r * d);
-    }
+    for (int64_t r = r0; r < r1; ++r) add_rms_norm_row(xp + r * d, rp + r * d, wp, static_cast<float>(eps), d, op + r * d);
   });
   return out;
 }
@@ -98,7 +120,7 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
               "x must be float32 [T, heads, D] with unit last stride");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
-  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0 && cos.size(0) == t && cos.size(1) == d && sin.sizes() == cos.sizes(),
               "cos/sin must be [T, D] with D even");
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
@@ -106,20 +128,7 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, t, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* c = cp + r * d;
-      const float* s = sp + r * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = xp + r * s0 + h * s1;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          const float lo = a * c[i] + (-b) * s[i];
-          const float hi = b * c[i + half] + a * s[i + half];
-          v[i] = lo;
-          v[i + half] = hi;
-        }
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) rope_row(xp + r * s0, heads, s1, cp + r * d, sp + r * d, d);
   });
 }
 

@@ -241,12 +241,7 @@ PvFn<KT> pv_kernel(int g, int cc) {
 // that each K/V block is brought into L1 once for all of them. Every query still walks
 // only its own key range with its own state: the tile decides what is cached, not what
 // is computed.
-struct Tile {
-  int64_t row;   // first query row (of T)
-  int32_t n;     // queries in the tile, 1..QUERY_TILE
-  int32_t seq;   // sequence
-  int32_t pos0;  // position of the first query
-};
+using Tile = protoserve::AttentionTile;
 
 // Scratch of one thread, reused across its units and calls (thread_local: no allocation
 // once a thread has seen the largest shapes).
@@ -487,10 +482,10 @@ void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s
 }
 
 template <typename KT>
-void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work) {
+void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, const protoserve::Team* team,
+         std::atomic<int64_t>& next) {
   const int64_t units = static_cast<int64_t>(tiles.size()) * pb.num_kv_heads;
   const bool vector = pb.head_dim % LANES == 0;
-  std::atomic<int64_t> next{0};
   // Units are handed out one at a time: a causal prefill's units differ many-fold in cost,
   // and which thread runs a unit changes nothing in its result.
   auto worker = [&]() {
@@ -514,8 +509,8 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work) 
     }
   };
   const int threads = at::get_num_threads();
-  if (threads <= 1 || units <= 1 || total_work < MIN_PARALLEL_WORK || at::in_parallel_region()) {
-    worker();
+  if (team != nullptr || threads <= 1 || units <= 1 || total_work < MIN_PARALLEL_WORK || at::in_parallel_region()) {
+    worker();  // a team member takes units beside the others already running
   } else {
     at::parallel_for(0, std::min<int64_t>(threads, units), 1, [&](int64_t, int64_t) { worker(); });
   }
@@ -524,6 +519,73 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work) 
 }  // namespace
 
 namespace protoserve {
+
+void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                    const torch::Tensor& seq_lens, int64_t T, int64_t H, int64_t D, int64_t num_blocks, int64_t bs,
+                    int64_t sliding_window) {
+  for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
+                "block_tables, query_start_loc and seq_lens must be contiguous int32 CPU tensors");
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && query_start_loc.dim() == 1, "bad index shapes");
+  const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == B && query_start_loc.size(0) == B + 1,
+              "block_tables must have B rows and query_start_loc B + 1 entries");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T");
+  plan.tiles.clear();
+  int64_t total_work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = qsl[b], n = qsl[b + 1] - qsl[b], len = lens[b];
+    TORCH_CHECK(n >= 0 && n <= len, "sequence ", b, ": ", n, " queries but a context of ", len);
+    TORCH_CHECK(len <= max_blocks * bs, "sequence ", b, ": context ", len, " exceeds its block table");
+    for (int64_t blk = 0; blk < (len + bs - 1) / bs; ++blk) {
+      const int32_t id = tables[b * max_blocks + blk];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, ": block id ", id, " out of range");
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
+      const int64_t m = std::min<int64_t>(QUERY_TILE, n - i0);
+      plan.tiles.push_back(
+          {start + i0, static_cast<int32_t>(m), static_cast<int32_t>(b), static_cast<int32_t>(len - n + i0)});
+    }
+    for (int64_t pos = len - n; pos < len; ++pos)
+      total_work += sliding_window > 0 ? std::min<int64_t>(pos + 1, sliding_window) : pos + 1;
+  }
+  plan.total_work = total_work * H * D;
+  plan.block_tables = tables;
+  plan.max_blocks = max_blocks;
+  plan.num_tokens = T;
+  plan.sliding_window = sliding_window;
+}
+
+void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t H,
+                          const torch::Tensor& k_cache, const torch::Tensor& v_cache, float* out, double scale,
+                          const Team* team, std::atomic<int64_t>* next) {
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3);
+  const Problem pb{q,
+                   q_stride,
+                   k_cache.data_ptr(),
+                   v_cache.data_ptr(),
+                   plan.block_tables,
+                   plan.max_blocks,
+                   out,
+                   plan.num_tokens,
+                   static_cast<int>(H),
+                   static_cast<int>(KVH),
+                   static_cast<int>(D),
+                   static_cast<int>(H / KVH),
+                   static_cast<int>(bs),
+                   static_cast<float>(scale),
+                   static_cast<int>(plan.sliding_window)};
+  std::atomic<int64_t> own{0};
+  std::atomic<int64_t>& counter = next != nullptr ? *next : own;
+  if (k_cache.scalar_type() == torch::kFloat32)
+    run<float>(pb, plan.tiles, plan.total_work, team, counter);
+  else
+    run<uint16_t>(pb, plan.tiles, plan.total_work, team, counter);
+}
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
@@ -538,66 +600,17 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
               "k_cache and v_cache must be contiguous [num_blocks, block_size, KVH, D] tensors of one dtype");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
               "the cache must be float32 or bfloat16");
-  for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})
-    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
-                "block_tables, query_start_loc and seq_lens must be contiguous int32 CPU tensors");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D, "cache head_dim ", k_cache.size(3), " != q head_dim ", D);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
-  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && query_start_loc.dim() == 1, "bad index shapes");
-  const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
-  TORCH_CHECK(block_tables.size(0) == B && query_start_loc.size(0) == B + 1,
-              "block_tables must have B rows and query_start_loc B + 1 entries");
-  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(D > 0 && bs > 0, "empty head_dim or block_size");
-
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T");
-  thread_local std::vector<Tile> tiles;  // reused across calls
-  tiles.clear();
-  int64_t total_work = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = qsl[b], n = qsl[b + 1] - qsl[b], len = lens[b];
-    TORCH_CHECK(n >= 0 && n <= len, "sequence ", b, ": ", n, " queries but a context of ", len);
-    TORCH_CHECK(len <= max_blocks * bs, "sequence ", b, ": context ", len, " exceeds its block table");
-    for (int64_t blk = 0; blk < (len + bs - 1) / bs; ++blk) {
-      const int32_t id = tables[b * max_blocks + blk];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, ": block id ", id, " out of range");
-    }
-    for (int64_t i0 = 0; i0 < n; i0 += QUERY_TILE) {
-      const int64_t m = std::min<int64_t>(QUERY_TILE, n - i0);
-      tiles.push_back(
-          {start + i0, static_cast<int32_t>(m), static_cast<int32_t>(b), static_cast<int32_t>(len - n + i0)});
-    }
-    for (int64_t pos = len - n; pos < len; ++pos)
-      total_work += sliding_window > 0 ? std::min<int64_t>(pos + 1, sliding_window) : pos + 1;
-  }
-  total_work *= H * D;
-
+  thread_local AttentionPlan plan;  // its tile list is reused across calls
+  plan_attention(plan, block_tables, query_start_loc, seq_lens, T, H, D, num_blocks, bs, sliding_window);
   auto out = torch::empty({T, H, D}, q.options());
   if (T == 0) return out;
-  Problem pb{q.data_ptr<float>(),
-             q.size(0) > 1 ? q.stride(0) : H * D,
-             k_cache.data_ptr(),
-             v_cache.data_ptr(),
-             tables,
-             max_blocks,
-             out.data_ptr<float>(),
-             T,
-             static_cast<int>(H),
-             static_cast<int>(KVH),
-             static_cast<int>(D),
-             static_cast<int>(H / KVH),
-             static_cast<int>(bs),
-             static_cast<float>(scale),
-             static_cast<int>(sliding_window)};
-  if (k_cache.scalar_type() == torch::kFloat32)
-    run<float>(pb, tiles, total_work);
-  else
-    run<uint16_t>(pb, tiles, total_work);
+  paged_attention_into(plan, q.data_ptr<float>(), q.size(0) > 1 ? q.stride(0) : H * D, H, k_cache, v_cache,
+                       out.data_ptr<float>(), scale, nullptr, nullptr);
   return out;
 }
 
