@@ -202,8 +202,8 @@ void check_packed_linear(const LinearWeights& w, int64_t K) {
                   "bad int", bits, " code pack for [", N, ", ", K, "]");
       TORCH_CHECK(w.scales.has_value() && w.mins.has_value(), "integer-dot formats need scales and mins");
       for (const auto* t : {&*w.scales, &*w.mins})
-        TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == Nv * groups * 16,
-                    "scales and mins must be contiguous float32 [", Nv, ", ", groups, ", 16]");
+        TORCH_CHECK(t->scalar_type() == torch::kFloat16 && t->is_contiguous() && t->numel() == Nv * groups * 16,
+                    "scales and mins must be contiguous float16 [", Nv, ", ", groups, ", 16]");
       return;
     }
     case Format::F32:

@@ -79,10 +79,16 @@ def test_unpack_inverts_pack(fmt: str) -> None:
     elif fmt == "int8_dot":
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         s = torch.rand(n, generator=g)
-        torch.testing.assert_close(pl.unpack(pl.pack_int8_dot(q, s)), q.float() * s[:, None], rtol=1e-5, atol=1e-6)
+        packed = pl.pack_int8_dot(q, s)
+        assert packed.scales.dtype == packed.mins.dtype == torch.float16  # as GGUF stores them
+        s16 = s.half().float()  # the stored scale: float16-rounded
+        torch.testing.assert_close(pl.unpack(packed), q.float() * s16[:, None], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(pl.unpack(packed), q.float() * s[:, None], rtol=1e-5, atol=1e-6)
     else:
         q = torch.randint(0, 16, (n, k), generator=g)
         s, m = torch.rand(n, 2, generator=g), torch.randn(n, 2, generator=g)
+        if fmt == "int4_dot":  # float16 scales and mins: values they hold exactly
+            s, m = s.half().float(), m.half().float()
         want = q.float() * s.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
         pack = pl.pack_int4 if fmt == "int4" else pl.pack_int4_dot
         assert torch.equal(pl.unpack(pack(q, s, m, 32)), want)
