@@ -40,7 +40,11 @@ def comparisons(names: Iterable[str], served: str = "fp32") -> list[Comparison]:
         if numerator in present and denominator in present:
             out.append(Comparison(name, numerator, denominator))
 
-    add("compare.grpc_vs_engine.decode", "decode.grpc", f"decode.engine.{served}.det")
+    # Held to the engine measured in turn with it when that ran (see bench/sections/decode.py).
+    if "decode.engine.paired" in present:
+        add("compare.grpc_vs_engine.decode", "decode.grpc", "decode.engine.paired")
+    else:
+        add("compare.grpc_vs_engine.decode", "decode.grpc", f"decode.engine.{served}.det")
     add("compare.sse_vs_grpc.decode", "decode.sse", "decode.grpc")
     for name in names:
         if m := re.fullmatch(r"prefill\.grpc\.(\d+)", name):

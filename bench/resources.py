@@ -72,14 +72,17 @@ class Server:
 ResourceKey = EngineModel | TransformersModel | Server
 
 
+def load_engine_model(variant: Variant) -> Any:
+    """The protoserve model (LoadedModel) of ``variant``, in this process."""
+    from engine.loader.load import load_model
+
+    return load_model(None, dtype=variant.dtype, quantization=variant.quantization, progress=False)
+
+
 def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
     """Load or start the resource; raises when it cannot be had (the runner reports that)."""
     if isinstance(key, EngineModel):
-        from engine.loader.load import load_model
-
-        return load_model(
-            None, dtype=key.variant.dtype, quantization=key.variant.quantization, progress=False
-        )
+        return load_engine_model(key.variant)
     if isinstance(key, TransformersModel):
         from bench.transformers_baseline import TransformersBaseline
         from engine.loader.default_model import default_model_path

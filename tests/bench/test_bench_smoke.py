@@ -320,3 +320,15 @@ def test_server_figures_are_held_to_the_engine_figure_of_the_served_variant() ->
     assert {f.name: f.value for f in compare_figures(figures)} == {
         "compare.grpc_vs_engine.decode": pytest.approx(1.9)
     }
+
+
+def test_grpc_decode_is_held_to_the_engine_measured_in_turn_with_it() -> None:
+    """When the decode step ran the engine in turn with the server, that pairing is the ratio."""
+    figures = [
+        _fig("decode.engine.int4.det", 120.0),
+        _fig("decode.engine.paired", 100.0),
+        _fig("decode.grpc", 96.0),
+    ]
+    by = {f.name: f for f in compare_figures(figures, "int4")}
+    assert by["compare.grpc_vs_engine.decode"].value == pytest.approx(0.96)
+    assert by["compare.grpc_vs_engine.decode"].details["over"] == "decode.engine.paired"
