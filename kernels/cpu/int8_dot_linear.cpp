@@ -104,11 +104,11 @@ void quantize_row(const float* x, int64_t blocks, int8_t* coarse, int8_t* fine, 
 }
 
 // The codes of one 32-value block times the rows' activation codes, into int32 lanes: `acc` for
-// the coarse codes and, with FINE, `acc_fine` for the fine ones (the same weights, loaded once).
+// the coarse codes and `acc_fine` for the fine ones (the same weights, loaded once).
 // int4: 4 chunks, each two code vectors (k 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high).
 struct Int4Codes {
   static constexpr int64_t BLOCK_BYTES = 256;
-  template <int R, bool FINE>
+  template <int R>
   static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
                            __m512i acc[R][CV], __m512i acc_fine[R][CV]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -126,13 +126,11 @@ struct Int4Codes {
           acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], xlo);
           acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], xhi);
         }
-        if (FINE) {
-          const __m512i flo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j));
-          const __m512i fhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j + 4));
-          for (int c = 0; c < CV; ++c) {
-            acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], lo[c], flo);
-            acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], hi[c], fhi);
-          }
+        const __m512i flo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j));
+        const __m512i fhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j + 4));
+        for (int c = 0; c < CV; ++c) {
+          acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], lo[c], flo);
+          acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], hi[c], fhi);
         }
       }
     }
@@ -142,7 +140,7 @@ struct Int4Codes {
 // int8 (+128, unsigned): 8 chunks of k 4j..4j+3.
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
-  template <int R, bool FINE>
+  template <int R>
   static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
                            __m512i acc[R][CV], __m512i acc_fine[R][CV]) {
     for (int j = 0; j < 8; ++j) {
@@ -151,10 +149,8 @@ struct Int8Codes {
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 4 * j));
         for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], q[c], xv);
-        if (FINE) {
-          const __m512i fv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 4 * j));
-          for (int c = 0; c < CV; ++c) acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], q[c], fv);
-        }
+        const __m512i fv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 4 * j));
+        for (int c = 0; c < CV; ++c) acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], q[c], fv);
       }
     }
   }
@@ -175,7 +171,7 @@ struct Problem {
 };
 
 // Rows [m0, m0 + R) against channel vectors [v0, v0 + cv) (cv <= CV; a short last tile reads vector v0 twice).
-template <typename Codes, bool FINE, int R>
+template <typename Codes, int R>
 void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int cv) {
   const int64_t blocks = x.blocks;
   const int64_t stride = blocks * Codes::BLOCK_BYTES;  // bytes of one channel vector
@@ -195,7 +191,7 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
       xc[r] = x.coarse + (m0 + r) * x.K + b * BLOCK;
       xf[r] = x.fine + (m0 + r) * x.K + b * BLOCK;
     }
-    Codes::template block<R, FINE>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride, xc, xf, acc, acc_fine);
+    Codes::template block<R>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride, xc, xf, acc, acc_fine);
     const int64_t g = b / p.blocks_per_group;
     for (int c = 0; c < CV; ++c) {
       const int64_t v = c == 0 ? v0 : v_second;
@@ -205,7 +201,7 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
         const int64_t row_block = (m0 + r) * blocks + b;
         const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(x.scales[row_block]));
         __m512 dot = _mm512_cvtepi32_ps(acc[r][c]);
-        if (FINE) dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_fine[r][c]), fine_step, dot);
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_fine[r][c]), fine_step, dot);
         accf[r][c] = _mm512_fmadd_ps(dot, sx, accf[r][c]);
         accf[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[row_block]), accf[r][c]);
       }
@@ -220,7 +216,7 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
   }
 }
 
-template <typename Codes, bool FINE>
+template <typename Codes>
 void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::Team* team) {
   const int64_t tiles = (p.Nv + CV - 1) / CV;
   // Decode reads every weight once: a tile is ~K * 32 codes, give each thread a few.
@@ -232,10 +228,10 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
         const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
         for (int64_t m0 = p0; m0 < p1; m0 += RT) {
           switch (std::min<int64_t>(RT, p1 - m0)) {
-            case 4: tile<Codes, FINE, 4>(p, x, m0, v0, cv); break;
-            case 3: tile<Codes, FINE, 3>(p, x, m0, v0, cv); break;
-            case 2: tile<Codes, FINE, 2>(p, x, m0, v0, cv); break;
-            default: tile<Codes, FINE, 1>(p, x, m0, v0, cv); break;
+            case 4: tile<Codes, 4>(p, x, m0, v0, cv); break;
+            case 3: tile<Codes, 3>(p, x, m0, v0, cv); break;
+            case 2: tile<Codes, 2>(p, x, m0, v0, cv); break;
+            default: tile<Codes, 1>(p, x, m0, v0, cv); break;
           }
         }
       }
@@ -272,9 +268,9 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
                   K / w.group_size,
                   w.group_size / BLOCK};
   if (bits == 4)
-    run<Int4Codes, true>(p, rows, M, team);
+    run<Int4Codes>(p, rows, M, team);
   else
-    run<Int8Codes, true>(p, rows, M, team);
+    run<Int8Codes>(p, rows, M, team);
   if (team != nullptr) team->sync();
 }
 
