@@ -151,7 +151,10 @@ def collector():
 
 def test_serve_exports_one_trace_over_otlp(tiny_obs_model, collector):
     servicer, port = collector
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PROTOSERVE_"))}
+    # No OTEL_ or server settings from the outer environment, but the same kernel build: a
+    # PROTOSERVE_KERNEL_CACHE dropped here made the server compile the kernels afresh.
+    build = ("PROTOSERVE_KERNEL_CACHE", "PROTOSERVE_CPU_KERNELS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PROTOSERVE_")) or k in build}
     env |= {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
