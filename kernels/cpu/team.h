@@ -6,15 +6,16 @@
 // worker and a join, ~20-40 us apiece on this machine, which added up to more
 // than the step's arithmetic. Inside one region the members wait for each
 // other by spinning on a shared counter (well under a microsecond when both
-// are running) and sleep again only when the step is over, as llama.cpp's
-// thread pool does. A member that spins too long yields its core, so a team
-// that shares the machine with the server's other threads still makes progress.
+// are running), as llama.cpp's thread pool does, and the team sleeps again
+// when the step is over. A member that has spun ~50-100 us sleeps on the
+// futex instead: its partner has most likely lost its core to the server's
+// event loop or a client, and a sleeping member lets the scheduler run the
+// partner on this core rather than keep both cores busy waiting.
 
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,25 +38,30 @@ class SpinBarrier {
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
       arrived_.store(0, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);
+      generation_.notify_all();  // a futex wake only when a member went to sleep
       return;
     }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation;) {
-      if (broken_.load(std::memory_order_relaxed)) return;
-      if (++spins < SPINS_BEFORE_YIELD) {
-        _mm_pause();
-      } else {
-        sched_yield();
-      }
+    for (int spins = 0; spins < SPINS_BEFORE_SLEEP; ++spins) {
+      if (generation_.load(std::memory_order_acquire) != generation || broken_.load(std::memory_order_relaxed)) return;
+      _mm_pause();
     }
+    // Still waiting: the other member is likely descheduled (the server's event loop or a client
+    // took its core). Sleep on the futex, so the scheduler can run that member on this core.
+    while (generation_.load(std::memory_order_acquire) == generation && !broken_.load(std::memory_order_relaxed))
+      generation_.wait(generation, std::memory_order_acquire);
   }
 
   // A member that failed: the others stop waiting for it (their results are discarded).
-  void break_() { broken_.store(true, std::memory_order_relaxed); }
+  void break_() {
+    broken_.store(true, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);  // wake the sleepers, who then see the break
+    generation_.notify_all();
+  }
 
  private:
-  // ~100 us of pause instructions: far longer than any gap within a step, far shorter than a
-  // scheduler time slice taken from a thread that needs this core.
-  static constexpr int SPINS_BEFORE_YIELD = 4096;
+  // ~50-100 us of pause instructions: longer than the members' skew between operations of a
+  // step, far shorter than a scheduler time slice taken from a thread that needs this core.
+  static constexpr int SPINS_BEFORE_SLEEP = 2048;
   std::atomic<int> size_;
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<int> generation_{0};
