@@ -182,11 +182,7 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         at::mul_out(out_rows, at::silu(rows.narrow(1, 0, I)), rows.narrow(1, I, I));
       }
       packed_linear_into(layer.down, actp, T, I, op, *codes, &team);
-      for (int64_t r = r0; r < r1; ++r) {
-        float* xr = xp + r * hidden_;
-        const float* dr = op + r * hidden_;
-        for (int64_t c = 0; c < hidden_; ++c) xr[c] = xr[c] + dr[c];
-      }
+      for (int64_t r = r0; r < r1; ++r) add_row(xp + r * hidden_, op + r * hidden_, hidden_);
     }
     team.sync();  // the picked rows may be any member's
     int64_t j0 = 0, j1 = 0;

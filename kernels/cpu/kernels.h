@@ -63,6 +63,8 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, con
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 // The same on one row of d values (out may be x): what the tensor entries run per row.
 void rms_norm_row(const float* x, const float* weight, float eps, int64_t d, float* out);
+// residual += x over one row of d values (the residual stream's add, as ATen's add_ rounds it).
+void add_row(float* residual, const float* x, int64_t d);
 void add_rms_norm_row(const float* x, float* residual, const float* weight, float eps, int64_t d, float* out);
 // x: one token's `heads` heads of d values, head_stride apart; cos/sin: that token's [d].
 void rope_row(float* x, int64_t heads, int64_t head_stride, const float* cos, const float* sin, int64_t d);

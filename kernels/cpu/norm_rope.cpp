@@ -46,8 +46,12 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t d, float* o
   for (; i < d; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-void add_rms_norm_row(const float* x, float* residual, const float* weight, float eps, int64_t d, float* out) {
+void add_row(float* residual, const float* x, int64_t d) {
   for (int64_t i = 0; i < d; ++i) residual[i] = residual[i] + x[i];
+}
+
+void add_rms_norm_row(const float* x, float* residual, const float* weight, float eps, int64_t d, float* out) {
+  add_row(residual, x, d);
   rms_norm_row(residual, weight, eps, d, out);
 }
 
