@@ -4,7 +4,8 @@ All sources build one module (``module.cpp`` holds the bindings), so the fused
 decoder step calls the other kernels in C++ (``kernels.h``). It is compiled on
 first use with the machine's compiler for the machine's own CPU
 (``-march=native``) and cached by PyTorch under ``$PROTOSERVE_KERNEL_CACHE``
-(default ``~/.cache/protoserve/kernels``), rebuilt when a source changes. ``make install`` builds them ahead of time so
+(default ``~/.cache/protoserve/kernels``) in a folder per CPU feature set,
+rebuilt when a source changes. ``make install`` builds them ahead of time so
 no request pays the compile.
 
 The kernels use AVX-512; on a CPU without it, or where no compiler is present,
@@ -16,6 +17,7 @@ and thread pool are theirs too.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import types
@@ -34,6 +36,26 @@ REQUIRED_CPU_CAPABILITY = ("AVX512",)
 def cache_dir() -> Path:
     default = Path.home() / ".cache" / "protoserve" / "kernels"
     return Path(os.environ.get("PROTOSERVE_KERNEL_CACHE", default))
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux), which ``-march=native`` compiles for."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """Where this CPU's build lives: a home directory shared by machines with different CPUs
+    (an AVX-512 VNNI machine, then an AMX one) must not load a binary built for the other's
+    instructions, which would die of SIGILL or leave AMX unused."""
+    fingerprint = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
+    return cache_dir() / "cpu" / fingerprint
 
 
 def cpu_supported() -> bool:
@@ -59,15 +81,15 @@ def _module() -> types.ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / "cpu"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
             name="protoserve_cpu",
             sources=[str(SOURCE_DIR / source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
+            build_directory=str(directory),
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back, loudly
