@@ -46,6 +46,12 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PROTOSERVE_AMX 1
+#endif
+
 // Built with -march=native: on a CPU without VNNI this file compiles to a function
 // that refuses, and packed_linear.py keeps those layers on the float formats.
 #if defined(__AVX512VNNI__)
@@ -216,9 +222,179 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
   }
 }
 
+
+#if defined(PROTOSERVE_AMX)
+// AMX (Sapphire Rapids and later): TDPBSUD multiplies a 16 x 32 tile of int8 activation codes by
+// an 8 x 64-byte tile of unsigned weight codes (K = 32: one quantization block of 16 channels, in
+// the same 4-bytes-per-channel order the VNNI chunks use) into 16 x 16 int32 sums, ~16x the
+// multiply-adds of one vpdpbusd per instruction. The sums are exact integers, the same ones the
+// VNNI tile accumulates, and the float epilogue below repeats its float operations in its order,
+// so a row's result is bit for bit the same whichever path computed it: batch invariance holds
+// across the switch from VNNI (short batches, tails) to AMX (16-row groups).
+constexpr int64_t AMX_ROWS = 16;
+constexpr int64_t AMX_PANEL = 32;  // rows kept in L1 (codes, sums, float accumulators) while the blocks stream
+
+// Linux gives a process the 8 KB tile state only on request (arch_prctl, since 5.16).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+    constexpr long XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+// Tiles 0-1: coarse and fine activation codes (16 rows x 32 bytes); 2-3: the weight blocks of two
+// channel vectors (8 rows x 64 bytes); 4-7: int32 sums (16 x 16) for (coarse, fine) x 2 vectors.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 2; ++t) cfg.colsb[t] = BLOCK, cfg.rows[t] = AMX_ROWS;
+  for (int t = 2; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = BLOCK / 4;
+  for (int t = 4; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = AMX_ROWS;
+  _tile_loadconfig(&cfg);
+}
+
+// One block of one channel vector as a B tile: 8 rows of 64 bytes, row i holding k = 4i..4i+3.
+// int8 blocks are already that; int4 chunk j unpacks to rows 2j (low nibbles) and 2j+1 (high).
+template <typename Codes>
+inline const uint8_t* weight_tile(const uint8_t* block, uint8_t* buffer) {
+  if constexpr (Codes::BLOCK_BYTES == 512) {
+    return block;
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i bytes = _mm512_loadu_si512(block + j * 64);
+      _mm512_store_si512(buffer + 128 * j, _mm512_and_si512(bytes, nibble));
+      _mm512_store_si512(buffer + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+    }
+    return buffer;
+  }
+}
+
+// The int32 sums of one block for a panel's 16-row groups: (coarse, fine) x 2 channel vectors.
+using BlockSums = int32_t[AMX_PANEL / AMX_ROWS][4][AMX_ROWS][LANES];
+
+// The VNNI tile's epilogue, operation for operation, for block b of every group in the panel.
+inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSums& sums, int64_t m0,
+                         int64_t groups, int64_t b, int64_t v0, int64_t v_second,
+                         float (*accf)[CV][LANES]) {
+  const __m512 fine_step = _mm512_set1_ps(1.0f / FINE_STEPS);
+  const int64_t g = b / p.blocks_per_group;
+  __m512 s[CV], mn[CV];
+  for (int c = 0; c < CV; ++c) {
+    const int64_t v = c == 0 ? v0 : v_second;
+    s[c] = load_half16(p.scales + (v * p.groups + g) * LANES);
+    mn[c] = load_half16(p.mins + (v * p.groups + g) * LANES);
+  }
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    for (int64_t r = 0; r < AMX_ROWS; ++r) {
+      const int64_t row_block = (m0 + grp * AMX_ROWS + r) * x.blocks + b;
+      const __m512 row_scale = _mm512_set1_ps(x.scales[row_block]);
+      const __m512 row_sum = _mm512_set1_ps(x.sums[row_block]);
+      for (int c = 0; c < CV; ++c) {
+        float* a = accf[grp * AMX_ROWS + r][c];
+        const __m512 sx = _mm512_mul_ps(s[c], row_scale);
+        __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums[grp][2 * c][r]));
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[grp][2 * c + 1][r])), fine_step, dot);
+        __m512 acc = _mm512_fmadd_ps(dot, sx, _mm512_load_ps(a));
+        acc = _mm512_fmadd_ps(mn[c], row_sum, acc);
+        _mm512_store_ps(a, acc);
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + groups * 16) against channel vectors [v0, v0 + cv), written to out.
+// Software-pipelined: the tiles of block b are stored while the epilogue reads block b - 1's sums,
+// because a vector load of bytes a tile store just wrote waits for the store to reach L1.
+template <typename Codes>
+void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t groups, int64_t v0, int cv) {
+  const int64_t blocks = x.blocks, K = x.K;
+  const int64_t stride = blocks * Codes::BLOCK_BYTES;
+  const int64_t v_second = cv > 1 ? v0 + 1 : v0;
+  const int64_t rows = groups * AMX_ROWS;
+  alignas(64) float accf[AMX_PANEL][CV][LANES];
+  alignas(64) BlockSums sums[2];
+  alignas(64) uint8_t unpacked[CV][512];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < CV; ++c) _mm512_store_ps(accf[r][c], _mm512_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_loadd(2, weight_tile<Codes>(p.data + v0 * stride + b * Codes::BLOCK_BYTES, unpacked[0]), 64);
+    _tile_loadd(3, weight_tile<Codes>(p.data + v_second * stride + b * Codes::BLOCK_BYTES, unpacked[1]), 64);
+    BlockSums& out = sums[b & 1];
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      const int64_t r0 = m0 + grp * AMX_ROWS;
+      _tile_loadd(0, x.coarse + r0 * K + b * BLOCK, K);
+      _tile_loadd(1, x.fine + r0 * K + b * BLOCK, K);
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_dpbsud(4, 0, 2);
+      _tile_dpbsud(5, 1, 2);
+      _tile_dpbsud(6, 0, 3);
+      _tile_dpbsud(7, 1, 3);
+      _tile_stored(4, out[grp][0], 64);
+      _tile_stored(5, out[grp][1], 64);
+      _tile_stored(6, out[grp][2], 64);
+      _tile_stored(7, out[grp][3], 64);
+    }
+    if (b > 0) amx_epilogue(p, x, sums[(b - 1) & 1], m0, groups, b - 1, v0, v_second, accf);
+  }
+  amx_epilogue(p, x, sums[(blocks - 1) & 1], m0, groups, blocks - 1, v0, v_second, accf);
+  for (int c = 0; c < cv; ++c) {
+    const int64_t n0 = (v0 + c) * LANES;
+    const int64_t valid = std::min<int64_t>(LANES, p.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + n0, mask, _mm512_add_ps(_mm512_load_ps(accf[r][c]), bias));
+  }
+}
+#endif
+
+// Rows [m0, m1) of channel tile t on the VNNI register tiles.
+template <typename Codes>
+void vnni_rows(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t v0, int cv) {
+  for (; m0 < m1; m0 += RT) {
+    switch (std::min<int64_t>(RT, m1 - m0)) {
+      case 4: tile<Codes, 4>(p, x, m0, v0, cv); break;
+      case 3: tile<Codes, 3>(p, x, m0, v0, cv); break;
+      case 2: tile<Codes, 2>(p, x, m0, v0, cv); break;
+      default: tile<Codes, 1>(p, x, m0, v0, cv); break;
+    }
+  }
+}
+
 template <typename Codes>
 void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::Team* team) {
   const int64_t tiles = (p.Nv + CV - 1) / CV;
+#if defined(PROTOSERVE_AMX)
+  // Whole 16-row groups go to AMX; the rest (a decode step's few rows, a batch's tail) to VNNI.
+  const int64_t amx_rows = amx_permitted() ? M / AMX_ROWS * AMX_ROWS : 0;
+  if (amx_rows > 0) {
+    protoserve::for_range(team, tiles, 1, [&](int64_t t0, int64_t t1) {
+      configure_tiles();  // tile configuration is per thread
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t v0 = t * CV;
+        const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
+        for (int64_t p0 = 0; p0 < amx_rows; p0 += AMX_PANEL)
+          amx_tile<Codes>(p, x, p0, std::min<int64_t>(AMX_PANEL, amx_rows - p0) / AMX_ROWS, v0, cv);
+        vnni_rows<Codes>(p, x, amx_rows, M, v0, cv);
+      }
+      _tile_release();  // drop the tile state: context switches then need not save it
+    });
+    return;
+  }
+#endif
   // Decode reads every weight once: a tile is ~K * 32 codes, give each thread a few.
   protoserve::for_range(team, tiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t p0 = 0; p0 < M; p0 += M_PANEL) {
@@ -226,14 +402,7 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t v0 = t * CV;
         const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
-        for (int64_t m0 = p0; m0 < p1; m0 += RT) {
-          switch (std::min<int64_t>(RT, p1 - m0)) {
-            case 4: tile<Codes, 4>(p, x, m0, v0, cv); break;
-            case 3: tile<Codes, 3>(p, x, m0, v0, cv); break;
-            case 2: tile<Codes, 2>(p, x, m0, v0, cv); break;
-            default: tile<Codes, 1>(p, x, m0, v0, cv); break;
-          }
-        }
+        vnni_rows<Codes>(p, x, p0, p1, v0, cv);
       }
     }
   });
@@ -244,6 +413,14 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
 namespace protoserve {
 
 bool int8_dot_available() { return true; }
+
+bool int8_dot_amx_available() {
+#if defined(PROTOSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int64_t M, int64_t K, float* out,
                           ActivationCodes& codes, const Team* team) {
@@ -281,6 +458,8 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
 namespace protoserve {
 
 bool int8_dot_available() { return false; }
+
+bool int8_dot_amx_available() { return false; }
 
 void int8_dot_linear_into(const LinearWeights&, int, const float*, int64_t, int64_t, float*, ActivationCodes&,
                           const Team*) {

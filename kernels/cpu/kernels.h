@@ -56,6 +56,8 @@ void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64
 void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int64_t M, int64_t K, float* out,
                           ActivationCodes& codes, const Team* team);
 bool int8_dot_available();
+// Whether 16-row groups run on AMX-INT8 tiles (CPU, compiler and OS all allow it); same results.
+bool int8_dot_amx_available();
 
 // norm_rope.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);

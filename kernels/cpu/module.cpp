@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("int8_dot_available", &protoserve::int8_dot_available,
         "whether this build has the AVX-512 VNNI integer-dot formats");
+  m.def("int8_dot_amx_available", &protoserve::int8_dot_amx_available,
+        "whether the integer-dot formats run their 16-row groups on AMX tiles here");
   m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);
   m.def("add_rms_norm_", &protoserve::add_rms_norm_, "residual += x; return RMSNorm(residual)", no_gil);
   m.def("rope_", &protoserve::rope_, "rotate-half RoPE in place", no_gil);

@@ -76,6 +76,12 @@ def int8_dot_available() -> bool:
     return ext is not None and ext.int8_dot_available()
 
 
+def int8_dot_amx_available() -> bool:
+    """The integer-dot formats run whole 16-row groups on AMX-INT8 tiles here (bit-identical results)."""
+    ext = load("linear")
+    return ext is not None and ext.int8_dot_amx_available()
+
+
 def supports_int8_dot(in_features: int) -> bool:
     return int8_dot_available() and in_features % DOT_BLOCK == 0
 

@@ -6,7 +6,9 @@ bfloat16, int8 and int4 weights and the integer-dot int4_dot / int8_dot ones
 (whose reference rounds the activations to int8 per 32 values the same way),
 odd output sizes (padding to blocks of 4 or 16), biases and all row counts
 around its register tiles and 64-row panel; and a row's output must be
-bit-identical alone, in any batch, and with 1 or 2 threads.
+bit-identical alone, in any batch, and with 1 or 2 threads. Where the CPU has
+AMX, the integer-dot formats run whole 16-row groups on AMX tiles and the rest
+on VNNI: the same bits, which the batched-vs-alone checks compare.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ needs_vnni = pytest.mark.skipif(
 )
 FORMATS = ["float32", "bfloat16", "int8", "int4", pytest.param("int4_dot", marks=needs_vnni),
            pytest.param("int8_dot", marks=needs_vnni)]
+
+
+def _cpu_flags() -> set[str]:
+    return set(extension.cpu_flags().split())
 
 
 def test_kernel_loads_on_this_machine() -> None:
@@ -92,6 +98,33 @@ def test_unpack_inverts_pack(fmt: str) -> None:
         want = q.float() * s.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
         pack = pl.pack_int4 if fmt == "int4" else pl.pack_int4_dot
         assert torch.equal(pl.unpack(pack(q, s, m, 32)), want)
+
+
+@needs_vnni
+def test_amx_tiles_are_used_where_the_cpu_and_os_offer_them() -> None:
+    """A CPU with AMX-INT8 (Sapphire Rapids and later) whose kernel grants the tile state must get
+    the AMX path: silently falling back to VNNI would cost batched throughput, not correctness."""
+    if "amx_int8" not in _cpu_flags() or "amx_tile" not in _cpu_flags():
+        assert not pl.int8_dot_amx_available()
+        pytest.skip("this CPU has no AMX-INT8")
+    assert pl.int8_dot_amx_available()
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int4_dot", "int8_dot"])
+@pytest.mark.parametrize("rows", [16, 17, 33, 48, 80])
+def test_amx_groups_and_vnni_tails_give_the_same_bits(fmt: str, rows: int) -> None:
+    """Row counts around the 16-row AMX groups and 32-row panels: every row batched (AMX for whole
+    groups, VNNI for the tail) equals the row alone (always VNNI) bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    weight = _weights(fmt, 100, 576, g)  # 7 channel vectors: a short last channel tile
+    bias = torch.randn(100, generator=g)
+    x = torch.randn(rows, 576, generator=g)
+    x[rows // 2, :32] = 0.0  # an all-zero activation block (scale 0)
+    batched = pl.packed_linear(x, weight, bias)
+    for i in range(rows):
+        assert torch.equal(pl.packed_linear(x[i : i + 1], weight, bias)[0], batched[i]), i
+    torch.testing.assert_close(batched, pl.reference_linear(x, weight, bias), rtol=1e-4, atol=1e-4 * 576**0.5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -186,3 +219,14 @@ def test_model_layers_give_the_same_product_on_the_kernel(mode: str) -> None:
         torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     else:
         assert (after - before).abs().max() <= 0.02 * before.abs().max()
+
+
+def test_builds_are_kept_apart_per_cpu_feature_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-march=native binaries are for one CPU: a home directory shared with a machine of another
+    CPU (VNNI-only vs AMX) must not load the other's build."""
+    here = extension.build_dir()
+    assert here.parent == extension.cache_dir() / "cpu"
+    monkeypatch.setattr(extension, "cpu_flags", lambda: "fpu sse avx512f avx512_vnni")
+    other = extension.build_dir()
+    assert other != here and other.parent == here.parent
+    assert extension.build_dir() == other  # the same CPU finds its build again
