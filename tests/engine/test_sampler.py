@@ -167,3 +167,29 @@ def test_draw_follows_the_distribution_and_never_picks_zero_mass():
     assert counts[0] == counts[2] == counts[5] == 0
     for i, p in ((1, 0.7), (3, 0.2), (4, 0.1)):
         assert abs(counts[i] / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_batched_greedy_rows_choose_what_each_row_alone_would():
+    """Plain greedy rows take one batch argmax; rows with a bias, held tokens, penalties, logprobs
+    or temperature keep the per-row path. Every row's choice equals sample_row on that row alone,
+    ties (first maximum) included."""
+    cases = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.0, top_logprobs=2),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.0),
+    ]
+    logits = torch.stack([rand_logits(i) for i in range(len(cases))])
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    logits[7, EOS] = logits[7].max() + 1
+    expected = [sampler.sample_row(logits[i], make_seq(sp, output=(2, 2), seed=i)) for i, sp in enumerate(cases)]
+    seqs = [make_seq(sp, output=(2, 2), seed=i) for i, sp in enumerate(cases)]
+    assert [sampler.plain_greedy(s) for s in seqs] == [True, False, False, False, False, False, False, True]
+    got = sampler(logits, seqs)
+    assert [r.token_id for r in got] == [r.token_id for r in expected]
+    assert got[0].token_id == 7 and got[7].token_id == EOS
+    assert got[5].logprobs is not None and got[0].logprobs is None
