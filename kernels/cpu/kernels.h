@@ -16,7 +16,7 @@ namespace protoserve {
 // Scratch of the integer-dot formats: a batch's activations quantized to int8 codes, reused
 // across calls (thread_local for single calls; one shared instance for a team).
 struct ActivationCodes {
-  std::vector<int8_t> codes;  // [2, M, K]: the coarse codes, then the fine ones
+  std::vector<int8_t> codes;  // [2, K / 32, M, 32]: the coarse codes, then the fine ones, block-major
   std::vector<float> scales;  // [M, K / 32] per block
   std::vector<float> sums;    // [M, K / 32] per block: the exact float sum of x
 
