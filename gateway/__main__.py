@@ -20,7 +20,11 @@ def main() -> None:
     parser.add_argument("--grpc-target", default="127.0.0.1:50051", help="gRPC server [127.0.0.1:50051]")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address [127.0.0.1]")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port [8000]")
-    parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
+    # An instance's value: on the slotted dataclass the class attribute is the slot descriptor.
+    default_body_limit = GatewaySettings().max_body_bytes
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=default_body_limit, help=f"larger bodies get 413 [{default_body_limit}]"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The SDK setup is shared with the server CLI; imported here only, so the
