@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclass
 class EngineConfig:
@@ -18,6 +20,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     max_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024 * 1024  # pool budget when max_kv_blocks is None
+    # "auto": the model's activation dtype; "bfloat16" halves the pool's bytes (twice the tokens
+    # per budget, half the memory a batched decode step streams) at bf16 rounding of K and V.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
     max_num_batched_tokens: int = 512  # new tokens per step: the chunked-prefill budget
     max_queue: int = 1024  # waiting requests beyond this are shed with QueueFullError
@@ -36,6 +41,8 @@ class EngineConfig:
             raise ValueError("max_kv_blocks must be at least 1")
         if self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

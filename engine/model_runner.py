@@ -59,8 +59,9 @@ class ModelRunner:
         self.model = model
         self.model_config = model_config
         self.block_size = config.block_size
+        self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.block_bytes = PagedKVCache.block_bytes(
-            model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype
+            model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, self.kv_dtype
         )
         self.num_blocks = resolve_num_blocks(config, self.block_bytes)
         self.kv_cache = PagedKVCache(
@@ -69,7 +70,7 @@ class ModelRunner:
             block_size=config.block_size,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
-            dtype=dtype,
+            dtype=self.kv_dtype,
         )
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import EngineError
 from engine.request import GenerationRequest, RequestStats
 from engine.sampling_params import ContextPolicy, SamplingParams
@@ -36,6 +36,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         ("max_batch_tokens", "max_num_batched_tokens"),
         ("max_queue", "max_queue"),
         ("max_model_len", "max_model_len"),
+        ("kv_cache_dtype", "kv_cache_dtype"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -54,6 +55,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization", choices=QUANTIZATIONS, default="none", help="weight quantization [none]"
     )
     parser.add_argument("--max-kv-blocks", type=int, help="KV cache size in blocks [from the memory budget]")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="K/V storage: bfloat16 holds twice the tokens per budget and halves what a batched "
+        "decode step reads, at bf16 rounding of K and V [auto: the model's dtype]",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, help="context window cap in tokens [the model's]")

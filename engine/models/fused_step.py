@@ -93,8 +93,9 @@ class FusedStep:
 
     @staticmethod
     def accepts(kv_cache: KVCache) -> bool:
-        """The C++ loop reads and writes float32 paged pools through the attention kernel."""
-        return isinstance(kv_cache, PagedKVCache) and kv_cache.use_kernel and kv_cache.dtype == torch.float32
+        """The C++ loop reads and writes float32 or bfloat16 paged pools through the attention kernel."""
+        return (isinstance(kv_cache, PagedKVCache) and kv_cache.use_kernel
+                and kv_cache.dtype in (torch.float32, torch.bfloat16))
 
     def __call__(
         self,

@@ -84,11 +84,13 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                 "cos and sin must be contiguous float32 [T, head_dim]");
   TORCH_CHECK(num_layers > 0, "the decoder has no layers");
   const torch::Tensor& pool0 = k_caches[0];
+  const bool bf16_pools = pool0.scalar_type() == torch::kBFloat16;
   for (int64_t i = 0; i < num_layers; ++i) {
     for (const auto* pool : {&k_caches[i], &v_caches[i]})
-      TORCH_CHECK(pool->scalar_type() == torch::kFloat32 && pool->is_contiguous() && pool->dim() == 4 &&
+      TORCH_CHECK((pool->scalar_type() == torch::kFloat32 || pool->scalar_type() == torch::kBFloat16) &&
+                      pool->scalar_type() == pool0.scalar_type() && pool->is_contiguous() && pool->dim() == 4 &&
                       pool->sizes() == pool0.sizes(),
-                  "every K/V pool must be contiguous float32 of one shape");
+                  "every K/V pool must be contiguous, of one shape and one dtype (float32 or bfloat16)");
   }
   TORCH_CHECK(pool0.size(2) == KVH && pool0.size(3) == D, "the K/V pools hold ", pool0.size(2), " heads of ",
               pool0.size(3), ", the model ", KVH, " of ", D);
@@ -150,8 +152,8 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         rms_norm_row(xp + r * hidden_, layer.input_norm.data_ptr<float>(), eps, hidden_, hp + r * hidden_);
       packed_linear_into(layer.qkv, hp, T, hidden_, qkvp, *codes, &team);
       // This member's tokens: q/k norms, RoPE, and their K/V into the pool, which the attention reads.
-      float* kpool = k_caches[i].data_ptr<float>();
-      float* vpool = v_caches[i].data_ptr<float>();
+      void* kpool = k_caches[i].data_ptr();
+      void* vpool = v_caches[i].data_ptr();
       for (int64_t r = r0; r < r1; ++r) {
         float* qr = qkvp + r * qkv_size;
         float* kr = qr + q_size;
@@ -163,8 +165,16 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         }
         rope_row(qr, H, D, cosp + r * D, sinp + r * D, D);
         rope_row(kr, KVH, D, cosp + r * D, sinp + r * D, D);
-        std::memcpy(kpool + slots[r] * kv_size, kr, kv_size * sizeof(float));
-        std::memcpy(vpool + slots[r] * kv_size, vr, kv_size * sizeof(float));
+        if (bf16_pools) {
+          // Round to nearest even, as the module path's k.to(torch.bfloat16) does.
+          auto* kdst = static_cast<c10::BFloat16*>(kpool) + slots[r] * kv_size;
+          auto* vdst = static_cast<c10::BFloat16*>(vpool) + slots[r] * kv_size;
+          for (int64_t e = 0; e < kv_size; ++e) kdst[e] = c10::BFloat16(kr[e]);
+          for (int64_t e = 0; e < kv_size; ++e) vdst[e] = c10::BFloat16(vr[e]);
+        } else {
+          std::memcpy(static_cast<float*>(kpool) + slots[r] * kv_size, kr, kv_size * sizeof(float));
+          std::memcpy(static_cast<float*>(vpool) + slots[r] * kv_size, vr, kv_size * sizeof(float));
+        }
       }
       team.sync();
       paged_attention_into(*plan, qkvp, qkv_size, H, k_caches[i], v_caches[i], attnp, shape_.attention_scale, &team,

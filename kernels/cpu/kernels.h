@@ -129,7 +129,8 @@ class DecoderStep {
   DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, torch::Tensor final_norm, LinearWeights lm_head);
 
   // x: the batch's embedded tokens [T, hidden] float32 (consumed: updated in place);
-  // cos/sin [T, head_dim]; k_caches/v_caches: one [num_blocks, block_size, KVH, D] float32 pool per layer.
+  // cos/sin [T, head_dim]; k_caches/v_caches: one [num_blocks, block_size, KVH, D] pool per layer, all
+  // float32 or all bfloat16 (K/V rounded to nearest even as they are stored).
   // sliding_window: 0 for none. Returns float32 logits [len(logits_indices), vocab].
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,

@@ -173,3 +173,22 @@ def test_priority_request_runs_first(make_engine):
             if out.finished:
                 order.append(out.request_id)
     assert order == ["high", "low"]
+
+
+def test_bfloat16_kv_cache_fits_twice_the_tokens_and_stays_batch_invariant(make_engine):
+    """kv_cache_dtype="bfloat16": the same byte budget holds twice the blocks, and a request's
+    tokens and logprobs still do not depend on the batch it runs in."""
+    budget = 4 * 1024 * 1024
+    fp32 = make_engine(max_kv_blocks=None, kv_cache_bytes=budget)
+    bf16 = make_engine(max_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="bfloat16")
+    assert bf16.runner.num_blocks == 2 * fp32.runner.num_blocks
+    assert bf16.runner.kv_cache.k[0].dtype == torch.bfloat16
+    reqs = random_requests(fresh_rng(), 12, max_prompt=120)
+    batched = LLM(engine=make_engine(kv_cache_dtype="bfloat16", max_num_batched_tokens=128)).run(
+        [clone(r) for r in reqs]
+    )
+    alone_llm = LLM(engine=make_engine(kv_cache_dtype="bfloat16"))
+    for r, b in zip(reqs, batched, strict=True):
+        [a] = alone_llm.run([clone(r, "-alone")])
+        assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone with bf16 K/V"
+        assert logprobs(a) == logprobs(b)

@@ -117,22 +117,22 @@ def run(model: Decoder, cache: KVCache | None = None) -> tuple[list[torch.Tensor
     return logits, cache
 
 
-def run_fused(model: Decoder) -> tuple[list[torch.Tensor], KVCache]:
+def run_fused(model: Decoder, cache: KVCache | None = None) -> tuple[list[torch.Tensor], KVCache]:
     """``run`` with the module path forbidden and the fused step counted: it must serve every step."""
     assert model.fused_step is not None
     with pytest.MonkeyPatch.context() as mp:
         forbid_module_path(mp)
         counter = CountingStep(model.fused_step._step)
         mp.setattr(model.fused_step, "_step", counter)
-        out = run(model)
+        out = run(model, cache)
     assert counter.calls == NUM_STEPS
     return out
 
 
-def run_module_path(model: Decoder) -> tuple[list[torch.Tensor], KVCache]:
+def run_module_path(model: Decoder, cache: KVCache | None = None) -> tuple[list[torch.Tensor], KVCache]:
     fused, model.fused_step = model.fused_step, None
     try:
-        return run(model)
+        return run(model, cache)
     finally:
         model.fused_step = fused
 
@@ -172,6 +172,28 @@ def test_fused_step_bit_identical_to_module_path(tiny_checkpoint, family: str, q
     assert max(t.abs().max().item() for t in logits) > 1.0
     written = sum(len(s) for s in _sequences())
     assert int((cache.k[0].abs().sum(dim=(-1, -2)) > 0).sum()) == written
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("family", "quantization"), [("llama", "int4"), ("qwen3", "none"), ("mistral", "int8")])
+def test_fused_step_with_bfloat16_kv_pools_is_bit_identical(tiny_checkpoint, family: str, quantization: str) -> None:
+    """EngineConfig(kv_cache_dtype="bfloat16"): the fused step rounds K/V to bf16 as it stores them,
+    the way the module path's k.to(torch.bfloat16) does, and attends over the same bf16 pools."""
+    model = load_model(tiny_checkpoint(family)[0], quantization=quantization, progress=False).model
+    c = model.config
+
+    def bf16_pools() -> PagedKVCache:
+        return PagedKVCache(c.num_layers, 64, 4, c.num_kv_heads, c.head_dim, torch.bfloat16)
+
+    fused = run_fused(model, bf16_pools())
+    assert_same_run(fused, run_module_path(model, bf16_pools()), f"{family}/{quantization} bf16 K/V")
+    assert fused[1].k[0].dtype == torch.bfloat16
+    float32_logits, float32_pools = run_fused(model)
+    # The pools hold the float32 run's K/V rounded to bf16 (same first-layer inputs: bit for bit).
+    assert torch.equal(fused[1].k[0], float32_pools.k[0].bfloat16())
+    assert not torch.equal(fused[1].k[0].float(), float32_pools.k[0])
+    for a, b in zip(fused[0], float32_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0.3)
 
 
 @pytest.mark.parametrize(("family", "quantization"), [("mistral", "none"), ("qwen3", "int4")])
@@ -222,10 +244,6 @@ def test_caches_the_fused_step_cannot_take_use_the_module_path(tiny_checkpoint, 
         "paged, PyTorch attention": (
             PagedKVCache(c.num_layers, 64, 4, c.num_kv_heads, c.head_dim, torch.float32, use_kernel=False),
             1e-4,
-        ),
-        "paged, bfloat16": (
-            PagedKVCache(c.num_layers, 64, 4, c.num_kv_heads, c.head_dim, torch.bfloat16),
-            0.3,
         ),
     }
     counter = CountingStep(model.fused_step._step)
@@ -453,8 +471,9 @@ def test_bad_arguments_raise_clear_errors(tiny_checkpoint) -> None:
         "exceeds its block table": [dict(seq_lens=batch.seq_lens + 100)],
         "query_start_loc must run from 0 to T": [dict(query_start_loc=batch.query_start_loc + 1)],
         r"sliding_window must be >= 0": [dict(sliding_window=-1)],
-        "every K/V pool must be contiguous float32 of one shape": [
-            dict(k_caches=[t.bfloat16() for t in k], v_caches=[t.bfloat16() for t in v]),
+        r"every K/V pool must be contiguous, of one shape and one dtype \(float32 or bfloat16\)": [
+            dict(k_caches=[t.bfloat16() for t in k]),  # K bf16, V float32
+            dict(k_caches=[t.half() for t in k], v_caches=[t.half() for t in v]),
             dict(v_caches=[torch.zeros(8, 4, 1, 32)] * len(v)),
         ],
         # A pool laid out for another model: wrong head size or wrong number of KV heads.

@@ -9,6 +9,7 @@ import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache
 
 from engine.loader.load import load_model
+from engine.models.kv_cache import PagedKVCache
 from engine.models.linear import (
     Int4Linear,
     Int8Linear,
@@ -184,4 +185,29 @@ def test_served_quantized_smollm2_quality(smollm2, smollm2_path, smollm2_chat, m
     err = (out - ref).abs().mean().item()
     print(f"SmolLM2 served {mode} ({sorted(formats)}): greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
     min_agree, max_err = SERVED_BOUNDS[mode]
+    assert agree >= min_agree and err <= max_err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_served_int4_with_bfloat16_kv_cache_quality(smollm2, smollm2_path, smollm2_chat) -> None:
+    """--quantization int4 --kv-cache-dtype bfloat16: K and V rounded to bf16 on top of the int4
+    layers, against float32 weights and float32 K/V along the greedy continuation."""
+    prompt, continuation = smollm2_chat
+    seq = prompt + continuation
+    positions = slice(len(prompt) - 1, len(seq) - 1)
+
+    def logits(model, kv_dtype: torch.dtype) -> torch.Tensor:
+        c = model.config
+        cache = PagedKVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim, kv_dtype)
+        return Driver(model, cache).run([seq], all_at_once)[0][positions]
+
+    ref = logits(smollm2.model, torch.float32)
+    served = load_model(smollm2_path, quantization="int4", progress=False).model
+    fp32_kv = logits(served, torch.float32)
+    out = logits(served, torch.bfloat16)
+    assert not torch.equal(out, fp32_kv)  # the bf16 pools really were used
+    agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    err = (out - ref).abs().mean().item()
+    print(f"SmolLM2 served int4, bfloat16 K/V: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
+    min_agree, max_err = SERVED_BOUNDS["int4"]
     assert agree >= min_agree and err <= max_err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from server.cli import _engine_config, build_parser
 
 
@@ -10,3 +12,18 @@ def test_deterministic_is_the_default_and_can_be_turned_off() -> None:
     fast = _engine_config(build_parser().parse_args(["serve", "--no-deterministic", "--max-num-seqs", "8"]))
     assert fast.deterministic is False and fast.max_num_seqs == 8
     assert _engine_config(build_parser().parse_args(["generate", "--no-deterministic", "--prompt", "x"])).deterministic is False
+
+
+def test_kv_cache_dtype_flag() -> None:
+    assert _engine_config(build_parser().parse_args(["serve"])).kv_cache_dtype == "auto"
+    config = _engine_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"]))
+    assert config.kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "float16"])
+
+
+def test_engine_config_refuses_an_unknown_kv_cache_dtype() -> None:
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
+        EngineConfig(kv_cache_dtype="fp8").validate()
