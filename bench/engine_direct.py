@@ -15,18 +15,20 @@ from bench.timeline import RequestTimeline
 from bench.workload import RequestSpec
 
 if TYPE_CHECKING:
+    from bench.resources import Variant
     from engine.llm_engine import LLMEngine
     from engine.loader.load import LoadedModel
 
 _ids = itertools.count()
 
 
-def make_engine(loaded: LoadedModel, deterministic: bool) -> LLMEngine:
-    """An engine with the server's default settings, in deterministic (batch-invariant) or fast mode."""
+def make_engine(loaded: LoadedModel, variant: Variant, deterministic: bool) -> LLMEngine:
+    """An engine with the server's default settings and the variant's K/V storage, in deterministic
+    (batch-invariant) or fast mode."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(loaded, EngineConfig(deterministic=deterministic))
+    return LLMEngine(loaded, EngineConfig(deterministic=deterministic, kv_cache_dtype=variant.kv_cache_dtype))
 
 
 def run_requests(engine: LLMEngine, specs: Sequence[RequestSpec]) -> list[RequestTimeline]:

@@ -16,6 +16,8 @@ FP32 = Variant("float32", "none")
 BF16 = Variant("bfloat16", "none")
 INT8 = Variant("float32", "int8")
 INT4 = Variant("float32", "int4")
+# The headline variant: int4 layers and bf16 K/V, as llama.cpp's Q4 figures run with f16 K/V.
+INT4_KV_BF16 = Variant("float32", "int4", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class Profile:
     offline_variants: tuple[tuple[Variant, bool], ...]
     prefill_variants: tuple[tuple[Variant, bool], ...]
     # The variant of the headline server figures (decode.grpc, prefill.grpc, serving.*) and of the
-    # in-process engine they are compared with; int4 is what llama.cpp's Q4 figures compare with.
+    # in-process engine they are compared with; int4 with bf16 K/V is what llama.cpp's Q4 figures (f16 K/V)
+    # compare with.
     serving_variant: Variant
     server_variants: tuple[Variant, ...]  # other servers: single-stream decode and one load level
     server_variant_concurrency: int
@@ -80,10 +83,12 @@ DEFAULT = Profile(
     long_prompt_len=1024,
     long_mix_transformers=False,
     openai_concurrencies=(16,),
-    decode_variants=((FP32, True), (BF16, True), (INT8, True), (INT4, True), (INT4, False)),
-    offline_variants=((FP32, True), (INT8, True), (INT4, True)),
-    prefill_variants=((FP32, True), (INT4, True)),
-    serving_variant=INT4,
+    decode_variants=(
+        (FP32, True), (BF16, True), (INT8, True), (INT4, True), (INT4_KV_BF16, True), (INT4_KV_BF16, False)
+    ),
+    offline_variants=((FP32, True), (INT8, True), (INT4_KV_BF16, True)),
+    prefill_variants=((FP32, True), (INT4_KV_BF16, True)),
+    serving_variant=INT4_KV_BF16,
     server_variants=(FP32,),
     server_variant_concurrency=16,
 )
@@ -111,11 +116,11 @@ FULL = Profile(
     long_prompt_len=1024,
     long_mix_transformers=True,
     openai_concurrencies=(1, 4, 16, 64),
-    decode_variants=_both_modes(FP32, BF16, INT8, INT4),
-    offline_variants=_both_modes(FP32, BF16, INT8, INT4),
-    prefill_variants=_both_modes(FP32, BF16, INT8, INT4),
-    serving_variant=INT4,
-    server_variants=(FP32, BF16, INT8),
+    decode_variants=_both_modes(FP32, BF16, INT8, INT4, INT4_KV_BF16),
+    offline_variants=_both_modes(FP32, BF16, INT8, INT4, INT4_KV_BF16),
+    prefill_variants=_both_modes(FP32, BF16, INT8, INT4, INT4_KV_BF16),
+    serving_variant=INT4_KV_BF16,
+    server_variants=(FP32, BF16, INT8, INT4),
     server_variant_concurrency=16,
 )
 

@@ -18,18 +18,24 @@ DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 
 @dataclass(frozen=True)
 class Variant:
-    """Model numerics: activation dtype and weight quantization (as ``--dtype`` / ``--quantization``)."""
+    """Model numerics: activation dtype, weight quantization and K/V storage (as ``--dtype`` /
+    ``--quantization`` / ``--kv-cache-dtype``)."""
 
     dtype: str = "float32"
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
 
     @property
     def label(self) -> str:
-        """'fp32', 'bf16', 'int8' (float32 activations around int8 weights), 'bf16-int4', ..."""
+        """'fp32', 'bf16', 'int8' (float32 activations around int8 weights), 'bf16-int4', 'int4-kvbf16', ..."""
         dtype = DTYPE_LABELS.get(self.dtype, self.dtype)
         if self.quantization == "none":
-            return dtype
-        return self.quantization if self.dtype == "float32" else f"{dtype}-{self.quantization}"
+            label = dtype
+        else:
+            label = self.quantization if self.dtype == "float32" else f"{dtype}-{self.quantization}"
+        if self.kv_cache_dtype != "auto":
+            label += f"-kv{DTYPE_LABELS.get(self.kv_cache_dtype, self.kv_cache_dtype)}"
+        return label
 
 
 DEFAULT_VARIANT = Variant()
@@ -91,7 +97,7 @@ def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
     from bench.server_process import ServerProcess
 
     log_path = results_dir / f"server-{key.variant.label}.log"
-    return ServerProcess.start(log_path, key.variant.dtype, key.variant.quantization, threads)
+    return ServerProcess.start(log_path, key.variant, threads)
 
 
 def release(key: ResourceKey, resource: Any) -> None:

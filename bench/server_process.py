@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.resources import DEFAULT_VARIANT, Variant
+
 REPO = Path(__file__).resolve().parents[1]
 LISTEN_RE = re.compile(r"protoserve listening on (\S+) \(grpc\)(?:, http on \S+:(\d+))?")
 START_TIMEOUT_S = 300.0  # torch import + model load on a busy 2-core machine
@@ -42,15 +44,14 @@ class ServerProcess:
     stdout_lines: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(
-        cls, log_path: Path, dtype: str = "float32", quantization: str = "none", threads: int = 2
-    ) -> ServerProcess:
+    def start(cls, log_path: Path, variant: Variant = DEFAULT_VARIANT, threads: int = 2) -> ServerProcess:
         """Start the server and wait until it listens and its health says SERVING."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [
             sys.executable, "-m", "server.cli", "serve",
             "--host", "127.0.0.1", "--port", "0", "--http-port", str(free_port()),
-            "--dtype", dtype, "--quantization", quantization, "--no-progress",
+            "--dtype", variant.dtype, "--quantization", variant.quantization,
+            "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress",
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         with open(log_path, "wb") as log:

@@ -56,7 +56,7 @@ def _engine_step(ctx: BenchContext, variant: Variant, deterministic: bool) -> St
     name = f"decode.engine.{engine_label(variant, deterministic)}"
 
     def run(loaded: Any) -> list[Figure]:
-        engine = engine_direct.make_engine(loaded, deterministic)
+        engine = engine_direct.make_engine(loaded, variant, deterministic)
         warm, runs = _specs(ctx)
         engine_direct.warm_up(engine, [warm])
         timelines = [engine_direct.run_requests(engine, [spec])[0] for spec in runs]
@@ -127,7 +127,7 @@ def _server_step(ctx: BenchContext, variant: Variant) -> Step:
         if headline:
             # The engine the server runs, loaded here too, and measured in turn with the server.
             loaded = load_engine_model(variant)
-            engine = engine_direct.make_engine(loaded, deterministic=True)
+            engine = engine_direct.make_engine(loaded, variant, deterministic=True)
             _, engine_runs = _specs(ctx)
             served, direct = asyncio.run(
                 _alternating(GrpcTransport(server.grpc_target), engine, warm, runs, engine_runs)

@@ -61,7 +61,7 @@ def _engine_step(ctx: BenchContext, variant: Variant, deterministic: bool) -> St
     name = f"offline.engine.{engine_label(variant, deterministic)}"
 
     def run(loaded: Any) -> list[Figure]:
-        engine = engine_direct.make_engine(loaded, deterministic)
+        engine = engine_direct.make_engine(loaded, variant, deterministic)
         warm, specs = _specs(ctx)
         engine_direct.warm_up(engine, warm)
         start = time.perf_counter()

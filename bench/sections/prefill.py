@@ -58,7 +58,7 @@ def _engine_step(ctx: BenchContext, variant: Variant, deterministic: bool) -> St
     names = {length: f"prefill.engine.{label}.{length}" for length in ctx.profile.prefill_lengths}
 
     def run(loaded: Any) -> list[Figure]:
-        engine = engine_direct.make_engine(loaded, deterministic)
+        engine = engine_direct.make_engine(loaded, variant, deterministic)
         figures = []
         for length, name in names.items():
             warm, runs = _specs(ctx, length)

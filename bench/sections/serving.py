@@ -159,7 +159,8 @@ def _engine_step(ctx: BenchContext) -> Step:
     def run(loaded: Any) -> list[Figure]:
         from engine.async_engine import AsyncEngine
 
-        engine = AsyncEngine(engine_direct.make_engine(loaded, deterministic=True), "bench")
+        variant = ctx.profile.serving_variant
+        engine = AsyncEngine(engine_direct.make_engine(loaded, variant, deterministic=True), "bench")
 
         async def measure() -> list[Figure]:
             engine.start()

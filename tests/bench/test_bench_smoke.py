@@ -267,6 +267,7 @@ def test_steps_grouped_by_resource_kind() -> None:
         (Server(), ["grpc"]),
     ]
     assert bf16.label == "bf16" and Variant("float32", "int4").label == "int4"
+    assert Variant("float32", "int4", "bfloat16").label == "int4-kvbf16"
 
 
 def test_failures_become_skipped_figures(monkeypatch, tmp_path: Path) -> None:
