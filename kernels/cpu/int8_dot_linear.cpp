@@ -229,7 +229,6 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
   }
 }
 
-
 #if defined(PROTOSERVE_AMX)
 // AMX (Sapphire Rapids and later): TDPBSUD multiplies a 16 x 32 tile of int8 activation codes by
 // an 8 x 64-byte tile of unsigned weight codes (K = 32: one quantization block of 16 channels, in
@@ -368,7 +367,7 @@ void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t grou
 }
 #endif
 
-// Rows [m0, m1) of channel tile t on the VNNI register tiles.
+// Rows [m0, m1) against channel vectors [v0, v0 + cv) on the VNNI register tiles.
 template <typename Codes>
 void vnni_rows(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t v0, int cv) {
   for (; m0 < m1; m0 += RT) {
