@@ -333,3 +333,53 @@ def test_grpc_decode_is_held_to_the_engine_measured_in_turn_with_it() -> None:
     by = {f.name: f for f in compare_figures(figures, "int4")}
     assert by["compare.grpc_vs_engine.decode"].value == pytest.approx(0.96)
     assert by["compare.grpc_vs_engine.decode"].details["over"] == "decode.engine.paired"
+
+
+def test_serving_paths_take_each_level_in_turn() -> None:
+    """engine c1, gRPC c1, SSE c1, engine c4, ...: the paths whose ratios are targets are measured
+    seconds apart, not minutes; each path is warmed once first and closed at the end, and gets
+    prompts of the same lengths but its own nonces (gRPC and SSE share one server's prefix cache)."""
+    import asyncio
+    import time
+
+    from bench.context import BenchContext
+    from bench.profile import SMOKE
+    from bench.sections.serving import LoadPath, _levels
+
+    calls: list[tuple[str, int]] = []
+    prompts: dict[str, list[tuple[int, ...]]] = {}
+
+    class FakeTransport:
+        name = "fake"
+
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        async def stream(self, spec):
+            calls.append((self.label, spec.max_tokens))
+            prompts.setdefault(self.label, []).append(tuple(spec.prompt_token_ids))
+            timeline = RequestTimeline(sent=time.perf_counter(), prompt_tokens=spec.prompt_len)
+            timeline.add_chunk(time.perf_counter(), spec.max_tokens)
+            timeline.finish(time.perf_counter())
+            return timeline
+
+        async def close(self) -> None:
+            calls.append((f"closed {self.label}", 0))
+
+    ctx = BenchContext(SMOKE)
+    paths = [LoadPath(FakeTransport(p), f"serving.{p}", ttft_figures=p == "grpc") for p in ("engine", "grpc", "sse")]
+    figures = asyncio.run(_levels(ctx, paths, SMOKE.concurrencies, long_mix=False))
+    names = [f.name for f in figures]
+    assert names == [
+        "serving.engine.c1", "serving.grpc.c1", "serving.grpc.c1.ttft_p50", "serving.sse.c1",
+        "serving.engine.c4", "serving.grpc.c4", "serving.grpc.c4.ttft_p50", "serving.sse.c4",
+    ]  # fmt: skip
+    # The warm-up requests ask for 4 tokens, the levels' requests for serving_max_tokens.
+    order = [label for label, tokens in calls if tokens == SMOKE.serving_max_tokens]
+    per_level = [SMOKE.level_requests(c) for c in SMOKE.concurrencies]
+    expected = [p for n in per_level for p in ["engine"] * n + ["grpc"] * n + ["sse"] * n]
+    assert order == expected
+    assert [label for label, _ in calls[-3:]] == ["closed engine", "closed grpc", "closed sse"]
+    engine, grpc, sse = (prompts[p] for p in ("engine", "grpc", "sse"))
+    assert [len(x) for x in engine] == [len(x) for x in grpc] == [len(x) for x in sse]
+    assert not set(engine) & set(grpc) and not set(grpc) & set(sse)
