@@ -48,7 +48,9 @@ def comparisons(names: Iterable[str], served: str = "fp32") -> list[Comparison]:
     add("compare.sse_vs_grpc.decode", "decode.sse", "decode.grpc")
     for name in names:
         if m := re.fullmatch(r"prefill\.grpc\.(\d+)", name):
-            add(f"compare.grpc_vs_engine.prefill.{m[1]}", name, f"prefill.engine.{served}.det.{m[1]}")
+            paired = f"prefill.engine.paired.{m[1]}"
+            engine = paired if paired in present else f"prefill.engine.{served}.det.{m[1]}"
+            add(f"compare.grpc_vs_engine.prefill.{m[1]}", name, engine)
     for name in names:
         if m := re.fullmatch(r"serving\.grpc\.((?:long_mix\.)?c\d+)", name):
             key = m[1]

@@ -13,6 +13,7 @@ from typing import Any
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
+from bench.paired import alternate
 from bench.resources import EngineModel, Server, TransformersModel, Variant, load_engine_model
 from bench.runner import Step
 from bench.stats import median, significant
@@ -92,31 +93,6 @@ async def _sequential(
         await transport.close()
 
 
-async def _alternating(
-    transport: Transport,
-    engine: Any,
-    warm: RequestSpec,
-    runs: list[RequestSpec],
-    engine_runs: list[RequestSpec],
-) -> tuple[list[RequestTimeline], list[RequestTimeline]]:
-    """gRPC and engine-direct runs taken in turn, so both see the same machine.
-
-    Measured minutes apart (each in its own step), the two drifted by up to 25% on this
-    shared 2-core machine, which made their ratio (the >= 0.95 target) mostly noise.
-    """
-    served: list[RequestTimeline] = []
-    direct: list[RequestTimeline] = []
-    try:
-        await transport.stream(warm)
-        engine_direct.warm_up(engine, [warm])
-        for spec, engine_spec in zip(runs, engine_runs, strict=True):
-            direct.append(engine_direct.run_requests(engine, [engine_spec])[0])
-            served.append(await transport.stream(spec))
-        return served, direct
-    finally:
-        await transport.close()
-
-
 def _server_step(ctx: BenchContext, variant: Variant) -> Step:
     headline = variant == ctx.profile.serving_variant
     suffix = "" if headline else f".{variant.label}"
@@ -130,7 +106,7 @@ def _server_step(ctx: BenchContext, variant: Variant) -> Step:
             engine = engine_direct.make_engine(loaded, variant, deterministic=True)
             _, engine_runs = _specs(ctx)
             served, direct = asyncio.run(
-                _alternating(GrpcTransport(server.grpc_target), engine, warm, runs, engine_runs)
+                alternate(GrpcTransport(server.grpc_target), engine, warm, runs, engine_runs)
             )
             del engine, loaded
             figures = [_figure(grpc_name, served), _figure(PAIRED_ENGINE, direct, "in turn with decode.grpc")]

@@ -3,7 +3,9 @@
 The engine computes a long prompt in chunks of ``max_num_batched_tokens``
 (512 by default), so the 2,048-token figure includes chunking; transformers
 runs the whole prompt in one forward. The gRPC 512-token figure carries the
-issue's target (>= 2,200 tokens/s).
+issue's target (>= 2,200 tokens/s); the served variant also runs in this
+process in turn with it (``prefill.engine.paired.<length>``), the figure the
+gRPC one is held to.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
-from bench.resources import EngineModel, Server, TransformersModel, Variant
+from bench.paired import alternate
+from bench.resources import EngineModel, Server, TransformersModel, Variant, load_engine_model
 from bench.runner import Step
 from bench.stats import median
 from bench.timeline import RequestTimeline
@@ -97,28 +100,33 @@ def _transformers_step(ctx: BenchContext) -> Step:
     )
 
 
+def paired_name(length: int) -> str:
+    """The served variant in-process, measured in turn with ``prefill.grpc.<length>``."""
+    return f"prefill.engine.paired.{length}"
+
+
 def _server_step(ctx: BenchContext) -> Step:
-    names = {length: f"prefill.grpc.{length}" for length in ctx.profile.prefill_lengths}
+    variant = ctx.profile.serving_variant
+    lengths = ctx.profile.prefill_lengths
 
-    async def measure(target: str) -> list[Figure]:
-        transport = GrpcTransport(target)
-        try:
-            figures = []
-            for length, name in names.items():
-                warm, runs = _specs(ctx, length)
-                await transport.stream(warm)
-                figures.append(_figure(name, length, [await transport.stream(s) for s in runs]))
-            return figures
-        finally:
-            await transport.close()
+    def run(server: Any) -> list[Figure]:
+        # The engine the server runs, loaded here too, and measured in turn with the server.
+        engine = engine_direct.make_engine(load_engine_model(variant), variant, deterministic=True)
+        figures = []
+        for length in lengths:
+            warm, runs = _specs(ctx, length)
+            _, engine_runs = _specs(ctx, length)
+            served, direct = asyncio.run(
+                alternate(GrpcTransport(server.grpc_target), engine, warm, runs, engine_runs)
+            )
+            figures.append(_figure(f"prefill.grpc.{length}", length, served))
+            figures.append(
+                _figure(paired_name(length), length, direct, note=f"in turn with prefill.grpc.{length}")
+            )
+        return figures
 
-    return Step(
-        SECTION,
-        Server(ctx.profile.serving_variant),
-        f"prefill through gRPC, {ctx.profile.serving_variant.label}",
-        lambda server: asyncio.run(measure(server.grpc_target)),
-        tuple((n, UNIT) for n in names.values()),
-    )
+    expects = tuple((n, UNIT) for length in lengths for n in (f"prefill.grpc.{length}", paired_name(length)))
+    return Step(SECTION, Server(variant), f"prefill through gRPC and in-process in turn, {variant.label}", run, expects)
 
 
 def steps(ctx: BenchContext) -> list[Step]:

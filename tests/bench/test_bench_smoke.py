@@ -25,7 +25,14 @@ from bench.run import finish, selected_sections
 from bench.stats import LatencySummary, median, percentile, significant
 from bench.targets import targets_for
 from bench.timeline import RequestTimeline
-from bench.workload import NonceSource, PromptFactory, offline_workload, output_tokens, serving_workload
+from bench.workload import (
+    NonceSource,
+    PromptFactory,
+    RequestSpec,
+    offline_workload,
+    output_tokens,
+    serving_workload,
+)
 
 # -- statistics ----------------------------------------------------------------
 
@@ -333,6 +340,51 @@ def test_grpc_decode_is_held_to_the_engine_measured_in_turn_with_it() -> None:
     by = {f.name: f for f in compare_figures(figures, "int4")}
     assert by["compare.grpc_vs_engine.decode"].value == pytest.approx(0.96)
     assert by["compare.grpc_vs_engine.decode"].details["over"] == "decode.engine.paired"
+
+
+def test_grpc_prefill_is_held_to_the_engine_measured_in_turn_with_it() -> None:
+    figures = [
+        _fig("prefill.engine.int4.det.512", 2000.0),
+        _fig("prefill.engine.paired.512", 1600.0),
+        _fig("prefill.grpc.512", 1520.0),
+        _fig("prefill.engine.int4.det.2048", 1000.0),
+        _fig("prefill.grpc.2048", 900.0),  # no paired figure: held to the engine step's
+    ]
+    by = {f.name: f for f in compare_figures(figures, "int4")}
+    assert by["compare.grpc_vs_engine.prefill.512"].value == pytest.approx(0.95)
+    assert by["compare.grpc_vs_engine.prefill.512"].details["over"] == "prefill.engine.paired.512"
+    assert by["compare.grpc_vs_engine.prefill.2048"].details["over"] == "prefill.engine.int4.det.2048"
+
+
+def test_alternate_takes_engine_and_served_runs_in_turn() -> None:
+    import asyncio
+
+    from bench import paired
+
+    order: list[str] = []
+
+    class FakeTransport:
+        async def stream(self, spec):
+            order.append(f"served {spec.max_tokens}")
+            return RequestTimeline(sent=0.0, prompt_tokens=spec.prompt_len)
+
+        async def close(self) -> None:
+            order.append("closed")
+
+    def fake_run_requests(engine, specs):
+        order.extend(f"engine {s.max_tokens}" for s in specs)
+        return [RequestTimeline(sent=0.0, prompt_tokens=s.prompt_len) for s in specs]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(paired.engine_direct, "warm_up", lambda engine, specs: order.append("engine warm"))
+    mp.setattr(paired.engine_direct, "run_requests", fake_run_requests)
+    try:
+        specs = [RequestSpec((1, 2, 3), n) for n in (0, 1, 2)]
+        served, direct = asyncio.run(paired.alternate(FakeTransport(), None, specs[0], specs[1:], specs[1:]))
+    finally:
+        mp.undo()
+    assert order == ["served 0", "engine warm", "engine 1", "served 1", "engine 2", "served 2", "closed"]
+    assert len(served) == len(direct) == 2
 
 
 def test_serving_paths_take_each_level_in_turn() -> None:
