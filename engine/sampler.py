@@ -105,13 +105,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         assert logits.shape[0] == len(seqs)
         plain = [self.plain_greedy(seq) for seq in seqs]
-        if not any(plain):
-            return [self.sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
         # One reduction over the batch for every row that needs nothing else: the per-row path
         # copies each row (vocab floats) and pays a few tensor ops' dispatch, ~4 ms a step at 64
         # rows. max(dim) is exact and, like argmax, takes the first maximum, so the tokens are the
         # same; it is ~2.5x faster than argmax(dim) over [64, 49152] here.
-        best = logits.max(dim=1).indices.tolist()
+        best = logits.max(dim=1).indices.tolist() if any(plain) else []
         return [SampleResult(best[i]) if plain[i] else self.sample_row(logits[i], seq)
                 for i, seq in enumerate(seqs)]
 
