@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 
 import grpc
@@ -21,15 +22,29 @@ PROMPT = "a prompt that must not be logged"
 
 
 class _Lines(logging.Handler):
+    """The request log's lines. A line is written as its request closes on the server, which can be
+    just after the client has its answer: readers wait for the lines they expect."""
+
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[str] = []
+        self._arrived = threading.Condition()
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        with self._arrived:
+            self.lines.append(record.getMessage())
+            self._arrived.notify_all()
 
-    def records(self) -> list[dict]:
-        return [json.loads(line) for line in self.lines]
+    def wait_for(self, count: int, timeout: float = 30.0) -> list[str]:
+        """The first `count` lines, once written; fails if they are not within `timeout` seconds."""
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: len(self.lines) >= count, timeout), (
+                f"{len(self.lines)} request log lines, expected {count}: {self.lines}"
+            )
+            return list(self.lines)
+
+    def records(self, count: int) -> list[dict]:
+        return [json.loads(line) for line in self.wait_for(count)]
 
 
 @pytest.fixture
@@ -53,7 +68,7 @@ def test_one_line_per_finished_request(stub, request_log):
     user = f"log-{uuid.uuid4().hex[:8]}"
     request = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
     response = stub.Generate(request, metadata=grpc_metadata(user_id=user), timeout=60)
-    [line] = request_log.lines
+    [line] = request_log.wait_for(1)
     record = json.loads(line)
     assert record["request_id"] == response.request_id
     assert record["identity"] == identity_for(API_KEYS[0], user).id
@@ -85,7 +100,7 @@ def test_failures_and_batches(obs, stub, request_log):
     httpx.post(obs.http_url + "/v1/chat/completions", json=bad_openai, headers=auth_headers(), timeout=30)
     httpx.post(obs.http_url + "/v1/generate", json={"prompt": "x"}, headers=auth_headers("wrong"), timeout=30)
 
-    failed, first, second, chat, unauthenticated = request_log.records()
+    failed, first, second, chat, unauthenticated = request_log.records(5)
     assert failed["request_id"] == "bad-one"
     assert (failed["status"], failed["finish_reason"]) == ("INVALID_ARGUMENT", "error")
     assert "sampling.temperature" in failed["error"] and failed["output_tokens"] == 0
