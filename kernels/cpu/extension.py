@@ -8,8 +8,9 @@ first use with the machine's compiler for the machine's own CPU
 rebuilt when a source changes. ``make install`` builds them ahead of time so
 no request pays the compile.
 
-The kernels use AVX-512; on a CPU without it, or where no compiler is present,
-``load`` returns None and every caller keeps its PyTorch path. The OpenMP runtime
+The kernels are written for AVX-512 and for AVX2 with FMA (``simd.h``); on a CPU
+with neither, or where no compiler is present, ``load`` returns None and every
+caller keeps its PyTorch path. The OpenMP runtime
 they link is the one torch already loaded (same soname), so torch's thread count
 and thread pool are theirs too.
 """
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent
 KERNEL_NAMES = ("linear", "norm_rope", "paged_attention", "decoder_step")
 SOURCES = ("module.cpp", "linear.cpp", "int8_dot_linear.cpp", "norm_rope.cpp", "paged_attention.cpp", "decoder_step.cpp")
-REQUIRED_CPU_CAPABILITY = ("AVX512",)
+SUPPORTED_CPU_CAPABILITIES = ("AVX512", "AVX2")
 
 
 def cache_dir() -> Path:
@@ -59,8 +60,9 @@ def build_dir() -> Path:
 
 
 def cpu_supported() -> bool:
-    """The kernels are written for AVX-512 (F, BW, VL)."""
-    return torch.backends.cpu.get_cpu_capability() in REQUIRED_CPU_CAPABILITY
+    """The kernels are written for AVX-512 (F, BW, VL, DQ) and for AVX2 with FMA, as ATen's own
+    CPU capabilities of those names require."""
+    return torch.backends.cpu.get_cpu_capability() in SUPPORTED_CPU_CAPABILITIES
 
 
 def disabled() -> bool:

@@ -6,7 +6,11 @@
 // weights, which made the int4 decode step compute-bound at a quarter of the
 // memory bandwidth. AVX-512 VNNI's vpdpbusd multiplies 64 unsigned 8-bit codes
 // by 64 signed 8-bit activations and adds them into 16 int32 lanes in one
-// instruction; unpacking two nibbles per byte is two more. Batched rows reuse
+// instruction; unpacking two nibbles per byte is two more. Without VNNI (AVX2
+// CPUs such as AMD Zen 1-3), vpmaddubsw multiplies 32 code pairs into int16
+// pair sums, which add up exactly in int16 over one 32-value block of 4-bit
+// codes (|sum| <= 8 * 2 * 15 * 127 < 2^15) and widen to int32 once per block:
+// the same exact integers, so the same results. Batched rows reuse
 // each unpacked weight vector, so prefill and large decode batches run at
 // integer-FMA speed instead of float32 FMA speed.
 //
@@ -38,6 +42,7 @@
 // and 8j+4..8j+7 in the high ones; int8 chunk j holds k = 4j..4j+3.
 
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -52,16 +57,23 @@
 #define PROTOSERVE_AMX 1
 #endif
 
-// Built with -march=native: on a CPU without VNNI this file compiles to a function
-// that refuses, and packed_linear.py keeps those layers on the float formats.
-#if defined(__AVX512VNNI__)
+namespace simd = protoserve::simd;
+using simd::F16;
+using simd::I16;
 
 namespace {
 
 constexpr int64_t LANES = 16;     // output channels per vector
 constexpr int64_t BLOCK = 32;     // activation values per quantization block
-constexpr int CV = 2;             // channel vectors per register tile
-constexpr int RT = 4;             // rows per register tile
+// Register tile: channel vectors x rows. The AMX path's tile layout assumes CV = 2. AVX2's 16
+// registers of half the width hold a quarter of the accumulators.
+#if defined(PROTOSERVE_SIMD_AVX512)
+constexpr int CV = 2;
+constexpr int RT = 4;
+#else
+constexpr int CV = 1;
+constexpr int RT = 2;
+#endif
 constexpr int64_t M_PANEL = 64;   // rows kept hot while a thread walks its channel tiles
 constexpr float FINE_STEPS = 254.0f;  // fine codes step s / 254: |residual| <= s / 2 maps to -127..127
 
@@ -86,13 +98,11 @@ struct QuantizedRows {
 // rounding error of the coarse codes, itself in int8 (|x - coarse * s| <= s / 2).
 void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* coarse, int8_t* fine, float* scales,
                   float* sums) {
-  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * BLOCK;
-    const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + LANES)};
-    const float amax =
-        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign_off), _mm512_and_ps(v[1], sign_off)));
-    sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    const F16 v[2] = {simd::load(xb), simd::load(xb + LANES)};
+    const float amax = simd::reduce_max(simd::max(simd::abs(v[0]), simd::abs(v[1])));
+    sums[b] = simd::reduce_add(simd::add(v[0], v[1]));
     if (amax == 0.0f) {
       scales[b] = 0.0f;
       std::fill(coarse + b * block_stride, coarse + b * block_stride + BLOCK, int8_t{0});
@@ -101,17 +111,16 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
     }
     const float scale = amax / 127.0f;
     scales[b] = scale;
-    const __m512 inv = _mm512_set1_ps(127.0f / amax);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512 fine_inv = _mm512_set1_ps(FINE_STEPS / scale);
+    const F16 inv = simd::set1(127.0f / amax);
+    const F16 vscale = simd::set1(scale);
+    const F16 fine_inv = simd::set1(FINE_STEPS / scale);
     for (int h = 0; h < 2; ++h) {
       // Round to nearest even (the default MXCSR mode), as torch.round does in the reference.
-      const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 residual = _mm512_sub_ps(v[h], _mm512_mul_ps(q, vscale));
-      const __m512i qf = _mm512_cvtps_epi32(_mm512_mul_ps(residual, fine_inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(coarse + b * block_stride + h * LANES),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(fine + b * block_stride + h * LANES), _mm512_cvtsepi32_epi8(qf));
+      const F16 q = simd::round(simd::mul(v[h], inv));
+      const F16 residual = simd::sub(v[h], simd::mul(q, vscale));
+      const I16 qf = simd::to_int(simd::mul(residual, fine_inv));
+      simd::istore_i8_saturated(coarse + b * block_stride + h * LANES, simd::to_int(q));
+      simd::istore_i8_saturated(fine + b * block_stride + h * LANES, qf);
     }
   }
 }
@@ -119,12 +128,16 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
 // The codes of one 32-value block times the rows' activation codes, into int32 lanes: `acc` for
 // the coarse codes and `acc_fine` for the fine ones (the same weights, loaded once).
 // int4: 4 chunks, each two code vectors (k 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high).
+// int8 (+128, unsigned): 8 chunks of k 4j..4j+3.
+#if defined(__AVX512VNNI__)
 struct Int4Codes {
   static constexpr int64_t BLOCK_BYTES = 256;
   template <int R>
   static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
-                           __m512i acc[R][CV], __m512i acc_fine[R][CV]) {
+                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       __m512i lo[CV], hi[CV];
       for (int c = 0; c < CV; ++c) {
@@ -150,12 +163,13 @@ struct Int4Codes {
   }
 };
 
-// int8 (+128, unsigned): 8 chunks of k 4j..4j+3.
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
   template <int R>
   static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
-                           __m512i acc[R][CV], __m512i acc_fine[R][CV]) {
+                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       __m512i q[CV];
       for (int c = 0; c < CV; ++c) q[c] = _mm512_loadu_si512(w + c * stride + j * 64);
@@ -168,11 +182,97 @@ struct Int8Codes {
     }
   }
 };
+#else
+// vpmaddubsw: unsigned codes (<= 15) times signed activation codes (-127..127), adjacent pairs
+// added into int16 lanes, then the block's pair sums added in int16 (8 per lane: |sum| <= 30,480,
+// no overflow) and widened to the int32 sums of four products by vpmaddwd against ones.
+struct NibbleDot {
+  __m256i sum[2];  // channels 0-7 and 8-15 of one vector: int16 pair sums
 
-// 16 float16 values widened to float32 (exact).
-inline __m512 load_half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  NibbleDot() : sum{_mm256_setzero_si256(), _mm256_setzero_si256()} {}
+
+  // codes: the 64-byte chunk's nibbles of this vector (one byte per code, 4 per channel);
+  // x4: the 4 activation codes of that chunk, broadcast.
+  inline void add(const __m256i codes[2], __m256i x4) {
+    sum[0] = _mm256_add_epi16(sum[0], _mm256_maddubs_epi16(codes[0], x4));
+    sum[1] = _mm256_add_epi16(sum[1], _mm256_maddubs_epi16(codes[1], x4));
+  }
+
+  inline I16 widen() const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return simd::from_halves(_mm256_madd_epi16(sum[0], ones), _mm256_madd_epi16(sum[1], ones));
+  }
+};
+
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+
+// One 64-byte chunk's low and high nibbles, each as two 32-byte halves.
+inline void nibbles(const uint8_t* chunk, __m256i lo[2], __m256i hi[2]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
+    lo[h] = _mm256_and_si256(bytes, nibble);
+    hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+  }
 }
+
+struct Int4Codes {
+  static constexpr int64_t BLOCK_BYTES = 256;
+  template <int R>
+  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
+                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+    NibbleDot coarse[R][CV], fine[R][CV];
+    for (int j = 0; j < 4; ++j) {
+      __m256i lo[CV][2], hi[CV][2];
+      for (int c = 0; c < CV; ++c) nibbles(w + c * stride + j * 64, lo[c], hi[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xlo = broadcast4(xc[r] + 8 * j), xhi = broadcast4(xc[r] + 8 * j + 4);
+        const __m256i flo = broadcast4(xf[r] + 8 * j), fhi = broadcast4(xf[r] + 8 * j + 4);
+        for (int c = 0; c < CV; ++c) {
+          coarse[r][c].add(lo[c], xlo);
+          coarse[r][c].add(hi[c], xhi);
+          fine[r][c].add(lo[c], flo);
+          fine[r][c].add(hi[c], fhi);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CV; ++c) {
+        acc[r][c] = coarse[r][c].widen();
+        acc_fine[r][c] = fine[r][c].widen();
+      }
+  }
+};
+
+// 8-bit codes are too wide for int16 pair sums (2 * 255 * 127 > 2^15): q = 16 * high + low
+// nibble, each nibble's sums exact as for int4, and q's sum = 16 * high's + low's in int32.
+struct Int8Codes {
+  static constexpr int64_t BLOCK_BYTES = 512;
+  template <int R>
+  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
+                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+    NibbleDot coarse_lo[R][CV], coarse_hi[R][CV], fine_lo[R][CV], fine_hi[R][CV];
+    for (int j = 0; j < 8; ++j) {
+      __m256i lo[CV][2], hi[CV][2];
+      for (int c = 0; c < CV; ++c) nibbles(w + c * stride + j * 64, lo[c], hi[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = broadcast4(xc[r] + 4 * j), fv = broadcast4(xf[r] + 4 * j);
+        for (int c = 0; c < CV; ++c) {
+          coarse_lo[r][c].add(lo[c], xv);
+          coarse_hi[r][c].add(hi[c], xv);
+          fine_lo[r][c].add(lo[c], fv);
+          fine_hi[r][c].add(hi[c], fv);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CV; ++c) {
+        acc[r][c] = simd::iadd(coarse_lo[r][c].widen(), simd::shift_left(coarse_hi[r][c].widen(), 4));
+        acc_fine[r][c] = simd::iadd(fine_lo[r][c].widen(), simd::shift_left(fine_hi[r][c].widen(), 4));
+      }
+  }
+};
+#endif
 
 struct Problem {
   const uint8_t* data;    // [Nv, K/32, BLOCK_BYTES]
@@ -190,14 +290,12 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
   const int64_t stride = blocks * Codes::BLOCK_BYTES;  // bytes of one channel vector
   const int64_t v_second = cv > 1 ? v0 + 1 : v0;
   const uint8_t* w = p.data + v0 * stride;
-  const __m512 fine_step = _mm512_set1_ps(1.0f / FINE_STEPS);
-  __m512 accf[R][CV];
+  const F16 fine_step = simd::set1(1.0f / FINE_STEPS);
+  F16 accf[R][CV];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CV; ++c) accf[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CV; ++c) accf[r][c] = simd::zero();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[R][CV], acc_fine[R][CV];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
+    I16 acc[R][CV], acc_fine[R][CV];
     const int8_t* xc[R];
     const int8_t* xf[R];
     for (int r = 0; r < R; ++r) {
@@ -208,24 +306,24 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
     const int64_t g = b / p.blocks_per_group;
     for (int c = 0; c < CV; ++c) {
       const int64_t v = c == 0 ? v0 : v_second;
-      const __m512 s = load_half16(p.scales + (v * p.groups + g) * LANES);
-      const __m512 mn = load_half16(p.mins + (v * p.groups + g) * LANES);
+      const F16 s = simd::load_half(p.scales + (v * p.groups + g) * LANES);
+      const F16 mn = simd::load_half(p.mins + (v * p.groups + g) * LANES);
       for (int r = 0; r < R; ++r) {
         const int64_t row_block = (m0 + r) * blocks + b;
-        const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(x.scales[row_block]));
-        __m512 dot = _mm512_cvtepi32_ps(acc[r][c]);
-        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_fine[r][c]), fine_step, dot);
-        accf[r][c] = _mm512_fmadd_ps(dot, sx, accf[r][c]);
-        accf[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[row_block]), accf[r][c]);
+        const F16 sx = simd::mul(s, simd::set1(x.scales[row_block]));
+        F16 dot = simd::to_float(acc[r][c]);
+        dot = simd::fmadd(simd::to_float(acc_fine[r][c]), fine_step, dot);
+        accf[r][c] = simd::fmadd(dot, sx, accf[r][c]);
+        accf[r][c] = simd::fmadd(mn, simd::set1(x.sums[row_block]), accf[r][c]);
       }
     }
   }
   for (int c = 0; c < cv; ++c) {
     const int64_t n0 = (v0 + c) * LANES;
     const int64_t valid = std::min<int64_t>(LANES, p.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + n0, mask, _mm512_add_ps(accf[r][c], bias));
+    const simd::Mask mask = simd::first_lanes(valid);
+    const F16 bias = p.bias ? simd::load_masked(mask, p.bias + n0) : simd::zero();
+    for (int r = 0; r < R; ++r) simd::store_masked(p.out + (m0 + r) * p.N + n0, mask, simd::add(accf[r][c], bias));
   }
 }
 
@@ -292,27 +390,27 @@ using BlockSums = int32_t[AMX_PANEL / AMX_ROWS][4][AMX_ROWS][LANES];
 inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSums& sums, int64_t m0,
                          int64_t groups, int64_t b, int64_t v0, int64_t v_second,
                          float (*accf)[CV][LANES]) {
-  const __m512 fine_step = _mm512_set1_ps(1.0f / FINE_STEPS);
+  const F16 fine_step = simd::set1(1.0f / FINE_STEPS);
   const int64_t g = b / p.blocks_per_group;
-  __m512 s[CV], mn[CV];
+  F16 s[CV], mn[CV];
   for (int c = 0; c < CV; ++c) {
     const int64_t v = c == 0 ? v0 : v_second;
-    s[c] = load_half16(p.scales + (v * p.groups + g) * LANES);
-    mn[c] = load_half16(p.mins + (v * p.groups + g) * LANES);
+    s[c] = simd::load_half(p.scales + (v * p.groups + g) * LANES);
+    mn[c] = simd::load_half(p.mins + (v * p.groups + g) * LANES);
   }
   for (int64_t grp = 0; grp < groups; ++grp) {
     for (int64_t r = 0; r < AMX_ROWS; ++r) {
       const int64_t row_block = (m0 + grp * AMX_ROWS + r) * x.blocks + b;
-      const __m512 row_scale = _mm512_set1_ps(x.scales[row_block]);
-      const __m512 row_sum = _mm512_set1_ps(x.sums[row_block]);
+      const F16 row_scale = simd::set1(x.scales[row_block]);
+      const F16 row_sum = simd::set1(x.sums[row_block]);
       for (int c = 0; c < CV; ++c) {
         float* a = accf[grp * AMX_ROWS + r][c];
-        const __m512 sx = _mm512_mul_ps(s[c], row_scale);
-        __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(sums[grp][2 * c][r]));
-        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[grp][2 * c + 1][r])), fine_step, dot);
-        __m512 acc = _mm512_fmadd_ps(dot, sx, _mm512_load_ps(a));
-        acc = _mm512_fmadd_ps(mn[c], row_sum, acc);
-        _mm512_store_ps(a, acc);
+        const F16 sx = simd::mul(s[c], row_scale);
+        F16 dot = simd::to_float(simd::iload(sums[grp][2 * c][r]));
+        dot = simd::fmadd(simd::to_float(simd::iload(sums[grp][2 * c + 1][r])), fine_step, dot);
+        F16 acc = simd::fmadd(dot, sx, simd::load(a));
+        acc = simd::fmadd(mn[c], row_sum, acc);
+        simd::store(a, acc);
       }
     }
   }
@@ -331,7 +429,7 @@ void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t grou
   alignas(64) BlockSums sums[2];
   alignas(64) uint8_t unpacked[CV][512];
   for (int64_t r = 0; r < rows; ++r)
-    for (int c = 0; c < CV; ++c) _mm512_store_ps(accf[r][c], _mm512_setzero_ps());
+    for (int c = 0; c < CV; ++c) simd::store(accf[r][c], simd::zero());
   for (int64_t b = 0; b < blocks; ++b) {
     _tile_loadd(2, weight_tile<Codes>(p.data + v0 * stride + b * Codes::BLOCK_BYTES, unpacked[0]), 64);
     _tile_loadd(3, weight_tile<Codes>(p.data + v_second * stride + b * Codes::BLOCK_BYTES, unpacked[1]), 64);
@@ -359,25 +457,27 @@ void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t grou
   for (int c = 0; c < cv; ++c) {
     const int64_t n0 = (v0 + c) * LANES;
     const int64_t valid = std::min<int64_t>(LANES, p.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    const simd::Mask mask = simd::first_lanes(valid);
+    const F16 bias = p.bias ? simd::load_masked(mask, p.bias + n0) : simd::zero();
     for (int64_t r = 0; r < rows; ++r)
-      _mm512_mask_storeu_ps(p.out + (m0 + r) * p.N + n0, mask, _mm512_add_ps(_mm512_load_ps(accf[r][c]), bias));
+      simd::store_masked(p.out + (m0 + r) * p.N + n0, mask, simd::add(simd::load(accf[r][c]), bias));
   }
 }
 #endif
 
-// Rows [m0, m1) against channel vectors [v0, v0 + cv) on the VNNI register tiles.
-template <typename Codes>
-void vnni_rows(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t v0, int cv) {
-  for (; m0 < m1; m0 += RT) {
-    switch (std::min<int64_t>(RT, m1 - m0)) {
-      case 4: tile<Codes, 4>(p, x, m0, v0, cv); break;
-      case 3: tile<Codes, 3>(p, x, m0, v0, cv); break;
-      case 2: tile<Codes, 2>(p, x, m0, v0, cv); break;
-      default: tile<Codes, 1>(p, x, m0, v0, cv); break;
-    }
+// The register tile of `rows` (1..RT) rows.
+template <typename Codes, int R = RT>
+inline void dispatch_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t rows, int64_t v0, int cv) {
+  if constexpr (R > 1) {
+    if (rows < R) return dispatch_tile<Codes, R - 1>(p, x, m0, rows, v0, cv);
   }
+  tile<Codes, R>(p, x, m0, v0, cv);
+}
+
+// Rows [m0, m1) against channel vectors [v0, v0 + cv) on the vector register tiles (VNNI or AVX2).
+template <typename Codes>
+void vector_rows(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t v0, int cv) {
+  for (; m0 < m1; m0 += RT) dispatch_tile<Codes>(p, x, m0, std::min<int64_t>(RT, m1 - m0), v0, cv);
 }
 
 template <typename Codes>
@@ -394,7 +494,7 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
         const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
         for (int64_t p0 = 0; p0 < amx_rows; p0 += AMX_PANEL)
           amx_tile<Codes>(p, x, p0, std::min<int64_t>(AMX_PANEL, amx_rows - p0) / AMX_ROWS, v0, cv);
-        vnni_rows<Codes>(p, x, amx_rows, M, v0, cv);
+        vector_rows<Codes>(p, x, amx_rows, M, v0, cv);
       }
       _tile_release();  // drop the tile state: context switches then need not save it
     });
@@ -408,7 +508,7 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t v0 = t * CV;
         const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
-        vnni_rows<Codes>(p, x, p0, p1, v0, cv);
+        vector_rows<Codes>(p, x, p0, p1, v0, cv);
       }
     }
   });
@@ -459,20 +559,3 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
 }
 
 }  // namespace protoserve
-
-#else  // no AVX-512 VNNI
-
-namespace protoserve {
-
-bool int8_dot_available() { return false; }
-
-bool int8_dot_amx_available() { return false; }
-
-void int8_dot_linear_into(const LinearWeights&, int, const float*, int64_t, int64_t, float*, ActivationCodes&,
-                          const Team*) {
-  TORCH_CHECK(false, "this CPU has no AVX-512 VNNI: integer-dot weight formats are not available");
-}
-
-}  // namespace protoserve
-
-#endif

@@ -20,20 +20,29 @@
 // bit-identical alone, in a batch, or in a prompt chunk of any size.
 
 #include "kernels.h"
+#include "simd.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+namespace simd = protoserve::simd;
+using simd::F16;
+
 namespace {
 
 constexpr int64_t NB = 4;    // output channels per block
-constexpr int MB = 4;        // input rows per register tile
+// Input rows per register tile: 4 x NB accumulators fill AVX-512's 32 registers; AVX2 has 16 of half
+// the width, so 2.
+#if defined(PROTOSERVE_SIMD_AVX512)
+constexpr int MB = 4;
+#else
+constexpr int MB = 2;
+#endif
 constexpr int64_t CHUNK = 16;
 constexpr int64_t M_PANEL = 64;  // input rows kept hot while a thread walks its channel blocks
 
@@ -44,21 +53,18 @@ enum class Format : int64_t { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, I4_DOT = 4, I8_
 struct F32Weights {
   const float* data;
   int64_t chunks;  // K / 16
-  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+  inline void load(int64_t nb, int64_t kc, F16 w[NB]) const {
     const float* p = data + (nb * chunks + kc) * NB * CHUNK;
-    for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(p + j * CHUNK);
+    for (int j = 0; j < NB; ++j) w[j] = simd::load(p + j * CHUNK);
   }
 };
 
 struct BF16Weights {
   const uint16_t* data;
   int64_t chunks;
-  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+  inline void load(int64_t nb, int64_t kc, F16 w[NB]) const {
     const uint16_t* p = data + (nb * chunks + kc) * NB * CHUNK;
-    for (int j = 0; j < NB; ++j) {
-      __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * CHUNK)));
-      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
+    for (int j = 0; j < NB; ++j) w[j] = simd::load_bf16(p + j * CHUNK);
   }
 };
 
@@ -66,12 +72,9 @@ struct BF16Weights {
 struct I8Weights {
   const int8_t* data;
   int64_t chunks;
-  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+  inline void load(int64_t nb, int64_t kc, F16 w[NB]) const {
     const int8_t* p = data + (nb * chunks + kc) * NB * CHUNK;
-    for (int j = 0; j < NB; ++j) {
-      __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * CHUNK)));
-      w[j] = _mm512_cvtepi32_ps(wide);
-    }
+    for (int j = 0; j < NB; ++j) w[j] = simd::to_float(simd::load_i8_as_i32(p + j * CHUNK));
   }
 };
 
@@ -83,16 +86,16 @@ struct I4Weights {
   int64_t chunks;         // K / 16
   int64_t groups;         // K / group
   int group_shift;        // log2(group / 16): a shift, not a division, per chunk
-  inline void load(int64_t nb, int64_t kc, __m512 w[NB]) const {
+  inline void load(int64_t nb, int64_t kc, F16 w[NB]) const {
     const uint8_t* p = data + ((nb * (chunks >> 1) + (kc >> 1)) * NB) * CHUNK;
     const int64_t g = kc >> group_shift;
     const float* s = scales + (nb * groups + g) * NB;
     const float* m = mins + (nb * groups + g) * NB;
-    const __m512i low_nibble = _mm512_set1_epi32(0xF);
+    const simd::I16 low_nibble = simd::iset1(0xF);
     for (int j = 0; j < NB; ++j) {
-      __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * CHUNK)));
-      __m512i q = (kc & 1) ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, low_nibble);
-      w[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[j]), _mm512_set1_ps(m[j]));
+      const simd::I16 bytes = simd::load_u8_as_i32(p + j * CHUNK);
+      const simd::I16 q = (kc & 1) ? simd::shift_right(bytes, 4) : simd::iand(bytes, low_nibble);
+      w[j] = simd::fmadd(simd::to_float(q), simd::set1(s[j]), simd::set1(m[j]));
     }
   }
 };
@@ -100,30 +103,29 @@ struct I4Weights {
 // Rows [m0, m0 + R) of x against channel block nb: R x NB dot products.
 template <int R, typename W>
 inline void tile(const W& weights, const float* x, int64_t K, int64_t nb, float sums[MB][NB]) {
-  __m512 acc[R][NB];
+  F16 acc[R][NB];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[r][j] = simd::zero();
   const int64_t chunks = K / CHUNK;
   for (int64_t kc = 0; kc < chunks; ++kc) {
-    __m512 w[NB];
+    F16 w[NB];
     weights.load(nb, kc, w);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + kc * CHUNK);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+      const F16 xv = simd::load(x + r * K + kc * CHUNK);
+      for (int j = 0; j < NB; ++j) acc[r][j] = simd::fmadd(xv, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < NB; ++j) sums[r][j] = simd::reduce_add(acc[r][j]);
 }
 
-template <typename W>
+// The tile of `rows` (1..MB) rows.
+template <int R = MB, typename W>
 inline void dispatch_tile(const W& weights, const float* x, int64_t K, int64_t nb, int rows, float sums[MB][NB]) {
-  switch (rows) {
-    case 4: tile<4>(weights, x, K, nb, sums); break;
-    case 3: tile<3>(weights, x, K, nb, sums); break;
-    case 2: tile<2>(weights, x, K, nb, sums); break;
-    default: tile<1>(weights, x, K, nb, sums); break;
+  if constexpr (R > 1) {
+    if (rows < R) return dispatch_tile<R - 1>(weights, x, K, nb, rows, sums);
   }
+  tile<R>(weights, x, K, nb, sums);
 }
 
 // A block's K x NB weights widened once into `buffer` (the float32 layout), so
@@ -131,9 +133,9 @@ inline void dispatch_tile(const W& weights, const float* x, int64_t K, int64_t n
 template <typename W>
 inline void widen_block(const W& weights, int64_t nb, int64_t chunks, float* buffer) {
   for (int64_t kc = 0; kc < chunks; ++kc) {
-    __m512 w[NB];
+    F16 w[NB];
     weights.load(nb, kc, w);
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(buffer + (kc * NB + j) * CHUNK, w[j]);
+    for (int j = 0; j < NB; ++j) simd::store(buffer + (kc * NB + j) * CHUNK, w[j]);
   }
 }
 

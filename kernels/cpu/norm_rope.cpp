@@ -6,13 +6,15 @@
 // computed alone in a fixed order, so results do not depend on the batch.
 
 #include "kernels.h"
+#include "simd.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
+
+namespace simd = protoserve::simd;
 
 namespace {
 
@@ -20,13 +22,13 @@ constexpr int64_t ROW_GRAIN = 16;  // rows per task: small batches stay on the c
 
 // Sum of squares of one row in a fixed order: 16 lanes, then the lane tree, then the tail.
 inline float sum_squares(const float* x, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
+  simd::F16 acc = simd::zero();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const simd::F16 v = simd::load(x + i);
+    acc = simd::fmadd(v, v, acc);
   }
-  float s = _mm512_reduce_add_ps(acc);
+  float s = simd::reduce_add(acc);
   for (; i < d; ++i) s += x[i] * x[i];
   return s;
 }
@@ -38,10 +40,10 @@ namespace protoserve {
 void rms_norm_row(const float* x, const float* w, float eps, int64_t d, float* out) {
   const float inv = 1.0f / std::sqrt(sum_squares(x, d) / static_cast<float>(d) + eps);
   int64_t i = 0;
-  const __m512 vinv = _mm512_set1_ps(inv);
+  const simd::F16 vinv = simd::set1(inv);
   for (; i + 16 <= d; i += 16) {
-    const __m512 h = _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), h));
+    const simd::F16 h = simd::mul(simd::load(x + i), vinv);
+    simd::store(out + i, simd::mul(simd::load(w + i), h));
   }
   for (; i < d; ++i) out[i] = w[i] * (x[i] * inv);
 }

@@ -10,7 +10,7 @@ chunk, low nibbles first). Formats:
 * ``int4``: asymmetric groups along K, ``w = q * scale + min`` with q in 0..15.
 
 Those four multiply float32 activations. The integer-dot formats
-(``kernels/cpu/int8_dot_linear.cpp``, CPUs with AVX-512 VNNI) quantize the
+(``kernels/cpu/int8_dot_linear.cpp``: AVX-512 VNNI, AMX or AVX2) quantize the
 activations per block of 32 values to int8 codes plus int8 codes of their
 rounding error (~15 bits in all), and multiply codes by codes:
 
@@ -71,7 +71,7 @@ def supports(in_features: int) -> bool:
 
 
 def int8_dot_available() -> bool:
-    """The integer-dot formats run here (AVX-512 VNNI)."""
+    """The integer-dot formats run here (wherever the kernels build: VNNI, AMX or AVX2)."""
     ext = load("linear")
     return ext is not None and ext.int8_dot_available()
 

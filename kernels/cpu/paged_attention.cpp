@@ -1,6 +1,6 @@
 // Causal attention of a flattened batch over the paged KV cache, for the CPU.
 //
-// One kernel for both engine modes: it is fast (AVX-512, no gather of the
+// One kernel for both engine modes: it is fast (AVX-512 or AVX2, no gather of the
 // context into new tensors) and batch-invariant by construction.
 //
 // Layout: q [T, H, D] float32 (rows may be strided); k/v cache [num_blocks, block_size, KVH, D] float32
@@ -33,13 +33,14 @@
 // path for other D give different bits, but the path depends only on D.)
 //
 // Build flags (kernels/cpu/extension.py) include -ffp-contract=off, so the only
-// fused multiply-adds are the explicit _mm512_fmadd_ps below.
+// fused multiply-adds are the explicit simd::fmadd / fnmadd below.
 
 #include "kernels.h"
+#include "simd.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include <immintrin.h>  // _mm_prefetch
 
 #include <algorithm>
 #include <atomic>
@@ -50,11 +51,21 @@
 #include <type_traits>
 #include <vector>
 
+namespace simd = protoserve::simd;
+using simd::F16;
+
 namespace {
 
-constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one zmm of scores)
-constexpr int LANES = 16;      // floats per zmm
+constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one vector of scores)
+constexpr int LANES = 16;      // floats per vector (simd.h)
 constexpr int QUERY_TILE = 8;  // consecutive queries of a sequence sharing each loaded K/V block
+// P @ V register tile: query heads x 16-column chunks of accumulators kept in registers (16 of
+// AVX-512's 32 zmm; 8 of AVX2's 16 ymm, each vector being two of them).
+#if defined(PROTOSERVE_SIMD_AVX512)
+constexpr int PV_HEADS = 4, PV_COLUMNS = 4;
+#else
+constexpr int PV_HEADS = 2, PV_COLUMNS = 2;
+#endif
 // Below this many (query head x visible key x head_dim) multiply-adds in a call, the
 // OpenMP fork/join costs more than it saves; the result is the same either way.
 constexpr int64_t MIN_PARALLEL_WORK = 1 << 17;
@@ -83,13 +94,9 @@ struct Problem {
 
 // ---- float32 / bfloat16 loads -------------------------------------------------------------
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline F16 load16(const float* p) { return simd::load(p); }
 
-inline __m512 load16(const uint16_t* p) {
-  // bfloat16 -> float32 is the 16 bits shifted into the high half: exact.
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline F16 load16(const uint16_t* p) { return simd::load_bf16(p); }
 
 inline float load1(const float* p) { return *p; }
 
@@ -104,48 +111,23 @@ inline float load1(const uint16_t* p) {
 
 // exp(x) for x <= 0 (Cephes expf polynomial: ~1 ulp on the range), flushed to exactly 0
 // below EXP_MIN and for lanes outside `keep`.
-inline __m512 exp_nonpositive(__m512 x, __mmask16 keep) {
-  keep &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_MIN), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));  // also turns -inf (masked lanes) finite
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+inline F16 exp_nonpositive(F16 x, simd::Mask keep) {
+  keep &= simd::greater_equal(x, simd::set1(EXP_MIN));
+  x = simd::max(x, simd::set1(EXP_MIN));  // also turns -inf (masked lanes) finite
+  const F16 n = simd::round(simd::mul(x, simd::set1(1.44269504088896341f)));  // >= -126: 2^n is normal
+  F16 r = simd::fnmadd(n, simd::set1(0.693359375f), x);
+  r = simd::fnmadd(n, simd::set1(-2.12194440e-4f), r);
+  F16 y = simd::set1(1.9875691500e-4f);
+  y = simd::fmadd(y, r, simd::set1(1.3981999507e-3f));
+  y = simd::fmadd(y, r, simd::set1(8.3334519073e-3f));
+  y = simd::fmadd(y, r, simd::set1(4.1665795894e-2f));
+  y = simd::fmadd(y, r, simd::set1(1.6666665459e-1f));
+  y = simd::fmadd(y, r, simd::set1(5.0000001201e-1f));
+  y = simd::fmadd(y, simd::mul(r, r), simd::add(r, simd::set1(1.0f)));
+  return simd::keep(keep, simd::scale_pow2(y, n));
 }
 
 // ---- scores -----------------------------------------------------------------------------
-
-// Sixteen vectors of per-lane partial dot products -> one vector of their lane sums,
-// out[u] = sum over lanes of part[u]. Each output lane is the same fixed tree of its own
-// vector's lanes, ((l, l+8), then (l, l+4), (l, l+2), (l, l+1)), never mixed with another
-// key's lanes, so a score does not depend on which keys share its block.
-inline __m512 sum_lanes16(const __m512 part[16]) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) {  // (l, l+8): chunks 0,1 + chunks 2,3 of two keys
-    const __m512 a = part[2 * i], b = part[2 * i + 1];
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // (l, l+4): chunk 0 + chunk 1 of each key
-    const __m512 a = w[2 * i], b = w[2 * i + 1];
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {  // (l, l+2) inside each 128-bit chunk
-    const __m512 a = x[2 * i], b = x[2 * i + 1];
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-  }
-  // (l, l+1): lane 4c + i now holds key 4i + c; put the keys back in order.
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, z);
-}
 
 // Scores of one (pre-scaled) query head against the block's 16 key rows (float32).
 // Lane l of key u's partial is one multiply-add chain over q[16c + l] * k_u[16c + l],
@@ -153,39 +135,31 @@ inline __m512 sum_lanes16(const __m512 part[16]) {
 // CH > 0: head_dim = 16 * CH known at compile time, the query kept in registers;
 // CH == 0: any multiple of 16. Both compute the same chains.
 template <int CH>
-__attribute__((always_inline)) inline __m512 block_scores(const float* q, const float* const krow[16], int chunks) {
-  __m512 part[16];
+__attribute__((always_inline)) inline F16 block_scores(const float* q, const float* const krow[16], int chunks) {
+  F16 part[16];
   if constexpr (CH > 0) {
-    __m512 qc[CH];
+    F16 qc[CH];
 #pragma GCC unroll 8
-    for (int c = 0; c < CH; ++c) qc[c] = _mm512_loadu_ps(q + c * LANES);
+    for (int c = 0; c < CH; ++c) qc[c] = simd::load(q + c * LANES);
 #pragma GCC unroll 16
     for (int u = 0; u < 16; ++u) {
       const float* k = krow[u];
-      __m512 acc = _mm512_mul_ps(qc[0], _mm512_loadu_ps(k));
+      F16 acc = simd::mul(qc[0], simd::load(k));
 #pragma GCC unroll 8
-      for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(qc[c], _mm512_loadu_ps(k + c * LANES), acc);
+      for (int c = 1; c < CH; ++c) acc = simd::fmadd(qc[c], simd::load(k + c * LANES), acc);
       part[u] = acc;
     }
   } else {
-    __m512 qc = _mm512_loadu_ps(q);
+    F16 qc = simd::load(q);
 #pragma GCC unroll 16
-    for (int u = 0; u < 16; ++u) part[u] = _mm512_mul_ps(qc, _mm512_loadu_ps(krow[u]));
+    for (int u = 0; u < 16; ++u) part[u] = simd::mul(qc, simd::load(krow[u]));
     for (int c = 1; c < chunks; ++c) {
-      qc = _mm512_loadu_ps(q + c * LANES);
+      qc = simd::load(q + c * LANES);
 #pragma GCC unroll 16
-      for (int u = 0; u < 16; ++u) part[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(krow[u] + c * LANES), part[u]);
+      for (int u = 0; u < 16; ++u) part[u] = simd::fmadd(qc, simd::load(krow[u] + c * LANES), part[u]);
     }
   }
-  return sum_lanes16(part);
-}
-
-// The maximum of the 16 lanes, in every lane (exact: max does not round).
-inline __m512 max_all_lanes(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+  return simd::sum_lanes16(part);
 }
 
 // ---- P @ V ------------------------------------------------------------------------------
@@ -196,22 +170,21 @@ inline __m512 max_all_lanes(__m512 x) {
 template <typename KT, int G, int CC>
 void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[16], int ua,
              int ub, int c0) {
-  __m512 a[G][CC];
+  F16 a[G][CC];
   for (int g = 0; g < G; ++g) {
-    const __m512 cg = _mm512_set1_ps(corr[g]);
-    for (int c = 0; c < CC; ++c)
-      a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * head_dim + (c0 + c) * LANES), cg);
+    const F16 cg = simd::set1(corr[g]);
+    for (int c = 0; c < CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (c0 + c) * LANES), cg);
   }
   for (int u = ua; u <= ub; ++u) {
-    __m512 vc[CC];
+    F16 vc[CC];
     for (int c = 0; c < CC; ++c) vc[c] = load16(vrow[u] + (c0 + c) * LANES);
     for (int g = 0; g < G; ++g) {
-      const __m512 pu = _mm512_set1_ps(probs[g * KEY_BLOCK + u]);
-      for (int c = 0; c < CC; ++c) a[g][c] = _mm512_fmadd_ps(pu, vc[c], a[g][c]);
+      const F16 pu = simd::set1(probs[g * KEY_BLOCK + u]);
+      for (int c = 0; c < CC; ++c) a[g][c] = simd::fmadd(pu, vc[c], a[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CC; ++c) _mm512_storeu_ps(acc + g * head_dim + (c0 + c) * LANES, a[g][c]);
+    for (int c = 0; c < CC; ++c) simd::store(acc + g * head_dim + (c0 + c) * LANES, a[g][c]);
 }
 
 template <typename KT>
@@ -249,7 +222,7 @@ struct Scratch {
   std::vector<float> q;      // [QUERY_TILE, group, D] scaled queries
   std::vector<float> acc;    // [QUERY_TILE, group, D] running sum of p * v
   std::vector<float> m;      // [QUERY_TILE, group] running max
-  std::vector<__m512> l;     // [QUERY_TILE, group] running sum of p, per lane
+  std::vector<F16> l;        // [QUERY_TILE, group] running sum of p, per lane
   std::vector<float> probs;  // [QUERY_TILE, group, KEY_BLOCK] this block's scores, then probabilities
   std::vector<float> corr;   // [QUERY_TILE, group] this block's rescale factors
   std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
@@ -295,10 +268,10 @@ template <int CH>
 inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[16], int ua, int ub,
                                float* scores) {
   const int D = pb.head_dim, chunks = D / LANES;
-  const __mmask16 visible = static_cast<__mmask16>(((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u));
+  const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
   for (int g = 0; g < pb.group; ++g) {
-    const __m512 sc = block_scores<CH>(q + g * D, krow, chunks);
-    _mm512_storeu_ps(scores + g * KEY_BLOCK, _mm512_mask_blend_ps(visible, _mm512_set1_ps(NEG_INF), sc));
+    const F16 sc = block_scores<CH>(q + g * D, krow, chunks);
+    simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), sc));
   }
 }
 
@@ -306,22 +279,22 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
 // corr = exp(m - m') of the state: exactly 0 on the first block (m = -inf), and exactly 1
 // when the max did not move, the common case once a sequence's large scores are seen, so
 // that case skips the exp (same bits: exp(0) is 1 and l * 1 + p rounds like l + p) ...
-inline void block_query_softmax(int group, int ua, int ub, float* m, __m512* l, float* probs, float* corr) {
-  const __mmask16 visible = static_cast<__mmask16>(((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u));
+inline void block_query_softmax(int group, int ua, int ub, float* m, F16* l, float* probs, float* corr) {
+  const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
   for (int g = 0; g < group; ++g) {
-    const __m512 sc = _mm512_loadu_ps(probs + g * KEY_BLOCK);
-    const __m512 m_old = _mm512_set1_ps(m[g]);
-    const __m512 m_new = _mm512_max_ps(m_old, max_all_lanes(sc));
-    const float m_new1 = _mm512_cvtss_f32(m_new);
-    const __m512 pr = exp_nonpositive(_mm512_sub_ps(sc, m_new), visible);
-    _mm512_storeu_ps(probs + g * KEY_BLOCK, pr);
+    const F16 sc = simd::load(probs + g * KEY_BLOCK);
+    const F16 m_old = simd::set1(m[g]);
+    const F16 m_new = simd::max(m_old, simd::max_all_lanes(sc));
+    const float m_new1 = simd::first(m_new);
+    const F16 pr = exp_nonpositive(simd::sub(sc, m_new), visible);
+    simd::store(probs + g * KEY_BLOCK, pr);
     if (m_new1 == m[g]) {  // the usual case once the big scores are seen: corr = exp(0) = 1 exactly
-      l[g] = _mm512_add_ps(l[g], pr);
+      l[g] = simd::add(l[g], pr);
       corr[g] = 1.0f;
     } else {
-      const __m512 c = exp_nonpositive(_mm512_sub_ps(m_old, m_new), 0xFFFF);
-      l[g] = _mm512_fmadd_ps(l[g], c, pr);
-      corr[g] = _mm512_cvtss_f32(c);
+      const F16 c = exp_nonpositive(simd::sub(m_old, m_new), 0xFFFF);
+      l[g] = simd::fmadd(l[g], c, pr);
+      corr[g] = simd::first(c);
     }
     m[g] = m_new1;
   }
@@ -332,10 +305,11 @@ template <typename KT>
 inline void block_query_pv(const Problem& pb, float* acc, const float* probs, const float* corr,
                            const KT* const vrow[16], int ua, int ub) {
   const int D = pb.head_dim, chunks = D / LANES;
-  for (int g0 = 0; g0 < pb.group; g0 += 4) {
-    const int ng = std::min(4, pb.group - g0);
-    for (int c0 = 0; c0 < chunks; c0 += 4)
-      pv_kernel<KT>(ng, std::min(4, chunks - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vrow, ua, ub, c0);
+  for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
+    const int ng = std::min(PV_HEADS, pb.group - g0);
+    for (int c0 = 0; c0 < chunks; c0 += PV_COLUMNS)
+      pv_kernel<KT>(ng, std::min(PV_COLUMNS, chunks - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vrow,
+                                                           ua, ub, c0);
   }
 }
 
@@ -368,15 +342,15 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
   const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh) * D;
   const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh) * D;
 
-  const __m512 scale = _mm512_set1_ps(pb.scale);
+  const F16 scale = simd::set1(pb.scale);
   for (int i = 0; i < tile.n; ++i) {
     const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh) * G * D;
     for (int e = 0; e < GD; e += LANES)
-      _mm512_storeu_ps(&s.q[i * GD + e], _mm512_mul_ps(_mm512_loadu_ps(qrow + e), scale));
+      simd::store(&s.q[i * GD + e], simd::mul(simd::load(qrow + e), scale));
   }
   std::fill(s.acc.begin(), s.acc.begin() + tile.n * GD, 0.0f);
   std::fill(s.m.begin(), s.m.begin() + tile.n * G, NEG_INF);
-  std::fill(s.l.begin(), s.l.begin() + tile.n * G, _mm512_setzero_ps());
+  std::fill(s.l.begin(), s.l.begin() + tile.n * G, simd::zero());
 
   // Key blocks in ascending order. Per block: the rows of every key any query of the tile
   // sees, then for each query its own lanes qa..qb (none when qa > qb: the block is outside
@@ -399,7 +373,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
         krow[u] = k;
       } else {  // widen once per block, not once per query head
         float* dst = &s.kbuf[u * D];
-        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + c * LANES, load16(k + c * LANES));
+        for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
         krow[u] = dst;
       }
     }
@@ -425,10 +399,10 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
   for (int i = 0; i < tile.n; ++i) {
     float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
     for (int g = 0; g < G; ++g) {
-      const __m512 denom = _mm512_set1_ps(_mm512_reduce_add_ps(s.l[i * G + g]));
+      const F16 denom = simd::set1(simd::reduce_add(s.l[i * G + g]));
       const float* acc = &s.acc[i * GD + g * D];
       for (int c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(orow + g * D + c * LANES, _mm512_div_ps(_mm512_loadu_ps(acc + c * LANES), denom));
+        simd::store(orow + g * D + c * LANES, simd::div(simd::load(acc + c * LANES), denom));
     }
   }
 }
