@@ -196,6 +196,9 @@ struct NibbleDot {
   inline void add(const __m256i codes[2], __m256i x4) {
     sum[0] = _mm256_add_epi16(sum[0], _mm256_maddubs_epi16(codes[0], x4));
     sum[1] = _mm256_add_epi16(sum[1], _mm256_maddubs_epi16(codes[1], x4));
+    // Keep the sums a chain in registers: integer adds are associative, and GCC otherwise turns a
+    // block's 8 adds into a tree that needs every product at once and spills them to the stack.
+    asm("" : "+x"(sum[0]), "+x"(sum[1]));
   }
 
   inline I16 widen() const {
@@ -244,32 +247,65 @@ struct Int4Codes {
   }
 };
 
-// 8-bit codes are too wide for int16 pair sums (2 * 255 * 127 > 2^15): q = 16 * high + low
-// nibble, each nibble's sums exact as for int4, and q's sum = 16 * high's + low's in int32.
+// 8-bit codes are too wide for int16 pair sums of unsigned codes (2 * 255 * 127 > 2^15), so the
+// stored q + 128 goes back to the signed q (-127..127) and the activation's sign moves onto it:
+// |x| * (q * sign(x)) = q * x, pairs within 2 * 127 * 127 < 2^15, widened to int32 at every chunk.
+// q + 128's sums are then q's plus 128 * the block's code sum: the same integers vpdpbusd gives.
+inline __m256i code_sum_x128(const int8_t* codes) {  // 128 * the sum of 32 codes, in every lane
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm256_slli_epi32(_mm256_broadcastd_epi32(t), 7);
+}
+
+struct SignedDot {
+  __m256i sum[2];  // channels 0-7 and 8-15 of one vector: int32
+
+  SignedDot() : sum{_mm256_setzero_si256(), _mm256_setzero_si256()} {}
+
+  // q: the chunk's signed codes of this vector (two halves); x4 / ax4: 4 activation codes and their |.|.
+  inline void add(const __m256i q[2], __m256i x4, __m256i ax4) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h)
+      sum[h] = _mm256_add_epi32(sum[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ax4, _mm256_sign_epi8(q[h], x4)), ones));
+    asm("" : "+x"(sum[0]), "+x"(sum[1]));  // a chain in registers, as NibbleDot's
+  }
+
+  inline I16 finish(__m256i offset) const {
+    return simd::from_halves(_mm256_add_epi32(sum[0], offset), _mm256_add_epi32(sum[1], offset));
+  }
+};
+
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
   template <int R>
   static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
                            I16 acc[R][CV], I16 acc_fine[R][CV]) {
-    NibbleDot coarse_lo[R][CV], coarse_hi[R][CV], fine_lo[R][CV], fine_hi[R][CV];
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    SignedDot coarse[R][CV], fine[R][CV];
     for (int j = 0; j < 8; ++j) {
-      __m256i lo[CV][2], hi[CV][2];
-      for (int c = 0; c < CV; ++c) nibbles(w + c * stride + j * 64, lo[c], hi[c]);
+      __m256i q[CV][2];
+      for (int c = 0; c < CV; ++c)
+        for (int h = 0; h < 2; ++h)
+          q[c][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + j * 64 + 32 * h)), bias);
       for (int r = 0; r < R; ++r) {
         const __m256i xv = broadcast4(xc[r] + 4 * j), fv = broadcast4(xf[r] + 4 * j);
+        const __m256i ax = _mm256_abs_epi8(xv), af = _mm256_abs_epi8(fv);
         for (int c = 0; c < CV; ++c) {
-          coarse_lo[r][c].add(lo[c], xv);
-          coarse_hi[r][c].add(hi[c], xv);
-          fine_lo[r][c].add(lo[c], fv);
-          fine_hi[r][c].add(hi[c], fv);
+          coarse[r][c].add(q[c], xv, ax);
+          fine[r][c].add(q[c], fv, af);
         }
       }
     }
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      const __m256i coarse_offset = code_sum_x128(xc[r]), fine_offset = code_sum_x128(xf[r]);
       for (int c = 0; c < CV; ++c) {
-        acc[r][c] = simd::iadd(coarse_lo[r][c].widen(), simd::shift_left(coarse_hi[r][c].widen(), 4));
-        acc_fine[r][c] = simd::iadd(fine_lo[r][c].widen(), simd::shift_left(fine_hi[r][c].widen(), 4));
+        acc[r][c] = coarse[r][c].finish(coarse_offset);
+        acc_fine[r][c] = fine[r][c].finish(fine_offset);
       }
+    }
   }
 };
 #endif

@@ -170,10 +170,14 @@ def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gro
 
 def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
     """Per-channel int8 codes [N, K] and scales [N] (``w = q * scale``) in the integer-dot layout:
-    unsigned ``q + 128``, chunk j of a block holding k = 4j..4j+3, and ``min = -128 * scale``."""
+    unsigned ``q + 128``, chunk j of a block holding k = 4j..4j+3, and ``min = -128 * scale``.
+    Codes are symmetric, -127..127: the AVX2 kernel multiplies ``q * sign(x)`` in int8, which -128
+    does not survive."""
     n, k = q.shape
     if k % DOT_BLOCK:
         raise ValueError(f"int8_dot needs K ({k}) to be a multiple of 32")
+    if q.numel() and int(q.min()) < -127:
+        raise ValueError("int8_dot codes must lie in -127..127 (symmetric quantization)")
     codes = _pad_rows((q.to(torch.int16) + 128).to(torch.uint8), DOT_LANES)
     nv, blocks = codes.shape[0] // DOT_LANES, k // DOT_BLOCK
     data = codes.reshape(nv, DOT_LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()

@@ -19,7 +19,7 @@ import torch
 from kernels.cpu import extension
 from kernels.cpu import packed_linear as pl
 
-pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
 
 def _weights(fmt: str, n: int, k: int, g: torch.Generator) -> pl.PackedWeight:
@@ -41,7 +41,7 @@ def _weights(fmt: str, n: int, k: int, g: torch.Generator) -> pl.PackedWeight:
 
 
 needs_vnni = pytest.mark.skipif(
-    extension.cpu_supported() and not pl.int8_dot_available(), reason="the integer-dot formats need AVX-512 VNNI"
+    extension.cpu_supported() and not pl.int8_dot_available(), reason="the integer-dot formats did not build here"
 )
 FORMATS = ["float32", "bfloat16", "int8", "int4", pytest.param("int4_dot", marks=needs_vnni),
            pytest.param("int8_dot", marks=needs_vnni)]
@@ -165,6 +165,8 @@ def test_integer_dot_bad_inputs_and_edge_rows() -> None:
     g = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match="multiple of 32"):
         pl.pack_int8_dot(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(ValueError, match="-127..127"):
+        pl.pack_int8_dot(torch.full((4, 32), -128, dtype=torch.int8), torch.ones(4))
     with pytest.raises(ValueError, match="multiples of 32"):
         pl.pack_int4_dot(torch.zeros(4, 64, dtype=torch.int64), torch.ones(4, 1), torch.zeros(4, 1), 48)
     weight = _weights("int4_dot", 20, 64, g)
@@ -179,6 +181,34 @@ def test_integer_dot_bad_inputs_and_edge_rows() -> None:
     got = pl.packed_linear(x, weight)
     assert torch.isfinite(got).all() and torch.equal(got[0], pl.packed_linear(x[:1] * 0, weight)[0])
     torch.testing.assert_close(got, pl.reference_linear(x, weight), rtol=1e-4, atol=1e-2)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int4_dot", "int8_dot"])
+def test_integer_dot_extreme_codes_do_not_overflow(fmt: str) -> None:
+    """The largest codes against the largest activation codes of either sign, in every pattern: the
+    AVX2 path adds code products in int16 (a block's 4-bit ones, an 8-bit chunk's pairs), which
+    holds only within the codes' documented ranges; the sums must still be exact."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 48, 128
+    if fmt == "int4_dot":
+        q = torch.where(torch.rand(n, k, generator=g) < 0.9, 15, 0)
+        q[:16] = 15
+        weight = pl.pack_int4_dot(q, torch.full((n, k // 32), 0.01), torch.zeros(n, k // 32), 32)
+    else:
+        q = torch.where(torch.rand(n, k, generator=g) < 0.5, 127, -127).to(torch.int8)
+        q[:16] = 127
+        q[16:32] = -127
+        weight = pl.pack_int8_dot(q, torch.full((n,), 0.01))
+    # Activations whose coarse codes are all +-127 (every value the block's max in size), then
+    # values whose fine codes are large too.
+    signs = torch.where(torch.rand(6, k, generator=g) < 0.5, -1.0, 1.0)
+    signs[0], signs[1] = 1.0, -1.0
+    x = torch.cat([signs * 3.0, signs * torch.rand(6, k, generator=g) * 3.0])
+    exact = (x.double() @ pl.unpack(weight).double().T).float()
+    got = pl.packed_linear(x, weight)
+    torch.testing.assert_close(got, pl.reference_linear(x, weight), rtol=1e-5, atol=1e-3)
+    assert (got - exact).abs().max() <= 1e-3 * exact.abs().max()
 
 
 @needs_vnni
