@@ -107,9 +107,10 @@ class Sampler:
         plain = [self.plain_greedy(seq) for seq in seqs]
         # One reduction over the batch for every row that needs nothing else: the per-row path
         # copies each row (vocab floats) and pays a few tensor ops' dispatch, ~4 ms a step at 64
-        # rows. max(dim) is exact and, like argmax, takes the first maximum, so the tokens are the
-        # same; it is ~2.5x faster than argmax(dim) over [64, 49152] here.
-        best = logits.max(dim=1).indices.tolist() if any(plain) else []
+        # rows. NumPy's argmax is exact and, like torch's, takes the first maximum, so the tokens
+        # are the same. On one thread it beat torch's max(dim=1) over [rows, 49152] on a 2-core
+        # AVX2 machine (6 vs 52 us at 1 row, 0.37 vs 1.7 ms at 64), and it wakes no OpenMP worker.
+        best = logits.float().numpy().argmax(axis=1).tolist() if any(plain) else []
         return [SampleResult(best[i]) if plain[i] else self.sample_row(logits[i], seq)
                 for i, seq in enumerate(seqs)]
 
