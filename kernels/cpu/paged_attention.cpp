@@ -136,7 +136,7 @@ inline F16 exp_nonpositive(F16 x, simd::Mask keep) {
 // CH == 0: any multiple of 16. Both compute the same chains.
 template <int CH>
 __attribute__((always_inline)) inline F16 block_scores(const float* q, const float* const krow[16], int chunks) {
-  F16 part[16];
+  simd::LaneSums16 sums;
   if constexpr (CH > 0) {
     F16 qc[CH];
 #pragma GCC unroll 8
@@ -147,9 +147,10 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
       F16 acc = simd::mul(qc[0], simd::load(k));
 #pragma GCC unroll 8
       for (int c = 1; c < CH; ++c) acc = simd::fmadd(qc[c], simd::load(k + c * LANES), acc);
-      part[u] = acc;
+      sums.put(u, acc);
     }
   } else {
+    F16 part[16];
     F16 qc = simd::load(q);
 #pragma GCC unroll 16
     for (int u = 0; u < 16; ++u) part[u] = simd::mul(qc, simd::load(krow[u]));
@@ -158,8 +159,10 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
 #pragma GCC unroll 16
       for (int u = 0; u < 16; ++u) part[u] = simd::fmadd(qc, simd::load(krow[u] + c * LANES), part[u]);
     }
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) sums.put(u, part[u]);
   }
-  return simd::sum_lanes16(part);
+  return sums.result();
 }
 
 // ---- P @ V ------------------------------------------------------------------------------

@@ -104,6 +104,15 @@ inline F16 sum_lanes16(const F16 part[16]) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+// sum_lanes16 fed one vector at a time (put(0) .. put(15), in order, u known at compile time
+// once the caller's loop is unrolled), so that a narrow backend can fold each vector as it comes
+// instead of holding all sixteen. Here the sixteen zmm fit in registers: they are kept.
+struct LaneSums16 {
+  F16 part[16];
+  inline void put(int u, F16 v) { part[u] = v; }
+  inline F16 result() const { return sum_lanes16(part); }
+};
+
 // The maximum of the 16 lanes, in every lane (exact: max does not round).
 inline F16 max_all_lanes(F16 x) {
   x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
@@ -242,6 +251,32 @@ inline F16 sum_lanes16(const F16 part[16]) {
   for (int u = 0; u < 16; ++u) half[u] = _mm256_add_ps(part[u].lo, part[u].hi);
   return {sum_lanes8(half), sum_lanes8(half + 8)};
 }
+
+// sum_lanes16 fed one vector at a time (put(0) .. put(15), in order, u known at compile time once
+// the caller's loop is unrolled): each vector folds to 8 lanes at once and pairs of them go through
+// sum_lanes8's hadd tree as they arrive, so at most a few ymm are live instead of 32 (16 ymm in all).
+// The same tree as sum_lanes16, so the same bits.
+struct LaneSums16 {
+  __m256 half[2];   // the pending folded vector of a pair
+  __m256 pairs[2];  // hadd of pairs (0,1), (2,3) of the current quad
+  __m256 quads[2];  // hadd of the quads of the current eight
+  __m256 out[2];    // lanes 0-7, 8-15
+
+  inline void put(int u, F16 v) {
+    const __m256 folded = _mm256_add_ps(v.lo, v.hi);
+    if ((u & 1) == 0) {
+      half[0] = folded;
+      return;
+    }
+    pairs[(u >> 1) & 1] = _mm256_hadd_ps(half[0], folded);
+    if ((u & 3) != 3) return;
+    quads[(u >> 2) & 1] = _mm256_hadd_ps(pairs[0], pairs[1]);
+    if ((u & 7) != 7) return;
+    out[u >> 3] = _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                                _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+  }
+  inline F16 result() const { return {out[0], out[1]}; }
+};
 
 inline F16 max_all_lanes(F16 x) {
   __m256 m = _mm256_max_ps(x.lo, x.hi);
