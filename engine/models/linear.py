@@ -10,7 +10,7 @@ only on the row itself: the same kernel shape always runs, and within one shape
 a row's reduction order does not depend on its position (verified by
 tests/models/test_batch_invariance.py).
 
-Where the CPU has AVX-512, every layer runs on our own kernel instead
+Where the CPU has AVX-512 or AVX2, every layer runs on our own kernel instead
 (kernels/cpu/linear.cpp, packed by ``pack_for_kernel`` once the weights are
 final): it reads each weight once per step in its stored width (float32,
 bfloat16, int8 or int4) and computes each output as one fixed-order chain per

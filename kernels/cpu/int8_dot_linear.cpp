@@ -554,8 +554,6 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
 
 namespace protoserve {
 
-bool int8_dot_available() { return true; }
-
 bool int8_dot_amx_available() {
 #if defined(PROTOSERVE_AMX)
   return amx_permitted();

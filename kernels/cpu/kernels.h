@@ -51,11 +51,10 @@ void check_packed_linear(const LinearWeights& w, int64_t in_features);
 void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64_t K, float* out,
                         ActivationCodes& codes, const Team* team);
 
-// int8_dot_linear.cpp (AVX-512 VNNI, AMX or AVX2: int8_dot_available()): the same over 4- or 8-bit unsigned
+// int8_dot_linear.cpp (AVX-512 VNNI, AMX or AVX2): the same over 4- or 8-bit unsigned
 // codes (format int4_dot / int8_dot), x quantized to int8 per 32 values.
 void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int64_t M, int64_t K, float* out,
                           ActivationCodes& codes, const Team* team);
-bool int8_dot_available();
 // Whether 16-row groups run on AMX-INT8 tiles (CPU, compiler and OS all allow it); same results.
 bool int8_dot_amx_available();
 

@@ -194,7 +194,6 @@ void check_packed_linear(const LinearWeights& w, int64_t K) {
   switch (static_cast<Format>(w.format)) {
     case Format::I4_DOT:
     case Format::I8_DOT: {
-      TORCH_CHECK(int8_dot_available(), "this CPU has no AVX-512 VNNI: integer-dot weight formats are not available");
       const int64_t bits = w.format == static_cast<int64_t>(Format::I4_DOT) ? 4 : 8;
       TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
       TORCH_CHECK(w.group_size >= 32 && w.group_size % 32 == 0 && K % w.group_size == 0,

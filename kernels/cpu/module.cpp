@@ -15,8 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("packed_linear", &protoserve::packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)",
         no_gil);
-  m.def("int8_dot_available", &protoserve::int8_dot_available,
-        "whether this build has the integer-dot formats (AVX-512 VNNI, AMX or AVX2)");
   m.def("int8_dot_amx_available", &protoserve::int8_dot_amx_available,
         "whether the integer-dot formats run their 16-row groups on AMX tiles here");
   m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);

@@ -71,9 +71,8 @@ def supports(in_features: int) -> bool:
 
 
 def int8_dot_available() -> bool:
-    """The integer-dot formats run here (wherever the kernels build: VNNI, AMX or AVX2)."""
-    ext = load("linear")
-    return ext is not None and ext.int8_dot_available()
+    """The integer-dot formats run here: wherever the kernels build (VNNI, AMX or AVX2)."""
+    return available()
 
 
 def int8_dot_amx_available() -> bool:

@@ -168,7 +168,7 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
 // ---- P @ V ------------------------------------------------------------------------------
 
 // acc[g] = acc[g] * corr[g] + sum_{u=ua..ub} p[g][u] * v_u for G heads of the group and CC
-// zmm columns starting at column chunk c0: each loaded V vector serves the G heads.
+// 16-column vectors starting at column chunk c0: each loaded V vector serves the G heads.
 // Per lane this is one FMA chain in ascending u whatever G and CC are.
 template <typename KT, int G, int CC>
 void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[16], int ua,

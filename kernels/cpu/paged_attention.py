@@ -1,7 +1,7 @@
 """Batch-invariant causal attention over the paged KV cache: ``kernels/cpu/paged_attention.cpp``.
 
 The engine's attention reads K/V straight from the block-paged cache. The C++
-kernel does it in one pass per (query token, KV head) with AVX-512, walking
+kernel does it in one pass per (query token, KV head) with AVX-512 or AVX2, walking
 exactly the query's own visible keys in ascending order in 16-key blocks
 aligned to position 0, with an online softmax. Because nothing in that walk
 depends on the other queries of the batch, one kernel is both the fast path and
@@ -26,7 +26,7 @@ def _extension() -> types.ModuleType | None:
 
 
 def available() -> bool:
-    """True when the compiled kernel can run here (AVX-512, a compiler, not disabled)."""
+    """True when the compiled kernel can run here (AVX-512 or AVX2, a compiler, not disabled)."""
     return _extension() is not None
 
 

@@ -8,7 +8,7 @@ import torch
 from kernels.cpu import extension
 from kernels.cpu import norm_rope as nr
 
-pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
 
 def test_kernel_loads_on_this_machine() -> None:

@@ -40,11 +40,7 @@ def _weights(fmt: str, n: int, k: int, g: torch.Generator) -> pl.PackedWeight:
     )
 
 
-needs_vnni = pytest.mark.skipif(
-    extension.cpu_supported() and not pl.int8_dot_available(), reason="the integer-dot formats did not build here"
-)
-FORMATS = ["float32", "bfloat16", "int8", "int4", pytest.param("int4_dot", marks=needs_vnni),
-           pytest.param("int8_dot", marks=needs_vnni)]
+FORMATS = ["float32", "bfloat16", "int8", "int4", "int4_dot", "int8_dot"]
 
 
 def _cpu_flags() -> set[str]:
@@ -100,7 +96,6 @@ def test_unpack_inverts_pack(fmt: str) -> None:
         assert torch.equal(pl.unpack(pack(q, s, m, 32)), want)
 
 
-@needs_vnni
 def test_amx_tiles_are_used_where_the_cpu_and_os_offer_them() -> None:
     """A CPU with AMX-INT8 (Sapphire Rapids and later) whose kernel grants the tile state must get
     the AMX path: silently falling back to VNNI would cost batched throughput, not correctness."""
@@ -110,7 +105,6 @@ def test_amx_tiles_are_used_where_the_cpu_and_os_offer_them() -> None:
     assert pl.int8_dot_amx_available()
 
 
-@needs_vnni
 @pytest.mark.parametrize("fmt", ["int4_dot", "int8_dot"])
 @pytest.mark.parametrize("rows", [16, 17, 33, 48, 80])
 def test_amx_groups_and_vnni_tails_give_the_same_bits(fmt: str, rows: int) -> None:
@@ -160,7 +154,6 @@ def test_bad_inputs_raise() -> None:
     assert pl.packed_linear(torch.randn(0, 32), weight).shape == (0, 8)
 
 
-@needs_vnni
 def test_integer_dot_bad_inputs_and_edge_rows() -> None:
     g = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -183,7 +176,6 @@ def test_integer_dot_bad_inputs_and_edge_rows() -> None:
     torch.testing.assert_close(got, pl.reference_linear(x, weight), rtol=1e-4, atol=1e-2)
 
 
-@needs_vnni
 @pytest.mark.parametrize("fmt", ["int4_dot", "int8_dot"])
 def test_integer_dot_extreme_codes_do_not_overflow(fmt: str) -> None:
     """The largest codes against the largest activation codes of either sign, in every pattern: the
@@ -211,7 +203,6 @@ def test_integer_dot_extreme_codes_do_not_overflow(fmt: str) -> None:
     assert (got - exact).abs().max() <= 1e-3 * exact.abs().max()
 
 
-@needs_vnni
 @pytest.mark.parametrize("fmt", ["int4_dot", "int8_dot"])
 def test_integer_dot_error_from_activation_rounding_is_small(fmt: str) -> None:
     """Against the float-activation product of the same weights: coarse + fine int8 codes per 32

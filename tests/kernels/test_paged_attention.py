@@ -1,7 +1,7 @@
 """kernels/cpu/paged_attention.cpp: correctness against a float64 reference, and batch invariance.
 
 The kernel must match the plain per-query reference for every head size (the
-AVX-512 path for multiples of 16, the scalar one otherwise), GQA ratios, cache
+vector path for multiples of 16, the scalar one otherwise), GQA ratios, cache
 block sizes, float32 and bfloat16 caches, sliding windows, scattered block
 tables and batches mixing prefill chunks with single-token decodes. And since
 it serves the engine's deterministic mode, a query's output must be
@@ -22,7 +22,7 @@ from engine.models.kv_cache import PagedKVCache
 from kernels.cpu import extension
 from kernels.cpu import paged_attention as pa
 
-pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from engine.models.kv_cache import KVCache, PagedKVCache
 from engine.models.linear import KernelPackable, quantize_linears
 from kernels.cpu import extension
 
-pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 QUANTIZATIONS = ("none", "int8", "int4")
