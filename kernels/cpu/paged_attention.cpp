@@ -222,7 +222,7 @@ using Tile = protoserve::AttentionTile;
 // Scratch of one thread, reused across its units and calls (thread_local: no allocation
 // once a thread has seen the largest shapes).
 struct Scratch {
-  std::vector<float> q;      // [QUERY_TILE, group, D] scaled queries
+  std::vector<float> q;      // [QUERY_TILE, unit's heads, D] scaled queries
   std::vector<float> acc;    // [QUERY_TILE, group, D] running sum of p * v
   std::vector<float> m;      // [QUERY_TILE, group] running max
   std::vector<F16> l;        // [QUERY_TILE, group] running sum of p, per lane
@@ -230,8 +230,8 @@ struct Scratch {
   std::vector<float> corr;   // [QUERY_TILE, group] this block's rescale factors
   std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
 
-  void fit(const Problem& pb) {
-    const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.group * pb.head_dim, g = QUERY_TILE * pb.group;
+  void fit(const Problem& pb) {  // room for a unit of every KV head
+    const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.num_heads * pb.head_dim, g = QUERY_TILE * pb.num_heads;
     grow(q, gd);
     grow(acc, gd);
     grow(m, g);
@@ -319,13 +319,14 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
 // Ask for the next key block's K/V rows while this one is computed: the blocks of a
 // sequence are scattered, so the hardware prefetcher cannot guess them, and decode reads
 // every row from beyond L2.
+// `heads` consecutive KV heads' rows from kbase / vbase on.
 template <typename KT>
 inline void prefetch_block(const Problem& pb, const int32_t* table, const KT* kbase, const KT* vbase,
-                           int64_t row_stride, int j0, int last) {
+                           int64_t row_stride, int heads, int j0, int last) {
   int64_t slots[16];
   const int ub = std::min(last - j0, KEY_BLOCK - 1);
   block_slots(pb, table, j0, 0, ub, slots);
-  const int row_bytes = pb.head_dim * static_cast<int>(sizeof(KT));
+  const int row_bytes = heads * pb.head_dim * static_cast<int>(sizeof(KT));
   for (int u = 0; u <= ub; ++u) {
     const char* k = reinterpret_cast<const char*>(kbase + slots[u] * row_stride);
     const char* v = reinterpret_cast<const char*>(vbase + slots[u] * row_stride);
@@ -336,27 +337,30 @@ inline void prefetch_block(const Problem& pb, const int32_t* table, const KT* kb
   }
 }
 
-// The tile's queries for KV head kvh, D % 16 == 0.
+// The tile's queries for KV heads kvh0 .. kvh0 + nkv - 1, D % 16 == 0. One head per unit spreads a
+// short batch over the threads; all heads in one unit read each cached row (all heads side by side)
+// in one pass, which DRAM serves far better than three interleaved strided walks. Either way each
+// (query, head) runs the same operations on the same rows in the same order: the same bits.
 template <typename KT, int CH>
-void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
-  const int D = pb.head_dim, chunks = D / LANES, G = pb.group, GD = G * D;
+void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scratch& s) {
+  const int D = pb.head_dim, chunks = D / LANES, G = pb.group, GD = G * D, HG = nkv * G, HGD = nkv * GD;
   const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
   const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
-  const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh) * D;
-  const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh) * D;
+  const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * D;
+  const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * D;
 
   const F16 scale = simd::set1(pb.scale);
-  for (int i = 0; i < tile.n; ++i) {
-    const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh) * G * D;
-    for (int e = 0; e < GD; e += LANES)
-      simd::store(&s.q[i * GD + e], simd::mul(simd::load(qrow + e), scale));
+  for (int i = 0; i < tile.n; ++i) {  // the unit's heads are consecutive in a query row
+    const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
+    for (int e = 0; e < HGD; e += LANES)
+      simd::store(&s.q[i * HGD + e], simd::mul(simd::load(qrow + e), scale));
   }
-  std::fill(s.acc.begin(), s.acc.begin() + tile.n * GD, 0.0f);
-  std::fill(s.m.begin(), s.m.begin() + tile.n * G, NEG_INF);
-  std::fill(s.l.begin(), s.l.begin() + tile.n * G, simd::zero());
+  std::fill(s.acc.begin(), s.acc.begin() + tile.n * HGD, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + tile.n * HG, NEG_INF);
+  std::fill(s.l.begin(), s.l.begin() + tile.n * HG, simd::zero());
 
-  // Key blocks in ascending order. Per block: the rows of every key any query of the tile
-  // sees, then for each query its own lanes qa..qb (none when qa > qb: the block is outside
+  // Key blocks in ascending order. Per block and KV head: the rows of every key any query of the
+  // tile sees, then for each query its own lanes qa..qb (none when qa > qb: the block is outside
   // its range), its scores, its softmax update, its P @ V. Each step runs over all the
   // tile's queries before the next, so the core has independent work to overlap.
   const int tile_lo = first_key(pb, tile.pos0), tile_hi = tile.pos0 + tile.n - 1;
@@ -369,41 +373,47 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh, Scratch& s) {
     const int j0 = kb * KEY_BLOCK;
     const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
     block_slots(pb, table, j0, ua, ub, slots);
-    for (int u = ua; u <= ub; ++u) {
-      const KT* k = kbase + slots[u] * row_stride;
-      vrow[u] = vbase + slots[u] * row_stride;
-      if constexpr (std::is_same_v<KT, float>) {
-        krow[u] = k;
-      } else {  // widen once per block, not once per query head
-        float* dst = &s.kbuf[u * D];
-        for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
-        krow[u] = dst;
-      }
-    }
-    for (int u = 0; u < ua; ++u) krow[u] = krow[ua];  // lanes no query sees: any readable row
-    for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
-    if (kb < kb_last) prefetch_block(pb, table, kbase, vbase, row_stride, j0 + KEY_BLOCK, tile_hi);
-
+    if (kb < kb_last) prefetch_block(pb, table, kbase, vbase, row_stride, nkv, j0 + KEY_BLOCK, tile_hi);
     for (int i = 0; i < tile.n; ++i) {
       const int pos = tile.pos0 + i;
       qa[i] = std::max(first_key(pb, pos) - j0, 0);
       qb[i] = std::min(pos - j0, KEY_BLOCK - 1);
     }
-    for (int i = 0; i < tile.n; ++i)
-      if (qa[i] <= qb[i]) block_query_scores<CH>(pb, &s.q[i * GD], krow, qa[i], qb[i], &s.probs[i * G * KEY_BLOCK]);
-    for (int i = 0; i < tile.n; ++i)
-      if (qa[i] <= qb[i])
-        block_query_softmax(G, qa[i], qb[i], &s.m[i * G], &s.l[i * G], &s.probs[i * G * KEY_BLOCK], &s.corr[i * G]);
-    for (int i = 0; i < tile.n; ++i)
-      if (qa[i] <= qb[i])
-        block_query_pv<KT>(pb, &s.acc[i * GD], &s.probs[i * G * KEY_BLOCK], &s.corr[i * G], vrow, qa[i], qb[i]);
+    for (int h = 0; h < nkv; ++h) {
+      for (int u = ua; u <= ub; ++u) {
+        const KT* k = kbase + slots[u] * row_stride + h * D;
+        vrow[u] = vbase + slots[u] * row_stride + h * D;
+        if constexpr (std::is_same_v<KT, float>) {
+          krow[u] = k;
+        } else {  // widen once per block and head, not once per query head
+          float* dst = &s.kbuf[u * D];
+          for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
+          krow[u] = dst;
+        }
+      }
+      for (int u = 0; u < ua; ++u) krow[u] = krow[ua];  // lanes no query sees: any readable row
+      for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
+
+      for (int i = 0; i < tile.n; ++i)
+        if (qa[i] <= qb[i])
+          block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i],
+                                 &s.probs[(i * HG + h * G) * KEY_BLOCK]);
+      for (int i = 0; i < tile.n; ++i)
+        if (qa[i] <= qb[i])
+          block_query_softmax(G, qa[i], qb[i], &s.m[i * HG + h * G], &s.l[i * HG + h * G],
+                              &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
+      for (int i = 0; i < tile.n; ++i)
+        if (qa[i] <= qb[i])
+          block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], &s.probs[(i * HG + h * G) * KEY_BLOCK],
+                             &s.corr[i * HG + h * G], vrow, qa[i], qb[i]);
+    }
   }
 
   for (int i = 0; i < tile.n; ++i) {
-    float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh) * G) * D;
-    for (int g = 0; g < G; ++g) {
-      const F16 denom = simd::set1(simd::reduce_add(s.l[i * G + g]));
-      const float* acc = &s.acc[i * GD + g * D];
+    float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh0) * G) * D;
+    for (int g = 0; g < HG; ++g) {
+      const F16 denom = simd::set1(simd::reduce_add(s.l[i * HG + g]));
+      const float* acc = &s.acc[i * HGD + g * D];
       for (int c = 0; c < chunks; ++c)
         simd::store(orow + g * D + c * LANES, simd::div(simd::load(acc + c * LANES), denom));
     }
@@ -461,7 +471,12 @@ void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s
 template <typename KT>
 void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, const protoserve::Team* team,
          std::atomic<int64_t>& next) {
-  const int64_t units = static_cast<int64_t>(tiles.size()) * pb.num_kv_heads;
+  const int threads = team != nullptr ? team->size : at::get_num_threads();
+  // A unit per (tile, KV head) while tiles are too few to keep every thread busy (one stream's
+  // decode); a unit per tile, all its KV heads, once there are a couple of tiles per thread.
+  const int heads_per_unit = static_cast<int64_t>(tiles.size()) >= 2 * threads ? pb.num_kv_heads : 1;
+  const int64_t units_per_tile = pb.num_kv_heads / heads_per_unit;
+  const int64_t units = static_cast<int64_t>(tiles.size()) * units_per_tile;
   const bool vector = pb.head_dim % LANES == 0;
   // Units are handed out one at a time: a causal prefill's units differ many-fold in cost,
   // and which thread runs a unit changes nothing in its result.
@@ -470,22 +485,22 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, 
     scratch.fit(pb);
     for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
          u = next.fetch_add(1, std::memory_order_relaxed)) {
-      const Tile& tile = tiles[u / pb.num_kv_heads];
-      const int kvh = static_cast<int>(u % pb.num_kv_heads);
+      const Tile& tile = tiles[u / units_per_tile];
+      const int kvh0 = static_cast<int>(u % units_per_tile) * heads_per_unit, nkv = heads_per_unit;
       switch (pb.head_dim) {  // the common head sizes with the query held in registers
-        case 16: attend_tile_vec<KT, 1>(pb, tile, kvh, scratch); break;
-        case 32: attend_tile_vec<KT, 2>(pb, tile, kvh, scratch); break;
-        case 64: attend_tile_vec<KT, 4>(pb, tile, kvh, scratch); break;
-        case 128: attend_tile_vec<KT, 8>(pb, tile, kvh, scratch); break;
+        case 16: attend_tile_vec<KT, 1>(pb, tile, kvh0, nkv, scratch); break;
+        case 32: attend_tile_vec<KT, 2>(pb, tile, kvh0, nkv, scratch); break;
+        case 64: attend_tile_vec<KT, 4>(pb, tile, kvh0, nkv, scratch); break;
+        case 128: attend_tile_vec<KT, 8>(pb, tile, kvh0, nkv, scratch); break;
         default:
-          if (vector)
-            attend_tile_vec<KT, 0>(pb, tile, kvh, scratch);
-          else
-            attend_tile_scalar<KT>(pb, tile, kvh, scratch);
+          if (vector) {
+            attend_tile_vec<KT, 0>(pb, tile, kvh0, nkv, scratch);
+          } else {
+            for (int kvh = kvh0; kvh < kvh0 + nkv; ++kvh) attend_tile_scalar<KT>(pb, tile, kvh, scratch);
+          }
       }
     }
   };
-  const int threads = at::get_num_threads();
   if (team != nullptr || threads <= 1 || units <= 1 || total_work < MIN_PARALLEL_WORK || at::in_parallel_region()) {
     worker();  // a team member takes units beside the others already running
   } else {
