@@ -85,19 +85,47 @@ struct QuantizedRows {
   const int8_t* fine;
   const float* scales;
   const float* sums;
+  const int32_t* code_sums;  // [2, M, blocks]: coarse, then fine
   int64_t M;
   int64_t blocks;
 
   const int8_t* coarse_at(int64_t r, int64_t b) const { return coarse + (b * M + r) * BLOCK; }
   const int8_t* fine_at(int64_t r, int64_t b) const { return fine + (b * M + r) * BLOCK; }
+  int32_t coarse_sum(int64_t r, int64_t b) const { return code_sums[r * blocks + b]; }
+  int32_t fine_sum(int64_t r, int64_t b) const { return code_sums[(M + r) * blocks + b]; }
 };
+
+// Block b of a register tile's R rows: their codes, and the sums of those codes (for the AVX2
+// int8 path's offset).
+template <int R>
+struct BlockRows {
+  const int8_t* coarse[R];
+  const int8_t* fine[R];
+  int32_t coarse_sum[R];
+  int32_t fine_sum[R];
+
+  BlockRows(const QuantizedRows& x, int64_t m0, int64_t b) {
+    for (int r = 0; r < R; ++r) {
+      coarse[r] = x.coarse_at(m0 + r, b);
+      fine[r] = x.fine_at(m0 + r, b);
+      coarse_sum[r] = x.coarse_sum(m0 + r, b);
+      fine_sum[r] = x.fine_sum(m0 + r, b);
+    }
+  }
+};
+
+inline int32_t sum_codes(const int8_t* codes) {
+  int32_t total = 0;
+  for (int64_t i = 0; i < BLOCK; ++i) total += codes[i];
+  return total;
+}
 
 // One row's blocks, in a fixed order per block (so the same row always gives the same codes); the
 // codes of block b go to coarse/fine + b * block_stride.
 // coarse = round(x / s), s = max|x| / 127; fine = round((x - coarse * s) / (s / 254)): the
 // rounding error of the coarse codes, itself in int8 (|x - coarse * s| <= s / 2).
 void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* coarse, int8_t* fine, float* scales,
-                  float* sums) {
+                  float* sums, int32_t* coarse_sums, int32_t* fine_sums) {
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * BLOCK;
     const F16 v[2] = {simd::load(xb), simd::load(xb + LANES)};
@@ -107,6 +135,7 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
       scales[b] = 0.0f;
       std::fill(coarse + b * block_stride, coarse + b * block_stride + BLOCK, int8_t{0});
       std::fill(fine + b * block_stride, fine + b * block_stride + BLOCK, int8_t{0});
+      coarse_sums[b] = fine_sums[b] = 0;
       continue;
     }
     const float scale = amax / 127.0f;
@@ -122,6 +151,8 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
       simd::istore_i8_saturated(coarse + b * block_stride + h * LANES, simd::to_int(q));
       simd::istore_i8_saturated(fine + b * block_stride + h * LANES, qf);
     }
+    coarse_sums[b] = sum_codes(coarse + b * block_stride);
+    fine_sums[b] = sum_codes(fine + b * block_stride);
   }
 }
 
@@ -133,8 +164,8 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
 struct Int4Codes {
   static constexpr int64_t BLOCK_BYTES = 256;
   template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
-                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+                           I16 acc_fine[R][CV]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
@@ -146,14 +177,14 @@ struct Int4Codes {
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xlo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 8 * j));
-        const __m512i xhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 8 * j + 4));
+        const __m512i xlo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.coarse[r] + 8 * j));
+        const __m512i xhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.coarse[r] + 8 * j + 4));
         for (int c = 0; c < CV; ++c) {
           acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], xlo);
           acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], xhi);
         }
-        const __m512i flo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j));
-        const __m512i fhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 8 * j + 4));
+        const __m512i flo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.fine[r] + 8 * j));
+        const __m512i fhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.fine[r] + 8 * j + 4));
         for (int c = 0; c < CV; ++c) {
           acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], lo[c], flo);
           acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], hi[c], fhi);
@@ -166,17 +197,17 @@ struct Int4Codes {
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
   template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
-                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+                           I16 acc_fine[R][CV]) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       __m512i q[CV];
       for (int c = 0; c < CV; ++c) q[c] = _mm512_loadu_si512(w + c * stride + j * 64);
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xc[r] + 4 * j));
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.coarse[r] + 4 * j));
         for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], q[c], xv);
-        const __m512i fv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xf[r] + 4 * j));
+        const __m512i fv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.fine[r] + 4 * j));
         for (int c = 0; c < CV; ++c) acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], q[c], fv);
       }
     }
@@ -222,15 +253,15 @@ inline void nibbles(const uint8_t* chunk, __m256i lo[2], __m256i hi[2]) {
 struct Int4Codes {
   static constexpr int64_t BLOCK_BYTES = 256;
   template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
-                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+                           I16 acc_fine[R][CV]) {
     NibbleDot coarse[R][CV], fine[R][CV];
     for (int j = 0; j < 4; ++j) {
       __m256i lo[CV][2], hi[CV][2];
       for (int c = 0; c < CV; ++c) nibbles(w + c * stride + j * 64, lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {
-        const __m256i xlo = broadcast4(xc[r] + 8 * j), xhi = broadcast4(xc[r] + 8 * j + 4);
-        const __m256i flo = broadcast4(xf[r] + 8 * j), fhi = broadcast4(xf[r] + 8 * j + 4);
+        const __m256i xlo = broadcast4(x.coarse[r] + 8 * j), xhi = broadcast4(x.coarse[r] + 8 * j + 4);
+        const __m256i flo = broadcast4(x.fine[r] + 8 * j), fhi = broadcast4(x.fine[r] + 8 * j + 4);
         for (int c = 0; c < CV; ++c) {
           coarse[r][c].add(lo[c], xlo);
           coarse[r][c].add(hi[c], xhi);
@@ -250,15 +281,8 @@ struct Int4Codes {
 // 8-bit codes are too wide for int16 pair sums of unsigned codes (2 * 255 * 127 > 2^15), so the
 // stored q + 128 goes back to the signed q (-127..127) and the activation's sign moves onto it:
 // |x| * (q * sign(x)) = q * x, pairs within 2 * 127 * 127 < 2^15, widened to int32 at every chunk.
-// q + 128's sums are then q's plus 128 * the block's code sum: the same integers vpdpbusd gives.
-inline __m256i code_sum_x128(const int8_t* codes) {  // 128 * the sum of 32 codes, in every lane
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-  return _mm256_slli_epi32(_mm256_broadcastd_epi32(t), 7);
-}
+// q + 128's sums are then q's plus 128 * the block's code sum (quantize_row's, computed once per
+// row and block): the same integers vpdpbusd gives.
 
 struct SignedDot {
   __m256i sum[2];  // channels 0-7 and 8-15 of one vector: int32
@@ -281,8 +305,8 @@ struct SignedDot {
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
   template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const int8_t* const xc[R], const int8_t* const xf[R],
-                           I16 acc[R][CV], I16 acc_fine[R][CV]) {
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+                           I16 acc_fine[R][CV]) {
     const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
     SignedDot coarse[R][CV], fine[R][CV];
     for (int j = 0; j < 8; ++j) {
@@ -291,7 +315,7 @@ struct Int8Codes {
         for (int h = 0; h < 2; ++h)
           q[c][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + j * 64 + 32 * h)), bias);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = broadcast4(xc[r] + 4 * j), fv = broadcast4(xf[r] + 4 * j);
+        const __m256i xv = broadcast4(x.coarse[r] + 4 * j), fv = broadcast4(x.fine[r] + 4 * j);
         const __m256i ax = _mm256_abs_epi8(xv), af = _mm256_abs_epi8(fv);
         for (int c = 0; c < CV; ++c) {
           coarse[r][c].add(q[c], xv, ax);
@@ -300,7 +324,8 @@ struct Int8Codes {
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i coarse_offset = code_sum_x128(xc[r]), fine_offset = code_sum_x128(xf[r]);
+      const __m256i coarse_offset = _mm256_set1_epi32(128 * x.coarse_sum[r]);
+      const __m256i fine_offset = _mm256_set1_epi32(128 * x.fine_sum[r]);
       for (int c = 0; c < CV; ++c) {
         acc[r][c] = coarse[r][c].finish(coarse_offset);
         acc_fine[r][c] = fine[r][c].finish(fine_offset);
@@ -332,13 +357,8 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
     for (int c = 0; c < CV; ++c) accf[r][c] = simd::zero();
   for (int64_t b = 0; b < blocks; ++b) {
     I16 acc[R][CV], acc_fine[R][CV];
-    const int8_t* xc[R];
-    const int8_t* xf[R];
-    for (int r = 0; r < R; ++r) {
-      xc[r] = x.coarse_at(m0 + r, b);
-      xf[r] = x.fine_at(m0 + r, b);
-    }
-    Codes::template block<R>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride, xc, xf, acc, acc_fine);
+    Codes::template block<R>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride, BlockRows<R>(x, m0, b), acc,
+                             acc_fine);
     const int64_t g = b / p.blocks_per_group;
     for (int c = 0; c < CV; ++c) {
       const int64_t v = c == 0 ? v0 : v_second;
@@ -568,14 +588,15 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
   int8_t* cp = codes.codes.data();
   float* sp = codes.scales.data();
   float* up = codes.sums.data();
+  int32_t* csp = codes.code_sums.data();
   // Each member quantizes its share of the rows; the tiles then read every row.
   protoserve::for_range(team, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       quantize_row(x + r * K, blocks, M * BLOCK, cp + r * BLOCK, cp + M * K + r * BLOCK, sp + r * blocks,
-                   up + r * blocks);
+                   up + r * blocks, csp + r * blocks, csp + (M + r) * blocks);
   });
   if (team != nullptr) team->sync();
-  const QuantizedRows rows{cp, cp + M * K, sp, up, M, blocks};
+  const QuantizedRows rows{cp, cp + M * K, sp, up, csp, M, blocks};
   const Problem p{w.data.data_ptr<uint8_t>(),
                   reinterpret_cast<const uint16_t*>(w.scales->data_ptr()),
                   reinterpret_cast<const uint16_t*>(w.mins->data_ptr()),

@@ -19,12 +19,14 @@ struct ActivationCodes {
   std::vector<int8_t> codes;  // [2, K / 32, M, 32]: the coarse codes, then the fine ones, block-major
   std::vector<float> scales;  // [M, K / 32] per block
   std::vector<float> sums;    // [M, K / 32] per block: the exact float sum of x
+  std::vector<int32_t> code_sums;  // [2, M, K / 32] per block: the sum of its coarse codes, then of its fine ones
 
   void fit(int64_t M, int64_t K) {
     const size_t blocks = static_cast<size_t>(M) * (K / 32);
     if (codes.size() < static_cast<size_t>(2 * M * K)) codes.resize(2 * M * K);
     if (scales.size() < blocks) scales.resize(blocks);
     if (sums.size() < blocks) sums.resize(blocks);
+    if (code_sums.size() < 2 * blocks) code_sums.resize(2 * blocks);
   }
 };
 
