@@ -222,12 +222,13 @@ using Tile = protoserve::AttentionTile;
 // Scratch of one thread, reused across its units and calls (thread_local: no allocation
 // once a thread has seen the largest shapes).
 struct Scratch {
-  std::vector<float> q;      // [QUERY_TILE, unit's heads, D] scaled queries
-  std::vector<float> acc;    // [QUERY_TILE, group, D] running sum of p * v
-  std::vector<float> m;      // [QUERY_TILE, group] running max
-  std::vector<F16> l;        // [QUERY_TILE, group] running sum of p, per lane
-  std::vector<float> probs;  // [QUERY_TILE, group, KEY_BLOCK] this block's scores, then probabilities
-  std::vector<float> corr;   // [QUERY_TILE, group] this block's rescale factors
+  // Per query of the tile, per query head of the unit (its KV heads' groups):
+  std::vector<float> q;      // [QUERY_TILE, heads, D] scaled queries
+  std::vector<float> acc;    // [QUERY_TILE, heads, D] running sum of p * v
+  std::vector<float> m;      // [QUERY_TILE, heads] running max
+  std::vector<F16> l;        // [QUERY_TILE, heads] running sum of p, per lane
+  std::vector<float> probs;  // [QUERY_TILE, heads, KEY_BLOCK] this block's scores, then probabilities
+  std::vector<float> corr;   // [QUERY_TILE, heads] this block's rescale factors
   std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
 
   void fit(const Problem& pb) {  // room for a unit of every KV head
@@ -318,8 +319,7 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
 
 // Ask for the next key block's K/V rows while this one is computed: the blocks of a
 // sequence are scattered, so the hardware prefetcher cannot guess them, and decode reads
-// every row from beyond L2.
-// `heads` consecutive KV heads' rows from kbase / vbase on.
+// every row from beyond L2. Rows of `heads` consecutive KV heads, from kbase / vbase on.
 template <typename KT>
 inline void prefetch_block(const Problem& pb, const int32_t* table, const KT* kbase, const KT* vbase,
                            int64_t row_stride, int heads, int j0, int last) {
