@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.loader.errors import ModelLoadError
+from engine.loader.heap import release_freed_memory
 from engine.loader.hf_checkpoint import load_hf_tensors, open_hf_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder, expected_hf_shapes
@@ -114,6 +115,7 @@ def load_model(
     with torch.device("meta"):
         model = Decoder(config, torch_dtype)
     model.load_hf_weights(weights)
+    del weights  # the model holds what it keeps; quantization below frees the rest
     model.eval()
     before = model.weight_bytes()
     try:
@@ -122,6 +124,7 @@ def load_model(
         raise ValueError(f"{source}: {e}") from e
     model.set_deterministic(deterministic)
     model.pack_for_kernels()
+    release_freed_memory()  # the float32 tensors quantization and packing replaced
     return LoadedModel(
         model=model,
         config=config,
