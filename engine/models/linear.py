@@ -207,34 +207,36 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int, name:
         )
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric grouped int4 (gpt-fast convention).
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric grouped int4 in GGUF Q4_1's form, the CPU kernels' own: ``w ~ q * scale + min``.
 
-    Returns (q [N, K] int32 in 0..15, scales_and_zeros [K/group, N, 2] bfloat16) with
-    ``w ~ (q - 8) * scale + zero`` per group, the formula the CPU kernel uses.
+    Returns (q [N, K] int32 in 0..15, scales [N, K/group] float16, mins [N, K/group] float16): the
+    scale (max - min) / 15 and the min rounded to float16 (what the kernels store) before the codes
+    are chosen against them. Weights that came from 4-bit GGUF blocks of 32 (Q4_1, Q4_0: each block
+    spans codes 0..15 of a float16 scale and min) come back exactly at group 32. (A bfloat16 scale and
+    zero, gpt-fast's form, cost SmolLM2's served int4 a mean |logit error| of 0.19 against 0.06.)
     """
     n, k = weight.shape
     check_int4_shape(n, k, group_size)
     w = weight.float().reshape(n, k // group_size, group_size)
-    lo = w.amin(dim=-1, keepdim=True)
-    hi = w.amax(dim=-1, keepdim=True)
-    scales = _bf16_round_up((hi - lo).clamp(min=1e-8) / 15.0)
-    # The zero is the value of code 8; rounded to bfloat16 before the codes are chosen against it.
-    zeros = (lo + 8.0 * scales.float()).to(torch.bfloat16)
-    q = torch.round((w - zeros.float()) / scales.float() + 8.0).clamp(0, 15).to(torch.int32)
-    scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/group, N, 2]
-    return q.reshape(n, k), scales_and_zeros
+    lo = w.amin(dim=-1)
+    scales = ((w.amax(dim=-1) - lo) / 15.0).to(torch.float16)
+    mins = lo.to(torch.float16)
+    step = torch.where(scales > 0, scales.float(), torch.ones_like(lo))  # a constant group: every code 0
+    q = torch.round((w - mins.float()[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scales, mins
 
 
-def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k = q.shape
-    sz = scales_and_zeros.float().transpose(0, 1)  # [N, K/group, 2]
-    w = (q.float().reshape(n, k // group_size, group_size) - 8.0) * sz[..., :1] + sz[..., 1:]
+    w = q.float().reshape(n, k // group_size, group_size) * scales.float()[..., None] + mins.float()[..., None]
     return w.reshape(n, k)
 
 
 class Int4Linear(KernelPackable):
-    """Weight-only grouped int4 linear over ``aten._weight_int4pack_mm_for_cpu`` (bfloat16 compute)."""
+    """Weight-only grouped int4 linear, one set of codes (``quantize_int4``) on two paths: the CPU
+    kernels once packed (``q * scale + min``, float16 metadata, as GGUF Q4_1), else
+    ``aten._weight_int4pack_mm_for_cpu`` (bfloat16 compute, the metadata rounded to bfloat16)."""
 
     def __init__(
         self,
@@ -254,26 +256,30 @@ class Int4Linear(KernelPackable):
         self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).clone())
         self.out_dtype = out_dtype
         self.deterministic = True  # the kernel is row-by-row: invariant either way
-        self._codes: torch.Tensor | None = None  # [N, K] int32 0..15, kept until pack_for_kernel
+        # quantize_int4's (codes, scales, mins), kept until pack_for_kernel
+        self._kernel_form: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _kernel_pack(self) -> kernel.PackedWeight | None:
-        if self._codes is None:  # built without its codes (not by from_linear): nothing to pack from
+        if self._kernel_form is None:  # built without it (not by from_linear): nothing to pack from
             return None
-        # The kernel's form of the same weights: w = (q - 8) * s + z = q * s + (z - 8 * s).
-        sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, K/group, 2]
-        scales, zeros = sz[..., 0], sz[..., 1]
+        q, scales, mins = self._kernel_form
         pack = kernel.pack_int4_dot if kernel.supports_int8_dot(self.in_features) else kernel.pack_int4
-        packed = pack(self._codes, scales, zeros - 8.0 * scales, self.group_size)
-        self._codes = None
+        packed = pack(q, scales.float(), mins.float(), self.group_size)
+        self._kernel_form = None
         return packed
 
     @classmethod
     def from_linear(cls, linear: Linear, group_size: int, name: str = "linear") -> Int4Linear:
         check_int4_shape(linear.out_features, linear.in_features, group_size, name)
-        q, sz = quantize_int4(linear.weight.detach(), group_size)
+        q, scales, mins = quantize_int4(linear.weight.detach(), group_size)
+        # PyTorch's op reads (q - 8) * scale + zero with both in bfloat16: the same codes, its zero
+        # the value of code 8.
+        scales_and_zeros = torch.stack([scales.float(), mins.float() + 8.0 * scales.float()], dim=-1)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        layer = cls(packed, sz, group_size, linear.in_features, linear.bias, linear.weight.dtype)
-        layer._codes = q
+        layer = cls(
+            packed, scales_and_zeros.transpose(0, 1), group_size, linear.in_features, linear.bias, linear.weight.dtype
+        )
+        layer._kernel_form = (q, scales, mins)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -41,12 +41,32 @@ def test_int8_rounding() -> None:
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_rounding(group_size: int) -> None:
-    w = torch.randn(48, 256) + torch.linspace(-2, 2, 256)  # groups with offsets: asymmetric ranges
-    q, sz = quantize_int4(w, group_size)
-    assert q.min() >= 0 and q.max() <= 15 and sz.shape == (256 // group_size, 48, 2)
-    err = (dequantize_int4(q, sz, group_size) - w).abs().reshape(48, -1, group_size)
-    scale = sz[..., 0].float().t()[..., None]  # [N, groups, 1]
-    assert (err <= 0.6 * scale).all()  # half a step, plus the zero's bfloat16 rounding
+    w = torch.randn(48, 256) + torch.linspace(-2, 2, 256)
+    w[3, :group_size] = 0.25  # a constant group: scale 0, every code 0, the value exact
+    q, scales, mins = quantize_int4(w, group_size)
+    assert q.min() >= 0 and q.max() <= 15
+    assert scales.dtype == mins.dtype == torch.float16 and scales.shape == (48, 256 // group_size)
+    back = dequantize_int4(q, scales, mins, group_size)
+    assert torch.equal(back[3, :group_size], w[3, :group_size])
+    err = (back - w).abs().reshape(48, -1, group_size)
+    # Half a step, plus the float16 rounding of the min and of 15 steps.
+    assert (err <= 0.52 * scales.float()[..., None] + 1e-3 * w.abs().amax()).all()
+
+
+def test_int4_gives_back_q4_1_blocks_exactly() -> None:
+    """Weights dequantized from GGUF Q4_1 (float16 d and m per 32 values, codes spanning 0..15, as
+    llama.cpp's quantizer makes them) quantize back to the same codes, scales and mins."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 576
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every block's min and max, as Q4_1's own rounding leaves them
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.2).half()
+    w = dequantize_int4(codes, d, m, 32)  # float32, as the GGUF loader dequantizes
+    q, scales, mins = quantize_int4(w, 32)
+    assert torch.equal(q, codes.to(torch.int32))
+    assert torch.equal(scales, d) and torch.equal(mins, m)
+    assert torch.equal(dequantize_int4(q, scales, mins, 32), w)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -101,7 +121,9 @@ def test_bytes_reported(tiny_checkpoint, mode: str) -> None:
 
 QUALITY_BOUNDS = {  # (mode, group size): (min top-1 agreement, max mean |logit error|)
     ("int8", None): (0.85, 0.5),
-    ("int4", 32): (0.85, 0.5),
+    # Groups of 32 give back the GGUF's own Q4_1 weights (measured 1.000 / 0.049; 0.938 / 0.193 when
+    # int4 was quantized with bfloat16 scales and zeros).
+    ("int4", 32): (0.95, 0.15),
     ("int4", 64): (0.4, 3.0),  # real 4-bit rounding error: the GGUF's Q4_1/32 grid does not fit groups of 64
 }
 
@@ -149,13 +171,23 @@ def test_quantized_smollm2_quality(smollm2, smollm2_chat) -> None:
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = (out - ref).abs().mean().item()
     print(f"SmolLM2 int4/32 + int8 head: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
-    assert agree >= 0.85 and err <= 0.5
+    assert agree >= 0.9 and err <= 0.15  # measured 0.969 / 0.075
 
 
-SERVED_BOUNDS = {  # what load_model serves on this CPU: (min top-1 agreement, max mean |logit error|)
-    "int4": (0.85, 0.5),  # measured 0.906 / 0.187 (int4_dot layers + int8_dot head)
+SERVED_BOUNDS = {  # what load_model serves on the CPU kernels: (min top-1 agreement, max mean |logit error|)
+    # int4_dot layers (quantized in the kernels' Q4_1 form, so the GGUF's own Q4_1 weights come back
+    # exactly) + int8_dot head: measured 1.000 / 0.056 (bfloat16 K/V 0.058); in bfloat16
+    # scale-and-zero form they were 0.906 / 0.187.
+    "int4": (0.95, 0.12),
     "int8": (0.85, 0.5),  # measured 0.938 / 0.164 (int8_dot)
 }
+FALLBACK_BOUNDS = (0.85, 0.5)  # without the kernels, PyTorch's weight-only ops: int4 0.969 / 0.075, int8 0.938 / 0.167
+
+
+def _served_bounds(mode: str) -> tuple[float, float]:
+    from kernels.cpu import packed_linear
+
+    return SERVED_BOUNDS[mode] if packed_linear.available() else FALLBACK_BOUNDS
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -184,7 +216,7 @@ def test_served_quantized_smollm2_quality(smollm2, smollm2_path, smollm2_chat, m
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = (out - ref).abs().mean().item()
     print(f"SmolLM2 served {mode} ({sorted(formats)}): greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
-    min_agree, max_err = SERVED_BOUNDS[mode]
+    min_agree, max_err = _served_bounds(mode)
     assert agree >= min_agree and err <= max_err
 
 
@@ -209,5 +241,5 @@ def test_served_int4_with_bfloat16_kv_cache_quality(smollm2, smollm2_path, smoll
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = (out - ref).abs().mean().item()
     print(f"SmolLM2 served int4, bfloat16 K/V: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
-    min_agree, max_err = SERVED_BOUNDS["int4"]
+    min_agree, max_err = _served_bounds("int4")
     assert agree >= min_agree and err <= max_err
