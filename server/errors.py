@@ -123,6 +123,15 @@ def not_ready() -> ServiceError:
     )
 
 
+def deadline_exceeded() -> ServiceError:
+    """DEADLINE_EXCEEDED: the call's deadline stopped the request; a partial result is not an answer."""
+    return ServiceError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        inference_pb2.ERROR_REASON_DEADLINE_EXCEEDED,
+        "the deadline passed before the request finished",
+    )
+
+
 def to_service_error(exc: BaseException) -> ServiceError:
     """Map any exception to the ServiceError the caller should see.
 

@@ -145,8 +145,15 @@ class InflightRequests:
         if telemetry is not None:
             request.trace = telemetry.request_trace(record)
         timer = None
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            engine.abort(rid)
+
         if call.deadline is not None:
-            timer = asyncio.get_running_loop().call_at(call.deadline, engine.abort, rid)
+            timer = asyncio.get_running_loop().call_at(call.deadline, expire)
         prompt_tokens = 0
         generated = 0
         reasons: dict[int, FinishReason] = {}
@@ -165,6 +172,10 @@ class InflightRequests:
                     stats = output.stats or stats
                     if telemetry is not None:
                         telemetry.tokens(model, new_prompt, new_tokens)
+                    if output.finished and expired:
+                        # The timer, not the request, ended it. gRPC also fails the call at its deadline,
+                        # but an answer sent first would reach a slow client as OK with cut-short text.
+                        raise errors.deadline_exceeded()
                     yield output
                     if output.finished:
                         break

@@ -199,3 +199,35 @@ async def test_openai_multi_prompt_stream_disconnect_aborts_every_prompt():
             assert [c.text for c in response.choices] == ["abc", "abc", "xyz", "xyz"]
             assert {c.finish_reason for c in response.choices} == {"length"}
             assert response.usage.prompt_tokens == 6 and response.usage.completion_tokens == 12
+
+
+async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_with_partial_output():
+    """When the server's deadline timer stops a request, the call fails with DEADLINE_EXCEEDED. Returning the
+    cut-short output as OK would reach a client whose own deadline timer runs late as a successful answer
+    (seen in the suite: a 512-token Generate with a 0.3 s deadline "succeeded")."""
+    from engine.request import FinishReason, GenerationRequest
+    from engine.sampling_params import SamplingParams
+    from server import errors
+    from server.auth import identity_for
+    from server.inflight import InflightRequests
+    from server.usage import UsageLedger
+
+    engine = EngineDouble(step_s=0.02, max_model_len=4096)
+    inflight = InflightRequests(UsageLedger())
+    request = GenerationRequest("e1", list(b"tell me everything"), SamplingParams(max_tokens=1000, ignore_eos=True))
+    deadline = asyncio.get_running_loop().time() + 0.15
+    outputs = []
+    with pytest.raises(errors.ServiceError) as info:
+        async with inflight.call(identity_for("", ""), "r1", deadline) as call:
+            async for output in inflight.generate(call, engine, request):
+                outputs.append(output)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.value.reason == pb.ERROR_REASON_DEADLINE_EXCEEDED
+    assert outputs and not any(o.finished for o in outputs)  # tokens before the deadline, no cancelled final
+    await wait_for(lambda: engine.stats().running == 0, timeout=1.0)
+    # A request that finishes before its deadline still answers normally.
+    request = GenerationRequest("e2", list(b"hi"), SamplingParams(max_tokens=2, ignore_eos=True))
+    deadline = asyncio.get_running_loop().time() + 5.0
+    async with inflight.call(identity_for("", ""), "r2", deadline) as call:
+        last = [o async for o in inflight.generate(call, engine, request)][-1]
+    assert last.finished and last.deltas[-1].finish_reason == FinishReason.LENGTH
