@@ -41,6 +41,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
+        self.quantization = engine.quantization
         self.max_model_len = engine.max_model_len
         self._lock = threading.Lock()
         self._wakeup = threading.Event()

@@ -55,6 +55,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         self.model_config = loaded.config
+        self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
         self.tokenizer = loaded.tokenizer
         loaded.model.set_deterministic(self.config.deterministic)
         self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype)

@@ -90,7 +90,7 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     http_port: int | None = 8000  # None: no REST gateway
     dtype: str = "float32"
-    quantization: str = "none"
+    quantization: str = "auto"  # the checkpoint's own precision (engine/loader/auto_quantization.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
     api_keys_file: str | None = None
     grace_period_s: float = 10.0
@@ -217,9 +217,7 @@ class ServerApp:
         )
         engine.start()
         self._owns_engine = True
-        card = ModelCard(
-            dtype=self.config.dtype, quantization=self.config.quantization, source=os.fspath(path)
-        )
+        card = ModelCard(dtype=self.config.dtype, quantization=engine.quantization, source=os.fspath(path))
         await self.attach_engine(engine, card)
 
     async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:

@@ -24,7 +24,7 @@ log = logging.getLogger("protoserve")
 TRACE_CONTENT_ENV = "PROTOSERVE_TRACE_CONTENT"
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -52,7 +52,11 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", help="name clients use for the model [from the checkpoint]")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype [float32]")
     parser.add_argument(
-        "--quantization", choices=QUANTIZATIONS, default="none", help="weight quantization [none]"
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="weight quantization [auto: the checkpoint's own precision, e.g. int4 for a Q4 GGUF, none for "
+        "safetensors]",
     )
     parser.add_argument("--max-kv-blocks", type=int, help="KV cache size in blocks [from the memory budget]")
     parser.add_argument(
@@ -251,7 +255,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     )
     engine.start()
     try:
-        frontend = Frontend(engine, ModelCard(args.dtype, args.quantization, os.fspath(path)))
+        frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path)))
         frontend.check_sampling(sampling, _flag)
         if args.chat or args.message:
             prompt_ids = frontend.render_chat(_chat_turns(args, prompt))

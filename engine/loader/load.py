@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
 from engine.loader.errors import ModelLoadError
 from engine.loader.heap import release_freed_memory
 from engine.loader.hf_checkpoint import load_hf_tensors, open_hf_checkpoint
@@ -68,16 +69,18 @@ def load_model(
 
     ``path``: a ``.gguf`` file, a Hugging Face directory (config.json +
     safetensors), or None for the default SmolLM2-135M-Instruct GGUF.
-    ``quantization``: ``none``, ``int8`` (per output channel) or ``int4``
-    (groups of ``group_size`` input columns). ``deterministic``: batch-invariant
+    ``quantization``: ``none``, ``int8`` (per output channel), ``int4``
+    (groups of ``group_size`` input columns) or ``auto``: the checkpoint's own
+    precision (engine/loader/auto_quantization.py; int8 where the layers'
+    shapes do not take int4), reported in ``LoadedModel.quantization``. ``deterministic``: batch-invariant
     kernels (see engine/models/linear.py); switch later with
     ``model.set_deterministic``. Raises ModelLoadError for a bad checkpoint and
     ValueError for bad options (including a group size the model's layers cannot take).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    if quantization not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if quantization not in (*QUANTIZATION_MODES, AUTO):
+        raise ValueError(f"quantization must be one of {(*QUANTIZATION_MODES, AUTO)}, got {quantization!r}")
     if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     torch_dtype = DTYPES[dtype]
@@ -92,6 +95,7 @@ def load_model(
 
     if source.is_dir():
         fmt = "hf"
+        stored = "none"  # safetensors hold float weights
         ckpt = open_hf_checkpoint(source)
         config = ckpt.config
         weights = load_hf_tensors(ckpt, expected_hf_shapes(config), progress=progress)
@@ -105,6 +109,7 @@ def load_model(
 
         fmt = "gguf"
         gguf = GGUFCheckpoint(source)
+        stored = mode_for_gguf_tensors((t.name, t.tensor_type.name) for t in gguf.reader.tensors)
         config = gguf.config
         weights = dict(gguf.iter_weights(dtype=torch_dtype, progress=progress))
         check_weights(weights, expected_hf_shapes(config), source)
@@ -118,10 +123,15 @@ def load_model(
     del weights  # the model holds what it keeps; quantization below frees the rest
     model.eval()
     before = model.weight_bytes()
+    mode = stored if quantization == AUTO else quantization
     try:
-        report = quantize_linears(model, quantization, group_size, head_int8=True)
+        report = quantize_linears(model, mode, group_size, head_int8=True)
     except ValueError as e:
-        raise ValueError(f"{source}: {e}") from e
+        if quantization != AUTO or mode != "int4":
+            raise ValueError(f"{source}: {e}") from e
+        # A layer's shape does not take int4 groups: auto keeps the file's precision at 8 bits instead.
+        mode = "int8"
+        report = quantize_linears(model, mode, group_size, head_int8=True)
     model.set_deterministic(deterministic)
     model.pack_for_kernels()
     release_freed_memory()  # the float32 tensors quantization and packing replaced
@@ -132,7 +142,7 @@ def load_model(
         source=source,
         format=fmt,
         dtype=torch_dtype,
-        quantization=quantization,
+        quantization=mode,
         group_size=report.group_size,
         weight_bytes_before=before,
         weight_bytes_after=model.weight_bytes(),

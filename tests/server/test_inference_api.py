@@ -129,6 +129,7 @@ async def test_models_and_health(stub, channel):
     [model] = listed.models
     assert model.architecture == "llama" and model.vocab_size > 0 and model.max_model_len > 0
     assert model.has_chat_template and model.source.endswith(".gguf") and model.dtype == "float32"
+    assert model.quantization == "int4"  # --quantization auto: the default GGUF is Q4_1
     got = await stub.GetModel(pb.GetModelRequest(name=model.name))
     assert got.model == model
     health = await stub.CheckHealth(pb.CheckHealthRequest())
