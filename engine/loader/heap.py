@@ -14,10 +14,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
 
 
 @functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:
+def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None

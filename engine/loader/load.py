@@ -72,8 +72,8 @@ def load_model(
     ``quantization``: ``none``, ``int8`` (per output channel), ``int4``
     (groups of ``group_size`` input columns) or ``auto``: the checkpoint's own
     precision (engine/loader/auto_quantization.py; int8 where the layers'
-    shapes do not take int4), reported in ``LoadedModel.quantization``. ``deterministic``: batch-invariant
-    kernels (see engine/models/linear.py); switch later with
+    shapes do not take int4), reported in ``LoadedModel.quantization``.
+    ``deterministic``: batch-invariant kernels (see engine/models/linear.py); switch later with
     ``model.set_deterministic``. Raises ModelLoadError for a bad checkpoint and
     ValueError for bad options (including a group size the model's layers cannot take).
     """
@@ -81,7 +81,7 @@ def load_model(
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if quantization not in (*QUANTIZATION_MODES, AUTO):
         raise ValueError(f"quantization must be one of {(*QUANTIZATION_MODES, AUTO)}, got {quantization!r}")
-    if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
+    if quantization in ("int4", AUTO) and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     torch_dtype = DTYPES[dtype]
     started = time.perf_counter()

@@ -60,6 +60,9 @@ def test_auto_keeps_8_bits_where_int4_groups_do_not_fit(tmp_path) -> None:
         load_model(path, quantization="int4", group_size=64, progress=False, load_tokenizer=False)
     loaded = load_model(path, quantization="auto", group_size=64, progress=False, load_tokenizer=False)
     assert loaded.quantization == "int8"
+    # A group size int4 never takes is the caller's mistake, not a reason to fall back.
+    with pytest.raises(ValueError, match="group size must be one of"):
+        load_model(path, quantization="auto", group_size=48, progress=False, load_tokenizer=False)
 
 
 def test_a_hugging_face_directory_is_served_unquantized(tmp_path) -> None:
