@@ -33,14 +33,8 @@ _PROBE = textwrap.dedent(
     base = rss()
     loaded = engine.loader.load.load_model(None, quantization="int4", progress=False)
     grown = rss() - base
-    storages = {}
-    for t in list(loaded.model.parameters()) + list(loaded.model.buffers()):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    held = sum(storages.values())
-    for m in loaded.model.modules():
-        if isinstance(m, KernelPackable) and m.packed is not None:
-            p = m.packed
-            held += sum(x.untyped_storage().nbytes() for x in (p.data, p.scales, p.mins) if x is not None)
+    packs = (m.packed for m in loaded.model.modules() if isinstance(m, KernelPackable) and m.packed is not None)
+    held = loaded.model.weight_bytes() + sum(p.nbytes for p in packs)
     print(json.dumps({"grown": grown, "held": held}))
     """
 )
