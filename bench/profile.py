@@ -14,8 +14,9 @@ from bench.resources import Variant
 
 FP32 = Variant("float32", "none")
 BF16 = Variant("bfloat16", "none")
-INT8 = Variant("float32", "int8")
-INT4 = Variant("float32", "int4")
+# Quantized weights with float32 K/V (the engine's auto would store them in bfloat16).
+INT8 = Variant("float32", "int8", "float32")
+INT4 = Variant("float32", "int4", "float32")
 # The headline variant: int4 layers and bf16 K/V, as llama.cpp's Q4 figures run with f16 K/V.
 INT4_KV_BF16 = Variant("float32", "int4", "bfloat16")
 

@@ -27,14 +27,24 @@ class Variant:
 
     @property
     def label(self) -> str:
-        """'fp32', 'bf16', 'int8' (float32 activations around int8 weights), 'bf16-int4', 'int4-kvbf16', ..."""
+        """'fp32', 'bf16', 'int8' (float32 activations around int8 weights), 'bf16-int4', 'int4-kvbf16', ...
+
+        K/V storage is named when it differs from the activation dtype, as the engine resolves
+        it (``auto`` under quantized weights is bfloat16).
+        """
+        import torch
+
+        from engine.model_runner import resolve_kv_dtype
+
         dtype = DTYPE_LABELS.get(self.dtype, self.dtype)
         if self.quantization == "none":
             label = dtype
         else:
             label = self.quantization if self.dtype == "float32" else f"{dtype}-{self.quantization}"
-        if self.kv_cache_dtype != "auto":
-            label += f"-kv{DTYPE_LABELS.get(self.kv_cache_dtype, self.kv_cache_dtype)}"
+        kv = str(resolve_kv_dtype(self.kv_cache_dtype, getattr(torch, self.dtype), self.quantization))
+        kv = kv.removeprefix("torch.")
+        if kv != self.dtype:
+            label += f"-kv{DTYPE_LABELS.get(kv, kv)}"
         return label
 
 

@@ -42,6 +42,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.quantization = engine.quantization
+        self.kv_cache_dtype = engine.kv_cache_dtype
         self.max_model_len = engine.max_model_len
         self._lock = threading.Lock()
         self._wakeup = threading.Event()

@@ -20,8 +20,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     max_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024 * 1024  # pool budget when max_kv_blocks is None
-    # "auto": the model's activation dtype; "bfloat16" halves the pool's bytes (twice the tokens
-    # per budget, half the memory a batched decode step streams) at bf16 rounding of K and V.
+    # "bfloat16" halves the pool's bytes (twice the tokens per budget, half the memory a batched
+    # decode step streams) at bf16 rounding of K and V; "auto" is the activation dtype, or bfloat16
+    # for a model served with quantized weights (model_runner.resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
     max_num_batched_tokens: int = 512  # new tokens per step: the chunked-prefill budget

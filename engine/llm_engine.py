@@ -58,7 +58,8 @@ class LLMEngine:
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
         self.tokenizer = loaded.tokenizer
         loaded.model.set_deterministic(self.config.deterministic)
-        self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype)
+        self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization)
+        self.kv_cache_dtype = str(self.runner.kv_dtype).removeprefix("torch.")  # "auto" resolved
         self.max_model_len = resolve_max_model_len(
             self.config, loaded.config.max_position_embeddings, self.runner.num_blocks
         )

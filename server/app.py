@@ -217,7 +217,12 @@ class ServerApp:
         )
         engine.start()
         self._owns_engine = True
-        card = ModelCard(dtype=self.config.dtype, quantization=engine.quantization, source=os.fspath(path))
+        card = ModelCard(
+            dtype=self.config.dtype,
+            quantization=engine.quantization,
+            source=os.fspath(path),
+            kv_cache_dtype=engine.kv_cache_dtype,
+        )
         await self.attach_engine(engine, card)
 
     async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:

@@ -63,7 +63,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         help="K/V storage: bfloat16 holds twice the tokens per budget and halves what a batched "
-        "decode step reads, at bf16 rounding of K and V [auto: the model's dtype]",
+        "decode step reads, at bf16 rounding of K and V [auto: the model's dtype, bfloat16 when the weights "
+        "are served int8/int4]",
     )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")
@@ -255,7 +256,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     )
     engine.start()
     try:
-        frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path)))
+        frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
         frontend.check_sampling(sampling, _flag)
         if args.chat or args.message:
             prompt_ids = frontend.render_chat(_chat_turns(args, prompt))

@@ -64,6 +64,7 @@ class ModelCard:
     dtype: str
     quantization: str
     source: str  # file or directory name of the weights
+    kv_cache_dtype: str = ""  # the K/V pools' dtype as served ("auto" resolved); "" when unknown
     loaded_at: float = field(default_factory=time.time)  # unix seconds
 
 
@@ -211,6 +212,7 @@ class Frontend:
             num_parameters=int(getattr(self.engine, "num_parameters", 0) or 0),
             has_chat_template=bool(self.tokenizer.has_chat_template),
             source=self.card.source,
+            kv_cache_dtype=self.card.kv_cache_dtype,
         )
 
     # ---- input ---------------------------------------------------------------------

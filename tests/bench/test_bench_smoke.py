@@ -273,8 +273,10 @@ def test_steps_grouped_by_resource_kind() -> None:
         (TransformersModel(), ["hf"]),
         (Server(), ["grpc"]),
     ]
-    assert bf16.label == "bf16" and Variant("float32", "int4").label == "int4"
+    assert bf16.label == "bf16" and Variant("float32", "int4", "float32").label == "int4"
     assert Variant("float32", "int4", "bfloat16").label == "int4-kvbf16"
+    # The label names the K/V the engine really stores: auto under int4 weights is bfloat16.
+    assert Variant("float32", "int4").label == "int4-kvbf16" and Variant("bfloat16", "int4").label == "bf16-int4"
 
 
 def test_failures_become_skipped_figures(monkeypatch, tmp_path: Path) -> None:

@@ -192,3 +192,30 @@ def test_bfloat16_kv_cache_fits_twice_the_tokens_and_stays_batch_invariant(make_
         [a] = alone_llm.run([clone(r, "-alone")])
         assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone with bf16 K/V"
         assert logprobs(a) == logprobs(b)
+
+
+def test_auto_kv_cache_dtype_is_bfloat16_for_quantized_weights(make_engine, tiny_loaded):
+    """kv_cache_dtype="auto": the activation dtype, except bfloat16 K/V under int8/int4 weights (as
+    llama.cpp keeps f16 K/V for its quantized models); an explicit setting always wins."""
+    from dataclasses import replace
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", torch.float32, "none") == torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16, "none") == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.float32, "int4") == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.float32, "int8") == torch.bfloat16
+    assert resolve_kv_dtype("float32", torch.float32, "int4") == torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.float32, "none") == torch.bfloat16
+
+    plain = make_engine()
+    assert plain.kv_cache_dtype == "float32" and plain.runner.kv_cache.k[0].dtype == torch.float32
+    # The runner reads the loader's resolved quantization; the tiny float model stands in for a packed one.
+    quantized = LLMEngine(replace(tiny_loaded, quantization="int4"), EngineConfig(max_kv_blocks=64))
+    assert quantized.kv_cache_dtype == "bfloat16" and quantized.runner.kv_cache.k[0].dtype == torch.bfloat16
+    pinned = LLMEngine(
+        replace(tiny_loaded, quantization="int4"), EngineConfig(max_kv_blocks=64, kv_cache_dtype="float32")
+    )
+    assert pinned.kv_cache_dtype == "float32"

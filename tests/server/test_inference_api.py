@@ -130,6 +130,7 @@ async def test_models_and_health(stub, channel):
     assert model.architecture == "llama" and model.vocab_size > 0 and model.max_model_len > 0
     assert model.has_chat_template and model.source.endswith(".gguf") and model.dtype == "float32"
     assert model.quantization == "int4"  # --quantization auto: the default GGUF is Q4_1
+    assert model.kv_cache_dtype == "bfloat16"  # --kv-cache-dtype auto: quantized weights keep bf16 K/V
     got = await stub.GetModel(pb.GetModelRequest(name=model.name))
     assert got.model == model
     health = await stub.CheckHealth(pb.CheckHealthRequest())
