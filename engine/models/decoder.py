@@ -236,9 +236,16 @@ class Decoder(nn.Module):
         """Move every linear layer onto the CPU kernel where it can run; returns how many moved.
 
         Call once the weights are final (loaded and quantized): the packed copy does not follow later edits.
+        A layer that moved keeps its weights only in the pack (``unpack_from_kernel`` brings them
+        back), except a head tied to the embedding, whose table the lookup still reads.
         When every layer moved, the forward also becomes one C++ call (``FusedStep``).
         """
-        moved = sum(1 for m in self.modules() if isinstance(m, KernelPackable) and m.pack_for_kernel())
+        embedding = self.embed_tokens.weight
+        moved = sum(
+            1
+            for m in self.modules()
+            if isinstance(m, KernelPackable) and m.pack_for_kernel(release=getattr(m, "weight", None) is not embedding)
+        )
         self.fused_step = FusedStep.build(self)
         return moved
 
@@ -309,10 +316,11 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def weight_bytes(self) -> int:
-        """Bytes of the checkpoint-derived tensors (state dict: packed weights and scales included,
-        the rope table not), a tied embedding counted once."""
+        """Bytes the weights hold: the state dict (quantized codes and scales included, the rope
+        table not; a tied embedding once) plus the CPU kernels' packs."""
         unique = {t.data_ptr(): t for t in self.state_dict().values()}
-        return sum(t.numel() * t.element_size() for t in unique.values())
+        packs = sum(m.packed.nbytes for m in self.modules() if isinstance(m, KernelPackable) and m.packed is not None)
+        return sum(t.numel() * t.element_size() for t in unique.values()) + packs
 
 
 def has_o_bias(config: ModelConfig) -> bool:

@@ -84,20 +84,46 @@ class KernelPackable(nn.Module, ABC):
     def __init__(self) -> None:
         super().__init__()
         self.packed: kernel.PackedWeight | None = None
+        self.released = False  # the PyTorch path's weights were dropped once packed
 
-    def pack_for_kernel(self) -> bool:
-        """Copy the (final) weights into the kernel's layout; False where the kernel cannot run them."""
+    def pack_for_kernel(self, release: bool = False) -> bool:
+        """Copy the (final) weights into the kernel's layout; False where the kernel cannot run them.
+
+        ``release`` then drops the PyTorch path's own copy of the weights, which the model would
+        otherwise hold twice; ``unpack_from_kernel`` rebuilds it exactly from the pack.
+        """
         if not (kernel.available() and kernel.supports(self.in_features)):
             return False
-        packed = self._kernel_pack()
-        if packed is None:
-            return False
-        self.packed = packed
+        if self.packed is None:  # packing again keeps the pack: a released layer has nothing else
+            packed = self._kernel_pack()
+            if packed is None:
+                return False
+            self.packed = packed
+        if release and not self.released:
+            self._release_unpacked()
+            self.released = True
         return True
+
+    def unpack_from_kernel(self) -> None:
+        """Back onto the PyTorch path: the weights rebuilt from the pack if they were released, the pack dropped."""
+        if self.packed is None:
+            return
+        if self.released:
+            self._restore_unpacked(self.packed)
+            self.released = False
+        self.packed = None
 
     @abstractmethod
     def _kernel_pack(self) -> kernel.PackedWeight | None:
         """This layer's final weights in the kernel layout, or None when it has nothing to pack from."""
+
+    @abstractmethod
+    def _release_unpacked(self) -> None:
+        """Drop the tensors only the PyTorch path reads."""
+
+    @abstractmethod
+    def _restore_unpacked(self, packed: kernel.PackedWeight) -> None:
+        """Rebuild what ``_release_unpacked`` dropped, bit for bit, from this layer's pack."""
 
 
 class Linear(KernelPackable):
@@ -117,6 +143,12 @@ class Linear(KernelPackable):
 
     def _kernel_pack(self) -> kernel.PackedWeight:
         return kernel.pack_dense(self.weight.detach())
+
+    def _release_unpacked(self) -> None:
+        self.weight = None
+
+    def _restore_unpacked(self, packed: kernel.PackedWeight) -> None:
+        self.weight = nn.Parameter(kernel.dense_weight(packed), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -169,6 +201,12 @@ class Int8Linear(KernelPackable):
         if kernel.supports_int8_dot(self.in_features):  # VNNI: codes times int8-rounded activations
             return kernel.pack_int8_dot(self.weight_int8, self.scales.float())
         return kernel.pack_int8(self.weight_int8, self.scales.float())
+
+    def _release_unpacked(self) -> None:
+        self.weight_int8 = None  # the per-channel scales stay: N values, and the bfloat16 originals
+
+    def _restore_unpacked(self, packed: kernel.PackedWeight) -> None:
+        self.weight_int8 = kernel.int8_codes(packed)
 
     @classmethod
     def from_linear(cls, linear: Linear) -> Int8Linear:
@@ -268,17 +306,22 @@ class Int4Linear(KernelPackable):
         self._kernel_form = None
         return packed
 
+    def _release_unpacked(self) -> None:
+        self.weight_int4 = None
+        self.scales_and_zeros = None
+
+    def _restore_unpacked(self, packed: kernel.PackedWeight) -> None:
+        q, scales, mins = kernel.int4_parts(packed)  # the stored float16 values, as quantize_int4 gave them
+        self.weight_int4, scales_and_zeros = _torch_int4_form(q.to(torch.int32), scales, mins)
+        self.scales_and_zeros = scales_and_zeros.to(torch.bfloat16).contiguous()
+        self._kernel_form = (q, scales.half(), mins.half())
+
     @classmethod
     def from_linear(cls, linear: Linear, group_size: int, name: str = "linear") -> Int4Linear:
         check_int4_shape(linear.out_features, linear.in_features, group_size, name)
         q, scales, mins = quantize_int4(linear.weight.detach(), group_size)
-        # PyTorch's op reads (q - 8) * scale + zero with both in bfloat16: the same codes, its zero
-        # the value of code 8.
-        scales_and_zeros = torch.stack([scales.float(), mins.float() + 8.0 * scales.float()], dim=-1)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        layer = cls(
-            packed, scales_and_zeros.transpose(0, 1), group_size, linear.in_features, linear.bias, linear.weight.dtype
-        )
+        packed, scales_and_zeros = _torch_int4_form(q, scales, mins)
+        layer = cls(packed, scales_and_zeros, group_size, linear.in_features, linear.bias, linear.weight.dtype)
         layer._kernel_form = (q, scales, mins)
         return layer
 
@@ -293,6 +336,16 @@ class Int4Linear(KernelPackable):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group={self.group_size}"
+
+
+def _torch_int4_form(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten._weight_int4pack_mm_for_cpu``'s operands for codes [N, K] (int32) with scales and mins
+    [N, groups]: the packed codes and scales_and_zeros [groups, N, 2]. The op reads
+    (q - 8) * scale + zero with both in bfloat16: the same codes, its zero the value of code 8."""
+    scales_and_zeros = torch.stack([scales.float(), mins.float() + 8.0 * scales.float()], dim=-1)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros.transpose(0, 1)
 
 
 def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
@@ -338,6 +391,10 @@ def quantize_linears(
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip]
+    if mode != "none":
+        # A packed model's layers may hold their weights only in the pack: quantize from the float weights.
+        for _, m in targets:
+            m.unpack_from_kernel()
     before = sum(module_bytes(m) for _, m in targets)
     if mode == "none":
         return QuantizationReport(mode, None, 0, before, before)
@@ -351,6 +408,7 @@ def quantize_linears(
         # The LM head reads vocab x hidden weights every step (a quarter of SmolLM2's bytes); int8
         # per channel, as llama.cpp keeps the output layer at 8 bits under 4-bit layers. A tied
         # embedding keeps its float table for the lookup.
+        model.lm_head.unpack_from_kernel()
         model.lm_head = Int8Linear.from_linear(model.lm_head)
     for name, m in targets:
         q = Int8Linear.from_linear(m) if mode == "int8" else Int4Linear.from_linear(m, group_size, name)

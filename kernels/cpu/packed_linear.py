@@ -211,22 +211,54 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 
 def unpack(weight: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the packed form stands for (tests, reference)."""
+    n = weight.out_features
+    if weight.format in ("float32", "bfloat16"):
+        return dense_weight(weight).float()
+    if weight.format == "int8":
+        return int8_codes(weight).float() * weight.scales[:n, None]
+    codes = _dot_codes(weight) if weight.format == "int8_dot" else int4_parts(weight)[0]
+    g = weight.group_size  # int8_dot: one group of in_features, min = -128 * scale
+    return codes.float() * _per_channel(weight.scales, n, g) + _per_channel(weight.mins, n, g)
+
+
+def _rows(weight: PackedWeight) -> torch.Tensor:
+    """The [N, K] values of a float32 / bfloat16 / int8 pack (``_interleave`` undone, padding cut)."""
+    return weight.data.transpose(1, 2).reshape(-1, weight.in_features)[: weight.out_features].contiguous()
+
+
+def dense_weight(weight: PackedWeight) -> torch.Tensor:
+    """The weight [N, K] of a float32 or bfloat16 pack, exactly, in its own dtype."""
+    if weight.format not in ("float32", "bfloat16"):
+        raise ValueError(f"not a dense pack: {weight.format}")
+    return _rows(weight)
+
+
+def int8_codes(weight: PackedWeight) -> torch.Tensor:
+    """The signed per-channel codes [N, K] (int8) of an int8 or int8_dot pack, exactly."""
+    if weight.format == "int8":
+        return _rows(weight)
+    if weight.format == "int8_dot":
+        return (_dot_codes(weight).to(torch.int16) - 128).to(torch.int8)
+    raise ValueError(f"not an int8 pack: {weight.format}")
+
+
+def int4_parts(weight: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 or int4_dot pack's codes [N, K] (uint8, 0..15) and its scales and mins
+    [N, K / group_size] (float32 holding the stored values), exactly: ``w = q * scale + min``."""
     n, k = weight.out_features, weight.in_features
-    if weight.format in ("float32", "bfloat16", "int8"):
-        w = weight.data.transpose(1, 2).reshape(-1, k)[:n].float()
-        return w * weight.scales[:n, None] if weight.format == "int8" else w
-    if weight.format in ("int4_dot", "int8_dot"):
+    if weight.format == "int4_dot":
         codes = _dot_codes(weight)
-    else:
+    elif weight.format == "int4":
         blocks = weight.data.shape[0]
         packed = weight.data.transpose(1, 2).reshape(blocks * BLOCK_N, k // 32, 16)
-        codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(-1, k)[:n].float()
-    g = weight.group_size
-    return codes * _per_channel(weight.scales, n, g) + _per_channel(weight.mins, n, g)
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(-1, k)[:n]
+    else:
+        raise ValueError(f"not an int4 pack: {weight.format}")
+    return codes.contiguous(), _per_channel(weight.scales, n, 1), _per_channel(weight.mins, n, 1)
 
 
 def _dot_codes(weight: PackedWeight) -> torch.Tensor:
-    """The unsigned codes [N, K] (as float) of an integer-dot pack."""
+    """The unsigned codes [N, K] (uint8) of an integer-dot pack."""
     n, k = weight.out_features, weight.in_features
     d = weight.data
     if weight.format == "int4_dot":  # [vector, block, chunk, channel, i] -> [vector, channel, block, chunk, nibble, i]
@@ -234,7 +266,7 @@ def _dot_codes(weight: PackedWeight) -> torch.Tensor:
         codes = nib.permute(0, 3, 1, 2, 4, 5)
     else:
         codes = d.permute(0, 3, 1, 2, 4)
-    return codes.reshape(-1, k)[:n].float()
+    return codes.reshape(-1, k)[:n]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,12 +29,10 @@ _PROBE = textwrap.dedent(
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
     import engine.loader.load  # imports (torch, the kernels module) count as the base
-    from engine.models.linear import KernelPackable
     base = rss()
     loaded = engine.loader.load.load_model(None, quantization="int4", progress=False)
     grown = rss() - base
-    packs = (m.packed for m in loaded.model.modules() if isinstance(m, KernelPackable) and m.packed is not None)
-    held = loaded.model.weight_bytes() + sum(p.nbytes for p in packs)
+    held = loaded.model.weight_bytes()  # state dict and kernel packs
     print(json.dumps({"grown": grown, "held": held}))
     """
 )

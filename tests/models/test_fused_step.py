@@ -276,7 +276,7 @@ def unpack(model: Decoder) -> Decoder:
     """The model with every layer back on its PyTorch path and no fused step."""
     for m in model.modules():
         if isinstance(m, KernelPackable):
-            m.packed = None
+            m.unpack_from_kernel()
     model.fused_step = None
     return model
 
