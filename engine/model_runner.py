@@ -57,7 +57,7 @@ def resolve_kv_dtype(setting: str, activation_dtype: torch.dtype, quantization: 
     ``auto`` is the activation dtype, except for a model served with quantized weights,
     whose K and V are stored in bfloat16, as llama.cpp keeps a quantized model's K/V in
     f16: its weights already carry far more rounding than bf16 K/V add (SmolLM2's Q4_1
-    served int4: mean logit error against float32 0.056, 0.058 with bf16 K/V), and the
+    served int4: mean logit error against float32 0.056, 0.059 with bf16 K/V), and the
     same budget then holds twice the tokens while a decode step streams half the bytes.
     """
     if setting != "auto":

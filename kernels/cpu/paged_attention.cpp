@@ -54,6 +54,16 @@
 namespace simd = protoserve::simd;
 using simd::F16;
 
+// bfloat16 pools on CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids) multiply in
+// bfloat16 with vdpbf16ps, straight from the cached rows: scores against the scaled query rounded
+// to bfloat16 once, P @ V with each block's probabilities rounded to bfloat16.
+#if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
+#define PROTOSERVE_BF16_SCORES 1
+constexpr bool BF16_SCORES = true;
+#else
+constexpr bool BF16_SCORES = false;
+#endif
+
 namespace {
 
 constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one vector of scores)
@@ -165,6 +175,30 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
   return sums.result();
 }
 
+#if defined(PROTOSERVE_BF16_SCORES)
+// Scores of one query head (scaled, rounded to bfloat16) against 16 bfloat16 key rows read from the
+// cache as they are: vdpbf16ps multiplies 32 bf16 pairs (each product exact in float32) into 16
+// float32 lanes, twice a float32 FMA's multiply-adds, and K needs no widening. Lane l of key u's
+// partial is one chain over 32-value chunks c of q[32c+2l] k[32c+2l] + q[32c+2l+1] k[32c+2l+1],
+// then the same lane tree as block_scores.
+template <int C2>
+__attribute__((always_inline)) inline F16 block_scores_bf16(const uint16_t* q, const uint16_t* const krow[16]) {
+  simd::LaneSums16 sums;
+  __m512bh qc[C2];
+#pragma GCC unroll 4
+  for (int c = 0; c < C2; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+#pragma GCC unroll 16
+  for (int u = 0; u < 16; ++u) {
+    const uint16_t* k = krow[u];
+    F16 acc = _mm512_dpbf16_ps(simd::zero(), qc[0], (__m512bh)_mm512_loadu_si512(k));
+#pragma GCC unroll 4
+    for (int c = 1; c < C2; ++c) acc = _mm512_dpbf16_ps(acc, qc[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    sums.put(u, acc);
+  }
+  return sums.result();
+}
+#endif
+
 // ---- P @ V ------------------------------------------------------------------------------
 
 // acc[g] = acc[g] * corr[g] + sum_{u=ua..ub} p[g][u] * v_u for G heads of the group and CC
@@ -224,6 +258,7 @@ using Tile = protoserve::AttentionTile;
 struct Scratch {
   // Per query of the tile, per query head of the unit (its KV heads' groups):
   std::vector<float> q;      // [QUERY_TILE, heads, D] scaled queries
+  std::vector<uint16_t> qb;  // [QUERY_TILE, heads, D] the same in bfloat16 (bf16 scores)
   std::vector<float> acc;    // [QUERY_TILE, heads, D] running sum of p * v
   std::vector<float> m;      // [QUERY_TILE, heads] running max
   std::vector<F16> l;        // [QUERY_TILE, heads] running sum of p, per lane
@@ -234,6 +269,7 @@ struct Scratch {
   void fit(const Problem& pb) {  // room for a unit of every KV head
     const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.num_heads * pb.head_dim, g = QUERY_TILE * pb.num_heads;
     grow(q, gd);
+    grow(qb, gd);
     grow(acc, gd);
     grow(m, g);
     grow(l, g);
@@ -279,6 +315,19 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
   }
 }
 
+#if defined(PROTOSERVE_BF16_SCORES)
+template <int C2>
+inline void block_query_scores_bf16(const Problem& pb, const uint16_t* q, const uint16_t* const krow[16], int ua,
+                                    int ub, float* scores) {
+  const int D = pb.head_dim;
+  const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
+  for (int g = 0; g < pb.group; ++g) {
+    const F16 sc = block_scores_bf16<C2>(q + g * D, krow);
+    simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), sc));
+  }
+}
+#endif
+
 // ... the online-softmax update of (m, l), scores -> probabilities, and the rescale factor
 // corr = exp(m - m') of the state: exactly 0 on the first block (m = -inf), and exactly 1
 // when the max did not move, the common case once a sequence's large scores are seen, so
@@ -317,6 +366,82 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
   }
 }
 
+#if defined(PROTOSERVE_BF16_SCORES)
+// P @ V for bfloat16 pools in bfloat16 pairs: the block's probabilities rounded to bfloat16 (as GPU
+// flash attention feeds P to its bf16 matmul; l keeps the float32 sum), keys paired (2j, 2j+1) so
+// that one vdpbf16ps adds p_2j v_2j + p_2j+1 v_2j+1 for 16 columns. The pair's V rows are
+// interleaved by unpacklo/hi_epi16 inside each 128-bit lane, so the accumulators hold each 32-column
+// chunk as (lo: columns 8L+0..3, hi: 8L+4..7 of lanes L = 0..3); unpermute_bf16_acc restores the
+// order at the end. Per column: one chain over the query's own pairs, ascending, from acc * corr;
+// an invisible key of a pair has p exactly 0 and adds exactly 0.
+template <int G, int CC>
+void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, const uint16_t* const vrow[16],
+                  int ja, int jb, int c0) {
+  F16 a[G][2 * CC];
+  uint32_t pairs[G][KEY_BLOCK / 2];
+  for (int g = 0; g < G; ++g) {
+    const F16 cg = simd::set1(corr[g]);
+    for (int c = 0; c < 2 * CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (2 * c0 + c) * LANES), cg);
+    const __m256bh p16 = _mm512_cvtneps_pbh(simd::load(probs + g * KEY_BLOCK));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)p16);
+  }
+  for (int j = ja; j <= jb; ++j) {
+    __m512i vp[2 * CC];
+    for (int c = 0; c < CC; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(vrow[2 * j] + (c0 + c) * 32);
+      const __m512i v1 = _mm512_loadu_si512(vrow[2 * j + 1] + (c0 + c) * 32);
+      vp[2 * c] = _mm512_unpacklo_epi16(v0, v1);
+      vp[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j]));
+      for (int c = 0; c < 2 * CC; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)vp[c], pj);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * CC; ++c) simd::store(acc + g * head_dim + (2 * c0 + c) * LANES, a[g][c]);
+}
+
+using PvBf16Fn = void (*)(float*, int, const float*, const float*, const uint16_t* const*, int, int, int);
+
+template <int G>
+constexpr PvBf16Fn pv_bf16_for_cc(int cc) {
+  return cc == 1 ? &pv_tile_bf16<G, 1> : &pv_tile_bf16<G, 2>;
+}
+
+inline PvBf16Fn pv_bf16_kernel(int g, int cc) {
+  switch (g) {
+    case 1: return pv_bf16_for_cc<1>(cc);
+    case 2: return pv_bf16_for_cc<2>(cc);
+    case 3: return pv_bf16_for_cc<3>(cc);
+    default: return pv_bf16_for_cc<4>(cc);
+  }
+}
+
+// acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub.
+inline void block_query_pv_bf16(const Problem& pb, float* acc, const float* probs, const float* corr,
+                                const uint16_t* const vrow[16], int ua, int ub) {
+  const int D = pb.head_dim, chunks32 = D / 32;
+  for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
+    const int ng = std::min(PV_HEADS, pb.group - g0);
+    for (int c0 = 0; c0 < chunks32; c0 += 2)
+      pv_bf16_kernel(ng, std::min(2, chunks32 - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vrow, ua / 2,
+                                                     ub / 2, c0);
+  }
+}
+
+// A head's accumulator from pv_tile_bf16's column order back to 0..D-1, divided by denom.
+inline void store_bf16_acc(float* out, const float* acc, int head_dim, F16 denom) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c = 0; c < head_dim / 32; ++c) {
+    const F16 lo = simd::load(acc + 32 * c), hi = simd::load(acc + 32 * c + 16);
+    simd::store(out + 32 * c, simd::div(_mm512_permutex2var_ps(lo, first, hi), denom));
+    simd::store(out + 32 * c + 16, simd::div(_mm512_permutex2var_ps(lo, second, hi), denom));
+  }
+}
+#endif
+
 // Ask for the next key block's K/V rows while this one is computed: the blocks of a
 // sequence are scattered, so the hardware prefetcher cannot guess them, and decode reads
 // every row from beyond L2. Rows of `heads` consecutive KV heads, from kbase / vbase on.
@@ -349,11 +474,21 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
   const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * D;
   const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * D;
 
+  // bfloat16 pools with D a multiple of 32 take their scores from vdpbf16ps.
+  constexpr bool bf16_scores = BF16_SCORES && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
   const F16 scale = simd::set1(pb.scale);
   for (int i = 0; i < tile.n; ++i) {  // the unit's heads are consecutive in a query row
     const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
-    for (int e = 0; e < HGD; e += LANES)
-      simd::store(&s.q[i * HGD + e], simd::mul(simd::load(qrow + e), scale));
+    for (int e = 0; e < HGD; e += LANES) {
+      const F16 scaled = simd::mul(simd::load(qrow + e), scale);
+#if defined(PROTOSERVE_BF16_SCORES)
+      if constexpr (bf16_scores) {  // round to nearest even, as torch's .to(torch.bfloat16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.qb[i * HGD + e]), (__m256i)_mm512_cvtneps_pbh(scaled));
+        continue;
+      }
+#endif
+      simd::store(&s.q[i * HGD + e], scaled);
+    }
   }
   std::fill(s.acc.begin(), s.acc.begin() + tile.n * HGD, 0.0f);
   std::fill(s.m.begin(), s.m.begin() + tile.n * HG, NEG_INF);
@@ -366,6 +501,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
   const int tile_lo = first_key(pb, tile.pos0), tile_hi = tile.pos0 + tile.n - 1;
   const int kb_last = tile_hi / KEY_BLOCK;
   const float* krow[16];
+  const uint16_t* kbrow[16];  // bf16 scores: the cached rows themselves
   const KT* vrow[16];
   int qa[QUERY_TILE], qb[QUERY_TILE];
   int64_t slots[16];
@@ -385,27 +521,49 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
         vrow[u] = vbase + slots[u] * row_stride + h * D;
         if constexpr (std::is_same_v<KT, float>) {
           krow[u] = k;
+        } else if constexpr (bf16_scores) {
+          kbrow[u] = k;
         } else {  // widen once per block and head, not once per query head
           float* dst = &s.kbuf[u * D];
           for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
           krow[u] = dst;
         }
       }
-      for (int u = 0; u < ua; ++u) krow[u] = krow[ua];  // lanes no query sees: any readable row
-      for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
+      if constexpr (bf16_scores) {
+        for (int u = 0; u < ua; ++u) kbrow[u] = kbrow[ua], vrow[u] = vrow[ua];  // lanes no query sees: any readable row
+        for (int u = ub + 1; u < KEY_BLOCK; ++u) kbrow[u] = kbrow[ub], vrow[u] = vrow[ub];
+      } else {
+        for (int u = 0; u < ua; ++u) krow[u] = krow[ua];
+        for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
+      }
 
-      for (int i = 0; i < tile.n; ++i)
-        if (qa[i] <= qb[i])
-          block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i],
-                                 &s.probs[(i * HG + h * G) * KEY_BLOCK]);
+      for (int i = 0; i < tile.n; ++i) {
+        if (qa[i] > qb[i]) continue;
+        float* scores = &s.probs[(i * HG + h * G) * KEY_BLOCK];
+#if defined(PROTOSERVE_BF16_SCORES)
+        if constexpr (bf16_scores) {
+          block_query_scores_bf16<CH / 2>(pb, &s.qb[i * HGD + h * GD], kbrow, qa[i], qb[i], scores);
+          continue;
+        }
+#endif
+        block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], scores);
+      }
       for (int i = 0; i < tile.n; ++i)
         if (qa[i] <= qb[i])
           block_query_softmax(G, qa[i], qb[i], &s.m[i * HG + h * G], &s.l[i * HG + h * G],
                               &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
-      for (int i = 0; i < tile.n; ++i)
-        if (qa[i] <= qb[i])
-          block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], &s.probs[(i * HG + h * G) * KEY_BLOCK],
-                             &s.corr[i * HG + h * G], vrow, qa[i], qb[i]);
+      for (int i = 0; i < tile.n; ++i) {
+        if (qa[i] > qb[i]) continue;
+        const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
+#if defined(PROTOSERVE_BF16_SCORES)
+        if constexpr (bf16_scores) {
+          block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
+                              reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
+          continue;
+        }
+#endif
+        block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vrow, qa[i], qb[i]);
+      }
     }
   }
 
@@ -414,6 +572,12 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     for (int g = 0; g < HG; ++g) {
       const F16 denom = simd::set1(simd::reduce_add(s.l[i * HG + g]));
       const float* acc = &s.acc[i * HGD + g * D];
+#if defined(PROTOSERVE_BF16_SCORES)
+      if constexpr (bf16_scores) {
+        store_bf16_acc(orow + g * D, acc, D, denom);
+        continue;
+      }
+#endif
       for (int c = 0; c < chunks; ++c)
         simd::store(orow + g * D + c * LANES, simd::div(simd::load(acc + c * LANES), denom));
     }
@@ -511,6 +675,8 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, 
 }  // namespace
 
 namespace protoserve {
+
+bool attention_bf16_scores() { return BF16_SCORES; }
 
 void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                     const torch::Tensor& seq_lens, int64_t T, int64_t H, int64_t D, int64_t num_blocks, int64_t bs,

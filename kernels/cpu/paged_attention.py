@@ -8,6 +8,13 @@ depends on the other queries of the batch, one kernel is both the fast path and
 the deterministic one: a token's output is bit-identical alone, in any batch,
 in a prompt chunk of any size and on any thread count.
 
+On CPUs with AVX512-BF16, bfloat16 pools (head_dim a multiple of 32) are
+multiplied in bfloat16 with ``vdpbf16ps``, as GPU flash attention runs its two
+matmuls: scores against the scaled query rounded to bfloat16, P @ V with each
+block's probabilities rounded to bfloat16 (the softmax itself stays float32).
+One instruction does twice a float32 FMA's multiply-adds and the cached K/V
+need no widening (``multiplies_in_bf16``).
+
 ``paged_attention_reference`` is the same contract in plain PyTorch (float64,
 one query at a time) for the tests.
 """
@@ -28,6 +35,15 @@ def _extension() -> types.ModuleType | None:
 def available() -> bool:
     """True when the compiled kernel can run here (AVX-512 or AVX2, a compiler, not disabled)."""
     return _extension() is not None
+
+
+def multiplies_in_bf16(cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel multiplies a pool of ``cache_dtype`` in bfloat16: scores against
+    ``bfloat16(q * scale)``, P @ V with P rounded to bfloat16."""
+    ext = _extension()
+    return (
+        ext is not None and ext.attention_bf16_scores() and cache_dtype == torch.bfloat16 and head_dim % 32 == 0
+    )
 
 
 def paged_attention(
@@ -77,8 +93,12 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    round_query: bool = False,
 ) -> torch.Tensor:
-    """The kernel's contract written out plainly: one query at a time, in float64, -> float32."""
+    """The kernel's contract written out plainly: one query at a time, in float64, -> float32.
+
+    ``round_query``: score against ``bfloat16(float32(q) * scale)``, as the kernel does where
+    ``multiplies_in_bf16`` says so (its rounding of P is not modelled)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -97,6 +117,10 @@ def paged_attention_reference(
             slots = table[keys // block_size] * block_size + keys % block_size
             k = k_slots[slots].repeat_interleave(group, dim=1)  # [L, H, D]: head h reads kv head h // group
             v = v_slots[slots].repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
+            if round_query:
+                scaled = (q[row].float() * scale).to(torch.bfloat16).double()
+                scores = torch.einsum("hd,lhd->hl", scaled, k)
+            else:
+                scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
             out[row] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
     return out.float()

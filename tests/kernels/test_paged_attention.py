@@ -11,6 +11,8 @@ bit-identical alone, inside any batch, in a prompt chunk of any size and with
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -112,10 +114,27 @@ def test_matches_reference(case: tuple[int, int, int, int, int], dtype: torch.dt
     step = Step([(0, 30, 40), (1, 0, 1), (2, 32, 1), (3, 0, 16), (4, 9, 8), (5, 4, 1), (6, 20, 13)])
     scale = head_dim**-0.5
     out = run(cache, q_all, step, scale, window)
-    ref = run(cache, q_all, step, scale, window, fn=pa.paged_attention_reference)
+    in_bf16 = pa.multiplies_in_bf16(dtype, head_dim)
+    reference = functools.partial(pa.paged_attention_reference, round_query=in_bf16)
+    ref = run(cache, q_all, step, scale, window, fn=reference)
+    # bf16 products: P rounded to bfloat16 (relative error <= 2^-9 each, the weights summing to 1)
+    # moves an output by at most 2^-9 max|v|.
+    tolerance = 2**-9 * cache.v.float().abs().max().item() if in_bf16 else 1e-5
     for a, b in zip(out, ref, strict=True):
         assert a.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=tolerance)
+    if in_bf16:  # the rounding is real: the unrounded contract is measurably further away
+        exact = run(cache, q_all, step, scale, window, fn=pa.paged_attention_reference)
+        assert max((a - b).abs().max().item() for a, b in zip(out, exact, strict=True)) > 1e-4
+
+
+def test_bf16_products_where_the_cpu_has_them() -> None:
+    """AVX512-BF16 CPUs multiply bfloat16 pools with vdpbf16ps (head_dim a multiple of 32 only)."""
+    from kernels.cpu.extension import cpu_flags
+
+    has_bf16 = "avx512_bf16" in cpu_flags().split()
+    assert pa.multiplies_in_bf16(torch.bfloat16, 64) == has_bf16
+    assert not pa.multiplies_in_bf16(torch.bfloat16, 48) and not pa.multiplies_in_bf16(torch.float32, 64)
 
 
 def test_peaked_and_flat_scores() -> None:
