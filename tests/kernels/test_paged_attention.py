@@ -12,7 +12,6 @@ bit-identical alone, inside any batch, in a prompt chunk of any size and with
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterator
 from dataclasses import dataclass
 
