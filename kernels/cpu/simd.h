@@ -72,6 +72,8 @@ inline I16 load_u8_as_i32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_lo
 inline I16 izero() { return _mm512_setzero_si512(); }
 inline I16 iset1(int32_t x) { return _mm512_set1_epi32(x); }
 inline I16 iadd(I16 a, I16 b) { return _mm512_add_epi32(a, b); }
+inline I16 iclamp(I16 a, int32_t lo, int32_t hi) { return _mm512_min_epi32(_mm512_max_epi32(a, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi)); }
+inline int32_t ireduce_add(I16 a) { return _mm512_reduce_add_epi32(a); }
 inline I16 iand(I16 a, I16 b) { return _mm512_and_si512(a, b); }
 inline I16 shift_right(I16 a, int bits) { return _mm512_srli_epi32(a, bits); }
 inline I16 shift_left(I16 a, int bits) { return _mm512_slli_epi32(a, bits); }
@@ -220,6 +222,17 @@ inline I16 load_u8_as_i32(const uint8_t* p) {
 inline I16 izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I16 iset1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline I16 iclamp(I16 a, int32_t lo, int32_t hi) {
+  const __m256i l = _mm256_set1_epi32(lo), h = _mm256_set1_epi32(hi);
+  return {_mm256_min_epi32(_mm256_max_epi32(a.lo, l), h), _mm256_min_epi32(_mm256_max_epi32(a.hi, l), h)};
+}
+inline int32_t ireduce_add(I16 a) {
+  const __m256i v = _mm256_add_epi32(a.lo, a.hi);
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+  return _mm_cvtsi128_si32(x);
+}
 inline I16 iand(I16 a, I16 b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
 inline I16 shift_right(I16 a, int bits) { return {_mm256_srli_epi32(a.lo, bits), _mm256_srli_epi32(a.hi, bits)}; }
 inline I16 shift_left(I16 a, int bits) { return {_mm256_slli_epi32(a.lo, bits), _mm256_slli_epi32(a.hi, bits)}; }
