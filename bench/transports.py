@@ -14,16 +14,15 @@ path generates exactly ``max_tokens`` tokens.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from bench.sse_client import SseClient, SseResponse
 from bench.timeline import RequestTimeline
 from bench.workload import RequestSpec
 
 if TYPE_CHECKING:
     import grpc
-    import httpx
 
     from engine.async_engine import AsyncEngine
 
@@ -122,23 +121,9 @@ class GrpcTransport:
             await self.channel.close()
 
 
-def _http_client(base_url: str, concurrency: int) -> httpx.AsyncClient:
-    import httpx
-
-    # One keep-alive connection per concurrent stream: HTTP/1.1 cannot multiplex.
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S, limits=limits)
-
-
-async def _sse_events(response: httpx.Response):
-    """The JSON payload of each ``data:`` line (``[DONE]`` ends the stream)."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: ") :]
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
+async def _failed_status(response: SseResponse) -> RuntimeError:
+    text = (await response.body()).decode(errors="replace")
+    return RuntimeError(f"HTTP {response.status}: {text[:200]}")
 
 
 class GatewaySseTransport:
@@ -147,7 +132,7 @@ class GatewaySseTransport:
     name = "sse"
 
     def __init__(self, base_url: str, concurrency: int) -> None:
-        self.client = _http_client(base_url, concurrency)
+        self.client = SseClient(base_url, concurrency)
 
     async def stream(self, spec: RequestSpec) -> RequestTimeline:
         body = {
@@ -156,11 +141,10 @@ class GatewaySseTransport:
         }
         timeline = RequestTimeline(sent=time.perf_counter(), prompt_tokens=spec.prompt_len)
         try:
-            async with self.client.stream("POST", "/v1/generate:stream", json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-                async for event in _sse_events(response):
+            async with self.client.post("/v1/generate:stream", body) as response:
+                if response.status != 200:
+                    raise await _failed_status(response)
+                async for event in response.events():
                     if "error" in event:
                         raise RuntimeError(f"stream error: {event['error']}")
                     if "delta" in event:
@@ -185,7 +169,7 @@ class OpenAiSseTransport:
     name = "openai-sse"
 
     def __init__(self, base_url: str, concurrency: int, model: str) -> None:
-        self.client = _http_client(base_url, concurrency)
+        self.client = SseClient(base_url, concurrency)
         self.model = model
 
     async def stream(self, spec: RequestSpec) -> RequestTimeline:
@@ -200,11 +184,10 @@ class OpenAiSseTransport:
         }
         timeline = RequestTimeline(sent=time.perf_counter(), prompt_tokens=spec.prompt_len)
         try:
-            async with self.client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-                async for event in _sse_events(response):
+            async with self.client.post("/v1/completions", body) as response:
+                if response.status != 200:
+                    raise await _failed_status(response)
+                async for event in response.events():
                     if "error" in event:
                         raise RuntimeError(f"stream error: {event['error']}")
                     if event.get("choices"):
