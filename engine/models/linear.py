@@ -391,16 +391,15 @@ def quantize_linears(
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip]
-    if mode != "none":
-        # A packed model's layers may hold their weights only in the pack: quantize from the float weights.
-        for _, m in targets:
-            m.unpack_from_kernel()
-    before = sum(module_bytes(m) for _, m in targets)
+    # A layer whose weights were released after packing holds them in its pack.
+    before = sum(module_bytes(m) + (m.packed.nbytes if m.released else 0) for _, m in targets)
     if mode == "none":
         return QuantizationReport(mode, None, 0, before, before)
     if mode == "int4":
         for name, m in targets:
             check_int4_shape(m.out_features, m.in_features, group_size, name)
+    for _, m in targets:  # quantize from the float weights (rebuilt from the pack where released)
+        m.unpack_from_kernel()
     after = 0
     if getattr(model, "fused_step", None) is not None:  # bound to the weights being replaced
         model.fused_step = None

@@ -74,7 +74,7 @@ void rope_row(float* x, int64_t heads, int64_t head_stride, const float* cos, co
 
 // paged_attention.cpp
 // Whether bfloat16 pools (head_dim a multiple of 32) multiply in bfloat16 (query and probabilities rounded).
-bool attention_bf16_scores();
+bool attention_multiplies_in_bf16();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t sliding_window);

@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);
   m.def("add_rms_norm_", &protoserve::add_rms_norm_, "residual += x; return RMSNorm(residual)", no_gil);
   m.def("rope_", &protoserve::rope_, "rotate-half RoPE in place", no_gil);
-  m.def("attention_bf16_scores", &protoserve::attention_bf16_scores,
+  m.def("attention_multiplies_in_bf16", &protoserve::attention_multiplies_in_bf16,
         "whether bfloat16 K/V pools (head_dim % 32 == 0) multiply in bfloat16 (query and probabilities rounded)");
   m.def("paged_attention", &protoserve::paged_attention,
         "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)", no_gil);

@@ -58,10 +58,10 @@ using simd::F16;
 // bfloat16 with vdpbf16ps, straight from the cached rows: scores against the scaled query rounded
 // to bfloat16 once, P @ V with each block's probabilities rounded to bfloat16.
 #if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
-#define PROTOSERVE_BF16_SCORES 1
-constexpr bool BF16_SCORES = true;
+#define PROTOSERVE_BF16_ATTENTION 1
+constexpr bool BF16_ATTENTION = true;
 #else
-constexpr bool BF16_SCORES = false;
+constexpr bool BF16_ATTENTION = false;
 #endif
 
 namespace {
@@ -175,7 +175,7 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
   return sums.result();
 }
 
-#if defined(PROTOSERVE_BF16_SCORES)
+#if defined(PROTOSERVE_BF16_ATTENTION)
 // Scores of one query head (scaled, rounded to bfloat16) against 16 bfloat16 key rows read from the
 // cache as they are: vdpbf16ps multiplies 32 bf16 pairs (each product exact in float32) into 16
 // float32 lanes, twice a float32 FMA's multiply-adds, and K needs no widening. Lane l of key u's
@@ -315,7 +315,7 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
   }
 }
 
-#if defined(PROTOSERVE_BF16_SCORES)
+#if defined(PROTOSERVE_BF16_ATTENTION)
 template <int C2>
 inline void block_query_scores_bf16(const Problem& pb, const uint16_t* q, const uint16_t* const krow[16], int ua,
                                     int ub, float* scores) {
@@ -366,13 +366,13 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
   }
 }
 
-#if defined(PROTOSERVE_BF16_SCORES)
+#if defined(PROTOSERVE_BF16_ATTENTION)
 // P @ V for bfloat16 pools in bfloat16 pairs: the block's probabilities rounded to bfloat16 (as GPU
 // flash attention feeds P to its bf16 matmul; l keeps the float32 sum), keys paired (2j, 2j+1) so
 // that one vdpbf16ps adds p_2j v_2j + p_2j+1 v_2j+1 for 16 columns. The pair's V rows are
 // interleaved by unpacklo/hi_epi16 inside each 128-bit lane, so the accumulators hold each 32-column
-// chunk as (lo: columns 8L+0..3, hi: 8L+4..7 of lanes L = 0..3); unpermute_bf16_acc restores the
-// order at the end. Per column: one chain over the query's own pairs, ascending, from acc * corr;
+// chunk as (lo: columns 8L+0..3, hi: 8L+4..7 of lanes L = 0..3); store_bf16_acc restores the
+// order. Per column: one chain over the query's own pairs, ascending, from acc * corr;
 // an invisible key of a pair has p exactly 0 and adds exactly 0.
 template <int G, int CC>
 void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, const uint16_t* const vrow[16],
@@ -474,15 +474,15 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
   const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * D;
   const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * D;
 
-  // bfloat16 pools with D a multiple of 32 take their scores from vdpbf16ps.
-  constexpr bool bf16_scores = BF16_SCORES && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
+  // bfloat16 pools with D a multiple of 32 multiply in bfloat16 (scores and P @ V by vdpbf16ps).
+  constexpr bool bf16_products = BF16_ATTENTION && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
   const F16 scale = simd::set1(pb.scale);
   for (int i = 0; i < tile.n; ++i) {  // the unit's heads are consecutive in a query row
     const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
     for (int e = 0; e < HGD; e += LANES) {
       const F16 scaled = simd::mul(simd::load(qrow + e), scale);
-#if defined(PROTOSERVE_BF16_SCORES)
-      if constexpr (bf16_scores) {  // round to nearest even, as torch's .to(torch.bfloat16)
+#if defined(PROTOSERVE_BF16_ATTENTION)
+      if constexpr (bf16_products) {  // round to nearest even, as torch's .to(torch.bfloat16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.qb[i * HGD + e]), (__m256i)_mm512_cvtneps_pbh(scaled));
         continue;
       }
@@ -521,7 +521,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
         vrow[u] = vbase + slots[u] * row_stride + h * D;
         if constexpr (std::is_same_v<KT, float>) {
           krow[u] = k;
-        } else if constexpr (bf16_scores) {
+        } else if constexpr (bf16_products) {
           kbrow[u] = k;
         } else {  // widen once per block and head, not once per query head
           float* dst = &s.kbuf[u * D];
@@ -529,7 +529,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
           krow[u] = dst;
         }
       }
-      if constexpr (bf16_scores) {
+      if constexpr (bf16_products) {
         for (int u = 0; u < ua; ++u) kbrow[u] = kbrow[ua], vrow[u] = vrow[ua];  // lanes no query sees: any readable row
         for (int u = ub + 1; u < KEY_BLOCK; ++u) kbrow[u] = kbrow[ub], vrow[u] = vrow[ub];
       } else {
@@ -540,8 +540,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         float* scores = &s.probs[(i * HG + h * G) * KEY_BLOCK];
-#if defined(PROTOSERVE_BF16_SCORES)
-        if constexpr (bf16_scores) {
+#if defined(PROTOSERVE_BF16_ATTENTION)
+        if constexpr (bf16_products) {
           block_query_scores_bf16<CH / 2>(pb, &s.qb[i * HGD + h * GD], kbrow, qa[i], qb[i], scores);
           continue;
         }
@@ -555,8 +555,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
-#if defined(PROTOSERVE_BF16_SCORES)
-        if constexpr (bf16_scores) {
+#if defined(PROTOSERVE_BF16_ATTENTION)
+        if constexpr (bf16_products) {
           block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
                               reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
           continue;
@@ -572,8 +572,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     for (int g = 0; g < HG; ++g) {
       const F16 denom = simd::set1(simd::reduce_add(s.l[i * HG + g]));
       const float* acc = &s.acc[i * HGD + g * D];
-#if defined(PROTOSERVE_BF16_SCORES)
-      if constexpr (bf16_scores) {
+#if defined(PROTOSERVE_BF16_ATTENTION)
+      if constexpr (bf16_products) {
         store_bf16_acc(orow + g * D, acc, D, denom);
         continue;
       }
@@ -676,7 +676,7 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, 
 
 namespace protoserve {
 
-bool attention_bf16_scores() { return BF16_SCORES; }
+bool attention_multiplies_in_bf16() { return BF16_ATTENTION; }
 
 void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                     const torch::Tensor& seq_lens, int64_t T, int64_t H, int64_t D, int64_t num_blocks, int64_t bs,

@@ -42,7 +42,7 @@ def multiplies_in_bf16(cache_dtype: torch.dtype, head_dim: int) -> bool:
     ``bfloat16(q * scale)``, P @ V with P rounded to bfloat16."""
     ext = _extension()
     return (
-        ext is not None and ext.attention_bf16_scores() and cache_dtype == torch.bfloat16 and head_dim % 32 == 0
+        ext is not None and ext.attention_multiplies_in_bf16() and cache_dtype == torch.bfloat16 and head_dim % 32 == 0
     )
 
 

@@ -81,3 +81,16 @@ def test_loaded_model_holds_each_weight_once(tiny_checkpoint, mode: str) -> None
     state = {t.data_ptr(): t for t in model.state_dict().values()}
     state_bytes = sum(t.numel() * t.element_size() for t in state.values())
     assert model.weight_bytes() == state_bytes + sum(m.packed.nbytes for m in packable)
+
+
+def test_failed_quantization_leaves_a_packed_model_packed(tiny_checkpoint) -> None:
+    """A group size int4 cannot take is refused before any layer leaves its pack."""
+    from engine.models.linear import quantize_linears
+
+    model = load_model(tiny_checkpoint("llama")[0], progress=False).model
+    packs = {name: m.packed for name, m in model.named_modules() if isinstance(m, KernelPackable)}
+    with pytest.raises(ValueError, match="group size"):
+        quantize_linears(model, "int4", group_size=48)
+    after = {name: m for name, m in model.named_modules() if isinstance(m, KernelPackable)}
+    assert all(after[name].packed is pack for name, pack in packs.items())
+    assert model.fused_step is not None
