@@ -304,29 +304,23 @@ inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua,
 // One key block for one query, in three steps that the tile loop runs for all of its
 // queries in turn (so each step is a long run of independent work):
 // scores of all `group` heads (lanes outside ua..ub = -inf) ...
-template <int CH>
-inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[16], int ua, int ub,
+template <int CH, typename T>
+inline void block_query_scores(const Problem& pb, const T* q, const T* const krow[16], int ua, int ub,
                                float* scores) {
   const int D = pb.head_dim, chunks = D / LANES;
   const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
   for (int g = 0; g < pb.group; ++g) {
-    const F16 sc = block_scores<CH>(q + g * D, krow, chunks);
-    simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), sc));
-  }
-}
-
+    F16 sc;
+    if constexpr (std::is_same_v<T, float>) {
+      sc = block_scores<CH>(q + g * D, krow, chunks);
+    } else {  // bf16 products: the bfloat16 query against the cached rows
 #if defined(PROTOSERVE_BF16_ATTENTION)
-template <int C2>
-inline void block_query_scores_bf16(const Problem& pb, const uint16_t* q, const uint16_t* const krow[16], int ua,
-                                    int ub, float* scores) {
-  const int D = pb.head_dim;
-  const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
-  for (int g = 0; g < pb.group; ++g) {
-    const F16 sc = block_scores_bf16<C2>(q + g * D, krow);
+      sc = block_scores_bf16<CH / 2>(q + g * D, krow);
+#endif
+    }
     simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), sc));
   }
 }
-#endif
 
 // ... the online-softmax update of (m, l), scores -> probabilities, and the rescale factor
 // corr = exp(m - m') of the state: exactly 0 on the first block (m = -inf), and exactly 1
@@ -540,13 +534,10 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         float* scores = &s.probs[(i * HG + h * G) * KEY_BLOCK];
-#if defined(PROTOSERVE_BF16_ATTENTION)
-        if constexpr (bf16_products) {
-          block_query_scores_bf16<CH / 2>(pb, &s.qb[i * HGD + h * GD], kbrow, qa[i], qb[i], scores);
-          continue;
-        }
-#endif
-        block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], scores);
+        if constexpr (bf16_products)
+          block_query_scores<CH>(pb, &s.qb[i * HGD + h * GD], kbrow, qa[i], qb[i], scores);
+        else
+          block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], scores);
       }
       for (int i = 0; i < tile.n; ++i)
         if (qa[i] <= qb[i])

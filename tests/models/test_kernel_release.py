@@ -72,7 +72,7 @@ def test_loaded_model_holds_each_weight_once(tiny_checkpoint, mode: str) -> None
     model = load_model(path, quantization=mode, progress=False).model
     packable = [m for m in model.modules() if isinstance(m, KernelPackable)]
     assert packable and all(m.packed is not None for m in packable)
-    tied = model.lm_head.__dict__.get("_parameters", {}).get("weight") is model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
     for m in packable:
         if m is model.lm_head and tied:
             assert not m.released and m.weight is model.embed_tokens.weight
