@@ -1,7 +1,7 @@
 """Prefill speed: one prompt of 512 or 2,048 tokens, one new token; prompt tokens / time to first token.
 
 The engine computes a long prompt in chunks of ``max_num_batched_tokens``
-(512 by default), so the 2,048-token figure includes chunking; transformers
+(256 by default), so both figures include chunking; transformers
 runs the whole prompt in one forward. The gRPC 512-token figure carries the
 issue's target (>= 2,200 tokens/s); the served variant also runs in this
 process in turn with it (``prefill.engine.paired.<length>``), the figure the
