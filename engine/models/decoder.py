@@ -252,10 +252,12 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Next-token logits [len(batch.logits_indices), vocab] float32; writes the batch's K/V."""
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         x = self.embed_tokens(batch.input_ids)
         if self.fused_step is not None and self.fused_step.accepts(kv_cache):
-            return self.fused_step(batch, kv_cache, x, cos, sin, self.config.sliding_window)
+            # The fused step computes in float32 whatever the weights' dtype (see FusedStep).
+            cos, sin = rope_cos_sin(batch.positions, self.inv_freq, torch.float32)
+            return self.fused_step(batch, kv_cache, x.float(), cos, sin, self.config.sliding_window)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         meta = kv_cache.prepare(
             batch,
             num_heads=self.config.num_heads,

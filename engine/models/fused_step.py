@@ -5,8 +5,19 @@ module-by-module forward is mostly Python: ~30 layers x a dozen small calls a
 step, ~0.4 ms a layer. ``FusedStep`` hands the same weights to a C++ loop that
 calls the same kernels in the same order, so its logits are bit-identical to
 the module path and the step loses that overhead. The Decoder keeps its module
-path for everything this cannot take (other dtypes, the ContiguousKVCache, a
-machine without the kernels) and for the tests that compare the two.
+path for everything this cannot take (the ContiguousKVCache, a machine without
+the kernels) and for the tests that compare the two.
+
+A bfloat16 model runs here too, as bfloat16 weights with float32 activations:
+its packed layers widen each bf16 weight in registers (exactly), norms and
+embeddings widen exactly, and the activations stay float32 between operations
+where the module path rounds them to bfloat16 after each one. So its logits are
+not the module path's bits but closer to the float32 model's (SmolLM2 against
+float32: greedy agreement 1.000, mean logit error 0.037; the bf16 module path
+0.969 / 0.147), at half the weight bytes a decode step streams. On a 2-core
+Zen 4 its single-sequence decode went from 36 to 110 tokens/s (float32: 53);
+the module path had made the bf16 model slower than float32, paying the
+per-layer Python and ATen's bfloat16 elementwise ops.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ class FusedStep:
     def build(cls, model: Decoder) -> FusedStep | None:
         """The fused step for ``model``, or None where it cannot run it (then the module path serves)."""
         ext = load("decoder_step")
-        if ext is None or model.dtype != torch.float32:
+        if ext is None or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = []
         for layer in model.layers:

@@ -12,8 +12,8 @@ None``). Covered here:
   the chunks of another prompt's prefill: logits and K/V pools ``torch.equal``;
 * that the fused step really runs (the module path's layers are forbidden
   while it does) and that the caches it cannot take (ContiguousKVCache, a paged
-  cache on the PyTorch attention, a bfloat16 cache) and bfloat16 models keep
-  the module path;
+  cache on the PyTorch attention) keep the module path, and
+  that a bfloat16 model runs the fused step as its bf16 weights in float32;
 * that ``quantize_linears`` drops the fused step bound to the replaced weights,
   and a deepcopy starts without one;
 * that the step releases the GIL while it computes;
@@ -259,14 +259,31 @@ def test_caches_the_fused_step_cannot_take_use_the_module_path(tiny_checkpoint, 
             torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=name)
 
 
-def test_bfloat16_model_has_no_fused_step(tiny_checkpoint, monkeypatch) -> None:
-    model = load_model(tiny_checkpoint("llama")[0], dtype="bfloat16", progress=False).model
-    assert model.fused_step is None
-    assert model.pack_for_kernels() > 0 and model.fused_step is None  # its layers pack, the loop does not
-    layer_calls = count_layer_calls(monkeypatch)
-    logits, _ = run(model)
-    assert layer_calls[0] == NUM_STEPS * model.config.num_layers
-    assert all(torch.isfinite(t).all() for t in logits)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_model_runs_the_fused_step_in_float32(tiny_checkpoint, family: str) -> None:
+    """A bfloat16 model's fused step is its bf16 weights with float32 activations: bit for bit the
+    fused step of a float32 model holding the same (bf16-rounded) weights over bf16 K/V pools, and
+    closer to the float32 checkpoint than the bf16 module path, which rounds every activation."""
+    path = tiny_checkpoint(family)[0]
+    bf16 = load_model(path, dtype="bfloat16", progress=False).model
+    c = bf16.config
+
+    def bf16_pools() -> PagedKVCache:
+        return PagedKVCache(c.num_layers, 64, 4, c.num_kv_heads, c.head_dim, torch.bfloat16)
+
+    fused, _ = run_fused(bf16, bf16_pools())
+    module, _ = run_module_path(bf16, bf16_pools())
+
+    twin = unpack(copy.deepcopy(bf16)).float()  # the weights rebuilt from the bf16 packs, widened
+    twin.dtype = torch.float32
+    twin.pack_for_kernels()
+    for a, b in zip(fused, run_fused(twin, bf16_pools())[0], strict=True):
+        assert torch.equal(a, b), family
+
+    reference, _ = run(load_model(path, progress=False).model)
+    fused_err = torch.cat([(a - r).abs().flatten() for a, r in zip(fused, reference, strict=True)]).mean()
+    module_err = torch.cat([(a - r).abs().flatten() for a, r in zip(module, reference, strict=True)]).mean()
+    assert 0 < fused_err < module_err, (family, fused_err.item(), module_err.item())
 
 
 # -- 3. quantize_linears and deepcopy ------------------------------------------------------------
