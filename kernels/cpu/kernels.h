@@ -14,7 +14,8 @@
 namespace protoserve {
 
 // Scratch of the integer-dot formats: a batch's activations quantized to int8 codes, reused
-// across calls (thread_local for single calls; one shared instance for a team).
+// across calls (thread_local for single calls; one shared instance for a team). The bfloat16
+// products of linear.cpp keep their rounded rows in `codes` too.
 struct ActivationCodes {
   std::vector<int8_t> codes;  // [2, K / 32, M, 32]: the coarse codes, then the fine ones, block-major
   std::vector<float> scales;  // [M, K / 32] per block
@@ -59,6 +60,9 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
                           ActivationCodes& codes, const Team* team);
 // Whether 16-row groups run on AMX-INT8 tiles (CPU, compiler and OS all allow it); same results.
 bool int8_dot_amx_available();
+
+// Whether bfloat16 packs multiply in bfloat16 (x rounded to bf16 once per call, vdpbf16ps) here.
+bool linear_multiplies_in_bf16();
 
 // norm_rope.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);

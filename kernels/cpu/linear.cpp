@@ -13,6 +13,14 @@
 // region. int4 chunks hold 32 values per 16 bytes (low nibbles: the first 16,
 // high nibbles: the next 16).
 //
+// bfloat16 weights on CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids) multiply in
+// bfloat16 instead: each row of x is rounded to bfloat16 once per call (as a bf16 matmul's inputs
+// are) and vdpbf16ps multiplies 32 bf16 pairs into 16 float32 lanes, twice the multiply-adds of a
+// float32 FMA, with no widening of the weights. Lane i of a 64-byte load of the pack holds
+// channel (i / 8) of a pair, k = 2 (i % 8), +1; the row's 16 values of the chunk are broadcast to
+// both 256-bit halves. Per (row, channel): one chain over the chunks in ascending order, then a
+// fixed 8-lane sum.
+//
 // Batch invariance: the result for (row m, channel n) is one fused multiply-add
 // chain over the 16-value chunks in ascending order, followed by the same
 // horizontal reduction, whatever M is, whichever rows share a register tile and
@@ -100,6 +108,86 @@ struct I4Weights {
   }
 };
 
+#if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
+#define PROTOSERVE_BF16_LINEAR 1
+constexpr bool BF16_LINEAR = true;
+
+// One row of x rounded to bfloat16 (nearest even, as torch's .to(torch.bfloat16)); K % 16 == 0.
+inline void round_row_to_bf16(const float* x, int64_t K, uint16_t* out) {
+  for (int64_t k = 0; k < K; k += CHUNK)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(simd::load(x + k)));
+}
+
+// Lanes 0-7 and 8-15 of a vector, each summed in a fixed order.
+inline void sum_halves(__m512 v, float& lo, float& hi) {
+  const __m256 a = _mm512_castps512_ps256(v), b = _mm512_extractf32x8_ps(v, 1);
+  auto sum8 = [](__m256 h) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+  };
+  lo = sum8(a);
+  hi = sum8(b);
+}
+
+// Rows [0, R) of xb (bfloat16, rows K apart) against channel block nb of the bfloat16 pack.
+template <int R>
+inline void bf16_tile(const uint16_t* w, int64_t chunks, const uint16_t* xb, int64_t K, int64_t nb,
+                      float sums[MB][NB]) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* p = w + nb * chunks * NB * CHUNK;
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const __m512bh w01 = (__m512bh)_mm512_loadu_si512(p + kc * NB * CHUNK);
+    const __m512bh w23 = (__m512bh)_mm512_loadu_si512(p + kc * NB * CHUNK + 2 * CHUNK);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + r * K + kc * CHUNK)));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w01, xv);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w23, xv);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    sum_halves(acc[r][0], sums[r][0], sums[r][1]);
+    sum_halves(acc[r][1], sums[r][2], sums[r][3]);
+  }
+}
+
+template <int R = MB>
+inline void dispatch_bf16_tile(const uint16_t* w, int64_t chunks, const uint16_t* xb, int64_t K, int64_t nb, int rows,
+                               float sums[MB][NB]) {
+  if constexpr (R > 1) {
+    if (rows < R) return dispatch_bf16_tile<R - 1>(w, chunks, xb, K, nb, rows, sums);
+  }
+  bf16_tile<R>(w, chunks, xb, K, nb, sums);
+}
+
+// y = bf16(x) @ W^T (+ bias) for the bfloat16 pack `w`, xb the rows already rounded.
+void run_bf16_products(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t K, int64_t N, const float* bias,
+                       float* out, const protoserve::Team* team) {
+  const int64_t blocks = (N + NB - 1) / NB, chunks = K / CHUNK;
+  protoserve::for_range(team, blocks, 8, [&](int64_t b0, int64_t b1) {
+    float sums[MB][NB];
+    for (int64_t p0 = 0; p0 < M; p0 += M_PANEL) {
+      const int64_t p1 = std::min(M, p0 + M_PANEL);
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        for (int64_t m0 = p0; m0 < p1; m0 += MB) {
+          const int rows = static_cast<int>(std::min<int64_t>(MB, p1 - m0));
+          dispatch_bf16_tile(w, chunks, xb + m0 * K, K, nb, rows, sums);
+          for (int r = 0; r < rows; ++r)
+            for (int j = 0; j < NB && nb * NB + j < N; ++j) {
+              const int64_t n = nb * NB + j;
+              out[(m0 + r) * N + n] = bias ? sums[r][j] + bias[n] : sums[r][j];
+            }
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool BF16_LINEAR = false;
+#endif
+
 // Rows [m0, m0 + R) of x against channel block nb: R x NB dot products.
 template <int R, typename W>
 inline void tile(const W& weights, const float* x, int64_t K, int64_t nb, float sums[MB][NB]) {
@@ -183,6 +271,8 @@ void run(const W& weights, const float* x, int64_t M, int64_t K, int64_t N, cons
 
 namespace protoserve {
 
+bool linear_multiplies_in_bf16() { return BF16_LINEAR; }
+
 void check_packed_linear(const LinearWeights& w, int64_t K) {
   const int64_t N = w.out_features;
   TORCH_CHECK(N > 0 && K > 0, "a linear layer needs positive in and out features");
@@ -249,6 +339,19 @@ void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64
   if (team != nullptr) team->sync();  // every member's rows of x are written
   const int64_t N = w.out_features, chunks = K / CHUNK;
   const float* bias = w.bias.has_value() ? w.bias->data_ptr<float>() : nullptr;
+#if defined(PROTOSERVE_BF16_LINEAR)
+  if (format == Format::BF16) {
+    // The rounded rows go in the integer-dot formats' scratch: 2 * M * K bytes, which fit() provides.
+    uint16_t* xb = reinterpret_cast<uint16_t*>(codes.codes.data());
+    protoserve::for_range(team, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) round_row_to_bf16(x + r * K, K, xb + r * K);
+    });
+    if (team != nullptr) team->sync();  // every member's rounded rows are written
+    run_bf16_products(reinterpret_cast<const uint16_t*>(w.data.data_ptr()), xb, M, K, N, bias, out, team);
+    if (team != nullptr) team->sync();
+    return;
+  }
+#endif
   switch (format) {
     case Format::F32:
       run(F32Weights{w.data.data_ptr<float>(), chunks}, x, M, K, N, nullptr, bias, out, team);
@@ -281,7 +384,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch:
   auto out = torch::empty({M, out_features}, x.options());
   if (M == 0) return out;
   thread_local ActivationCodes codes;  // reused by the calling thread: no allocation per step
-  if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT))
+  if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT) ||
+      (BF16_LINEAR && format == static_cast<int64_t>(Format::BF16)))
     codes.fit(M, K);
   packed_linear_into(w, x.data_ptr<float>(), M, K, out.data_ptr<float>(), codes, nullptr);
   return out;

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("packed_linear", &protoserve::packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)",
         no_gil);
+  m.def("linear_multiplies_in_bf16", &protoserve::linear_multiplies_in_bf16,
+        "whether bfloat16 packs multiply in bfloat16 here (x rounded to bf16 once per call)");
   m.def("int8_dot_amx_available", &protoserve::int8_dot_amx_available,
         "whether the integer-dot formats run their 16-row groups on AMX tiles here");
   m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);

@@ -81,6 +81,13 @@ def int8_dot_amx_available() -> bool:
     return ext is not None and ext.int8_dot_amx_available()
 
 
+def multiplies_in_bf16() -> bool:
+    """bfloat16 packs multiply in bfloat16 here (AVX512-BF16): each row of x is rounded to bf16
+    once per call, as a bf16 matmul's inputs are, and the products accumulate in float32."""
+    ext = load("linear")
+    return ext is not None and ext.linear_multiplies_in_bf16()
+
+
 def supports_int8_dot(in_features: int) -> bool:
     return int8_dot_available() and in_features % DOT_BLOCK == 0
 
@@ -288,9 +295,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same product in float64 PyTorch (for the integer-dot formats, of the int8-rounded
-    activations, block by block, as the kernel computes it), rounded to float32."""
+    activations, block by block, as the kernel computes it; for bfloat16 packs where the kernel
+    multiplies in bf16, of x rounded to bf16), rounded to float32."""
     if weight.format in ("int4_dot", "int8_dot"):
         return _reference_dot(x, weight, bias)
+    if weight.format == "bfloat16" and multiplies_in_bf16():
+        x = x.bfloat16()
     y = x.double() @ unpack(weight).double().T
     if bias is not None:
         y = y + bias.double()

@@ -96,6 +96,27 @@ def test_unpack_inverts_pack(fmt: str) -> None:
         assert torch.equal(pl.unpack(pack(q, s, m, 32)), want)
 
 
+@pytest.mark.parametrize("shape", [(577, 576), (576, 1536), (6, 64)], ids=str)
+def test_bfloat16_packs_multiply_in_bf16_where_the_cpu_has_it(shape: tuple[int, int]) -> None:
+    """On AVX512-BF16 CPUs a bfloat16 pack's product is bf16(x) @ W^T accumulated in float32: within
+    float32 rounding of that, and measurably not the product of the unrounded x. Elsewhere it widens
+    the weights and keeps x in float32."""
+    assert pl.multiplies_in_bf16() == ("avx512_bf16" in _cpu_flags() and "avx512f" in _cpu_flags())
+    n, k = shape
+    g = torch.Generator().manual_seed(k)
+    weight = pl.pack_dense((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+    for rows in (1, 4, 5, 70):
+        x = torch.randn(rows, k, generator=g)
+        got = pl.packed_linear(x, weight)
+        unrounded = (x.double() @ pl.unpack(weight).double().T).float()
+        rounded = (x.bfloat16().double() @ pl.unpack(weight).double().T).float()
+        want, other = (rounded, unrounded) if pl.multiplies_in_bf16() else (unrounded, rounded)
+        tight = 1e-5 * k**0.5
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=tight)
+        if rows == 70:  # enough values that some product's rounding shows
+            assert (got - other).abs().max() > 10 * tight
+
+
 def test_amx_tiles_are_used_where_the_cpu_and_os_offer_them() -> None:
     """A CPU with AMX-INT8 (Sapphire Rapids and later) whose kernel grants the tile state must get
     the AMX path: silently falling back to VNNI would cost batched throughput, not correctness."""
