@@ -108,6 +108,20 @@ struct I4Weights {
   }
 };
 
+// A register tile's R x NB sums into out (rows m0.., channels of block nb below N): the per-channel
+// scale first, then the bias.
+inline void store_tile(const float sums[MB][NB], int rows, int64_t m0, int64_t nb, int64_t N,
+                       const float* channel_scale, const float* bias, float* out) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < NB && nb * NB + j < N; ++j) {
+      const int64_t n = nb * NB + j;
+      float y = sums[r][j];
+      if (channel_scale) y *= channel_scale[n];
+      if (bias) y += bias[n];
+      out[(m0 + r) * N + n] = y;
+    }
+}
+
 #if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
 #define PROTOSERVE_BF16_LINEAR 1
 constexpr bool BF16_LINEAR = true;
@@ -174,11 +188,7 @@ void run_bf16_products(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t
         for (int64_t m0 = p0; m0 < p1; m0 += MB) {
           const int rows = static_cast<int>(std::min<int64_t>(MB, p1 - m0));
           dispatch_bf16_tile(w, chunks, xb + m0 * K, K, nb, rows, sums);
-          for (int r = 0; r < rows; ++r)
-            for (int j = 0; j < NB && nb * NB + j < N; ++j) {
-              const int64_t n = nb * NB + j;
-              out[(m0 + r) * N + n] = bias ? sums[r][j] + bias[n] : sums[r][j];
-            }
+          store_tile(sums, rows, m0, nb, N, nullptr, bias, out);
         }
       }
     }
@@ -251,16 +261,7 @@ void run(const W& weights, const float* x, int64_t M, int64_t K, int64_t N, cons
           } else {
             dispatch_tile(weights, xr, K, nb, rows, sums);
           }
-          for (int r = 0; r < rows; ++r) {
-            for (int j = 0; j < NB; ++j) {
-              const int64_t n = nb * NB + j;
-              if (n >= N) break;
-              float y = sums[r][j];
-              if (channel_scale) y *= channel_scale[n];
-              if (bias) y += bias[n];
-              out[(m0 + r) * N + n] = y;
-            }
-          }
+          store_tile(sums, rows, m0, nb, N, channel_scale, bias, out);
         }
       }
     }
