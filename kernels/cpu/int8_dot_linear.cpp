@@ -102,6 +102,13 @@ struct QuantizedRows {
   int32_t fine_sum(int64_t r, int64_t b) const { return code_sums[(M + r) * blocks + b]; }
 };
 
+// Only the AVX2 int8 path reads the sums of a block's codes; VNNI skips their reductions.
+#if defined(__AVX512VNNI__)
+constexpr bool CODE_SUMS = false;
+#else
+constexpr bool CODE_SUMS = true;
+#endif
+
 // Block b of a register tile's R rows: their codes, and the sums of those codes (for the AVX2
 // int8 path's offset).
 template <int R>
@@ -115,18 +122,13 @@ struct BlockRows {
     for (int r = 0; r < R; ++r) {
       coarse[r] = x.coarse_at(m0 + r, b);
       fine[r] = x.fine_at(m0 + r, b);
-      coarse_sum[r] = x.coarse_sum(m0 + r, b);
-      fine_sum[r] = x.fine_sum(m0 + r, b);
+      if constexpr (CODE_SUMS) {
+        coarse_sum[r] = x.coarse_sum(m0 + r, b);
+        fine_sum[r] = x.fine_sum(m0 + r, b);
+      }
     }
   }
 };
-
-// Only the AVX2 int8 path reads the sums of a block's codes; VNNI skips their reductions.
-#if defined(__AVX512VNNI__)
-constexpr bool CODE_SUMS = false;
-#else
-constexpr bool CODE_SUMS = true;
-#endif
 
 // One row's blocks, in a fixed order per block (so the same row always gives the same codes); the
 // codes of block b go to coarse/fine + b * block_stride.

@@ -122,14 +122,12 @@ inline void store_tile(const float sums[MB][NB], int rows, int64_t m0, int64_t n
     }
 }
 
-#if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
-#define PROTOSERVE_BF16_LINEAR 1
+#if defined(PROTOSERVE_SIMD_BF16)
 constexpr bool BF16_LINEAR = true;
 
-// One row of x rounded to bfloat16 (nearest even, as torch's .to(torch.bfloat16)); K % 16 == 0.
+// One row of x rounded to bfloat16; K % 16 == 0.
 inline void round_row_to_bf16(const float* x, int64_t K, uint16_t* out) {
-  for (int64_t k = 0; k < K; k += CHUNK)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(simd::load(x + k)));
+  for (int64_t k = 0; k < K; k += CHUNK) simd::store_bf16(out + k, simd::load(x + k));
 }
 
 // Lanes 0-7 and 8-15 of a vector, each summed in a fixed order.
@@ -340,7 +338,7 @@ void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64
   if (team != nullptr) team->sync();  // every member's rows of x are written
   const int64_t N = w.out_features, chunks = K / CHUNK;
   const float* bias = w.bias.has_value() ? w.bias->data_ptr<float>() : nullptr;
-#if defined(PROTOSERVE_BF16_LINEAR)
+#if defined(PROTOSERVE_SIMD_BF16)
   if (format == Format::BF16) {
     // The rounded rows go in the integer-dot formats' scratch: 2 * M * K bytes, which fit() provides.
     uint16_t* xb = reinterpret_cast<uint16_t*>(codes.codes.data());

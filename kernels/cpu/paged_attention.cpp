@@ -57,8 +57,7 @@ using simd::F16;
 // bfloat16 pools on CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids) multiply in
 // bfloat16 with vdpbf16ps, straight from the cached rows: scores against the scaled query rounded
 // to bfloat16 once, P @ V with each block's probabilities rounded to bfloat16.
-#if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
-#define PROTOSERVE_BF16_ATTENTION 1
+#if defined(PROTOSERVE_SIMD_BF16)
 constexpr bool BF16_ATTENTION = true;
 #else
 constexpr bool BF16_ATTENTION = false;
@@ -175,7 +174,7 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
   return sums.result();
 }
 
-#if defined(PROTOSERVE_BF16_ATTENTION)
+#if defined(PROTOSERVE_SIMD_BF16)
 // Scores of one query head (scaled, rounded to bfloat16) against 16 bfloat16 key rows read from the
 // cache as they are: vdpbf16ps multiplies 32 bf16 pairs (each product exact in float32) into 16
 // float32 lanes, twice a float32 FMA's multiply-adds, and K needs no widening. Lane l of key u's
@@ -314,7 +313,7 @@ inline void block_query_scores(const Problem& pb, const T* q, const T* const kro
     if constexpr (std::is_same_v<T, float>) {
       sc = block_scores<CH>(q + g * D, krow, chunks);
     } else {  // bf16 products: the bfloat16 query against the cached rows
-#if defined(PROTOSERVE_BF16_ATTENTION)
+#if defined(PROTOSERVE_SIMD_BF16)
       sc = block_scores_bf16<CH / 2>(q + g * D, krow);
 #endif
     }
@@ -360,7 +359,7 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
   }
 }
 
-#if defined(PROTOSERVE_BF16_ATTENTION)
+#if defined(PROTOSERVE_SIMD_BF16)
 // P @ V for bfloat16 pools in bfloat16 pairs: the block's probabilities rounded to bfloat16 (as GPU
 // flash attention feeds P to its bf16 matmul; l keeps the float32 sum), keys paired (2j, 2j+1) so
 // that one vdpbf16ps adds p_2j v_2j + p_2j+1 v_2j+1 for 16 columns. The pair's V rows are
@@ -376,8 +375,7 @@ void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* cor
   for (int g = 0; g < G; ++g) {
     const F16 cg = simd::set1(corr[g]);
     for (int c = 0; c < 2 * CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (2 * c0 + c) * LANES), cg);
-    const __m256bh p16 = _mm512_cvtneps_pbh(simd::load(probs + g * KEY_BLOCK));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)p16);
+    simd::store_bf16(reinterpret_cast<uint16_t*>(pairs[g]), simd::load(probs + g * KEY_BLOCK));
   }
   for (int j = ja; j <= jb; ++j) {
     __m512i vp[2 * CC];
@@ -475,9 +473,9 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
     for (int e = 0; e < HGD; e += LANES) {
       const F16 scaled = simd::mul(simd::load(qrow + e), scale);
-#if defined(PROTOSERVE_BF16_ATTENTION)
-      if constexpr (bf16_products) {  // round to nearest even, as torch's .to(torch.bfloat16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.qb[i * HGD + e]), (__m256i)_mm512_cvtneps_pbh(scaled));
+#if defined(PROTOSERVE_SIMD_BF16)
+      if constexpr (bf16_products) {
+        simd::store_bf16(&s.qb[i * HGD + e], scaled);
         continue;
       }
 #endif
@@ -546,7 +544,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
-#if defined(PROTOSERVE_BF16_ATTENTION)
+#if defined(PROTOSERVE_SIMD_BF16)
         if constexpr (bf16_products) {
           block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
                               reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
@@ -563,7 +561,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     for (int g = 0; g < HG; ++g) {
       const F16 denom = simd::set1(simd::reduce_add(s.l[i * HG + g]));
       const float* acc = &s.acc[i * HGD + g * D];
-#if defined(PROTOSERVE_BF16_ATTENTION)
+#if defined(PROTOSERVE_SIMD_BF16)
       if constexpr (bf16_products) {
         store_bf16_acc(orow + g * D, acc, D, denom);
         continue;

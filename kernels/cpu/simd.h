@@ -24,6 +24,12 @@
 #error "the CPU kernels need AVX-512 (F, BW, VL, DQ) or AVX2 with FMA and F16C"
 #endif
 
+// AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): vdpbf16ps multiplies bfloat16 pairs into
+// float32 lanes; the linear and attention kernels use it for bfloat16 weights and pools.
+#if defined(PROTOSERVE_SIMD_AVX512) && defined(__AVX512BF16__)
+#define PROTOSERVE_SIMD_BF16 1
+#endif
+
 namespace protoserve::simd {
 
 using Mask = uint32_t;  // one bit per lane, lane 0 in bit 0
@@ -66,6 +72,12 @@ inline F16 load_bf16(const uint16_t* p) {  // bfloat16 is float32's high half: e
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline F16 load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#if defined(PROTOSERVE_SIMD_BF16)
+// 16 values rounded to bfloat16, nearest even (as torch's .to(torch.bfloat16)).
+inline void store_bf16(uint16_t* p, F16 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(a));
+}
+#endif
 inline I16 load_i8_as_i32(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline I16 load_u8_as_i32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
