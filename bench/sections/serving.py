@@ -15,8 +15,10 @@ of the engine, SSE within 10% of gRPC), and figures measured minutes apart on
 this shared machine drift by more than that.
 
 Figures: aggregate output tokens/s per (path, level), with TTFT and
-inter-token latency percentiles and error counts beside it; gRPC TTFT p50 as
-figures of its own (the issue's target is at 16 concurrent).
+inter-token latency percentiles and error counts beside it, and where the
+CPU went during the run (bench/cpu_usage.py: the server's loop and its other
+threads, this process, the machine's idle share); gRPC TTFT p50 as figures of
+its own (the issue's target is at 16 concurrent).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench import engine_direct
+from bench import cpu_usage, engine_direct
 from bench.context import BenchContext
 from bench.figures import Figure, skipped
 from bench.load_generator import run_load, warm_up
@@ -94,7 +96,9 @@ def _baseline(ctx: BenchContext, key: str) -> str | None:
     return baseline_name(key)
 
 
-def _load_figure(ctx: BenchContext, name: str, result: LoadResult, concurrency: int, key: str) -> Figure:
+def _load_figure(
+    ctx: BenchContext, name: str, result: LoadResult, concurrency: int, key: str, cpu: dict[str, float]
+) -> Figure:
     if result.requests and result.errors == result.requests:
         raise RuntimeError(f"all {result.requests} requests failed: {result.first_error}")
     return Figure(
@@ -103,7 +107,7 @@ def _load_figure(ctx: BenchContext, name: str, result: LoadResult, concurrency: 
         unit=UNIT,
         section=SECTION,
         baseline=_baseline(ctx, key),
-        details={"concurrency": concurrency, **result.details()},
+        details={"concurrency": concurrency, **result.details(), **cpu},
     )
 
 
@@ -131,10 +135,14 @@ class LoadPath:
 
 
 async def _levels(
-    ctx: BenchContext, paths: Sequence[LoadPath], levels: tuple[int, ...], long_mix: bool
+    ctx: BenchContext,
+    paths: Sequence[LoadPath],
+    levels: tuple[int, ...],
+    long_mix: bool,
+    server_pid: int | None = None,
 ) -> list[Figure]:
     """Every level (and the long mix) through each path, the paths in turn at each level; the
-    transports are closed at the end."""
+    transports are closed at the end. ``server_pid``: the server whose CPU time each run reports."""
     p = ctx.profile
     figures: list[Figure] = []
     try:
@@ -149,9 +157,11 @@ async def _levels(
             for path in paths:
                 specs = make_specs()
                 name = f"{path.prefix}.{key}"
+                before = cpu_usage.snapshot(server_pid)
                 result, _ = await run_load(path.transport, specs, concurrency, p.level_max_seconds)
+                cpu = cpu_usage.usage_details(before, cpu_usage.snapshot(server_pid), result.output_tokens)
                 try:
-                    figures.append(_load_figure(ctx, name, result, concurrency, key))
+                    figures.append(_load_figure(ctx, name, result, concurrency, key, cpu))
                 except RuntimeError as exc:  # every request failed: report it, go on with the next level
                     figures.append(skipped(name, UNIT, SECTION, str(exc)))
                     continue
@@ -239,7 +249,7 @@ def _server_step(ctx: BenchContext) -> Step:
                 ]
                 if server.http_base_url is not None:
                     paths.append(LoadPath(GatewaySseTransport(server.http_base_url, widest), "serving.sse"))
-                figures = await _levels(ctx, paths, levels, long_mix=True)
+                figures = await _levels(ctx, paths, levels, long_mix=True, server_pid=server.process.pid)
             finally:
                 await engine.shutdown()
             if server.http_base_url is None:
@@ -248,7 +258,7 @@ def _server_step(ctx: BenchContext) -> Step:
                 ]
             openai = OpenAiSseTransport(server.http_base_url, widest, server.model_name())
             return figures + await _levels(
-                ctx, [LoadPath(openai, "serving.openai-sse")], p.openai_concurrencies, False
+                ctx, [LoadPath(openai, "serving.openai-sse")], p.openai_concurrencies, False, server.process.pid
             )
 
         return asyncio.run(measure())
@@ -268,7 +278,8 @@ def _server_variant_step(ctx: BenchContext, variant: Variant) -> Step:
     prefix = f"serving.grpc.{variant.label}"
 
     def run(server: Any) -> list[Figure]:
-        return asyncio.run(_levels(ctx, [LoadPath(GrpcTransport(server.grpc_target), prefix)], (c,), False))
+        path = LoadPath(GrpcTransport(server.grpc_target), prefix)
+        return asyncio.run(_levels(ctx, [path], (c,), False, server.process.pid))
 
     return Step(
         SECTION,
