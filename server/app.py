@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
 from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
 from server.auth import Authenticator
+from server.event_loop import loop_name
 from server.frontend import Frontend, ModelCard
 from server.health import Readiness
 from server.inference_service import InferenceService
@@ -298,6 +299,7 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     if app.metrics_port is not None:
         http += f", metrics on {config.host}:{app.metrics_port}"
     print(f"protoserve listening on {app.grpc_target} (grpc){http}", flush=True)
+    log.info("event loop: %s", loop_name(loop))
 
     load = asyncio.create_task(app.load_model())
     stopping = asyncio.create_task(stop.wait())

@@ -17,6 +17,7 @@ from engine.request import GenerationRequest, RequestStats
 from engine.sampling_params import ContextPolicy, SamplingParams
 from server.app import HttpGatewayStarter, ServerConfig, serve
 from server.errors import ServiceError, invalid_argument, to_service_error
+from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
 from server.frontend import ChatTurn, Frontend, ModelCard, new_request_id
 
 log = logging.getLogger("protoserve")
@@ -117,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"record prompt and completion text in spans [off; also ${TRACE_CONTENT_ENV}=1]",
     )
 
+    s.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="the server's asyncio loop: uvloop when installed (auto), or asyncio's own [auto]",
+    )
+
     g = sub.add_parser("generate", help="generate from one prompt without a server, streaming to stdout")
     _add_model_flags(g)
     g.add_argument(
@@ -152,6 +160,11 @@ def _http_gateway() -> HttpGatewayStarter | None:
 
 
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    try:
+        loop = loop_factory(args.event_loop)
+    except EventLoopUnavailable as exc:
+        print(f"protoserve: {exc}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         model_path=args.model,
         model_name=args.model_name,
@@ -180,7 +193,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     gateway = None if args.no_http else _http_gateway()
     if gateway is None and not args.no_http:
         log.info("REST gateway not available; serving gRPC only")
-    return asyncio.run(serve(config, http_gateway=gateway))
+    with asyncio.Runner(loop_factory=loop) as runner:
+        return runner.run(serve(config, http_gateway=gateway))
 
 
 def _chat_turns(args: argparse.Namespace, prompt: str | None) -> list[ChatTurn]:
