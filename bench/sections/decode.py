@@ -7,12 +7,12 @@ gRPC figure is the one with the issue's target (>= 170 tokens/s).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
+from bench.load_generator import run_clients
 from bench.paired import alternate
 from bench.resources import EngineModel, Server, TransformersModel, Variant, load_engine_model
 from bench.runner import Step
@@ -105,18 +105,18 @@ def _server_step(ctx: BenchContext, variant: Variant) -> Step:
             loaded = load_engine_model(variant)
             engine = engine_direct.make_engine(loaded, variant, deterministic=True)
             _, engine_runs = _specs(ctx)
-            served, direct = asyncio.run(
+            served, direct = run_clients(
                 alternate(GrpcTransport(server.grpc_target), engine, warm, runs, engine_runs)
             )
             del engine, loaded
             figures = [_figure(grpc_name, served), _figure(PAIRED_ENGINE, direct, "in turn with decode.grpc")]
         else:
             figures = [
-                _figure(grpc_name, asyncio.run(_sequential(GrpcTransport(server.grpc_target), warm, runs)))
+                _figure(grpc_name, run_clients(_sequential(GrpcTransport(server.grpc_target), warm, runs)))
             ]
         if server.http_base_url is not None and headline:
             warm, runs = _specs(ctx)
-            sse = asyncio.run(_sequential(GatewaySseTransport(server.http_base_url, 1), warm, runs))
+            sse = run_clients(_sequential(GatewaySseTransport(server.http_base_url, 1), warm, runs))
             figures.append(_figure(sse_name, sse))
         return figures
 

@@ -10,12 +10,12 @@ gRPC one is held to.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from bench import engine_direct
 from bench.context import BenchContext, engine_label, mode_label
 from bench.figures import Figure
+from bench.load_generator import run_clients
 from bench.paired import alternate
 from bench.resources import EngineModel, Server, TransformersModel, Variant, load_engine_model
 from bench.runner import Step
@@ -116,7 +116,7 @@ def _server_step(ctx: BenchContext) -> Step:
         for length in lengths:
             warm, runs = _specs(ctx, length)
             _, engine_runs = _specs(ctx, length)
-            served, direct = asyncio.run(
+            served, direct = run_clients(
                 alternate(GrpcTransport(server.grpc_target), engine, warm, runs, engine_runs)
             )
             figures.append(_figure(f"prefill.grpc.{length}", length, served))

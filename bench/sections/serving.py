@@ -23,7 +23,6 @@ its own (the issue's target is at 16 concurrent).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 from bench import cpu_usage, engine_direct
 from bench.context import BenchContext
 from bench.figures import Figure, skipped
-from bench.load_generator import run_load, warm_up
+from bench.load_generator import run_clients, run_load, warm_up
 from bench.load_result import LoadResult
 from bench.resources import Server, TransformersModel, Variant, load_engine_model
 from bench.runner import Step
@@ -261,7 +260,7 @@ def _server_step(ctx: BenchContext) -> Step:
                 ctx, [LoadPath(openai, "serving.openai-sse")], p.openai_concurrencies, False, server.process.pid
             )
 
-        return asyncio.run(measure())
+        return run_clients(measure())
 
     expects = (
         _expects(ctx, "serving.engine", levels, True)
@@ -279,7 +278,7 @@ def _server_variant_step(ctx: BenchContext, variant: Variant) -> Step:
 
     def run(server: Any) -> list[Figure]:
         path = LoadPath(GrpcTransport(server.grpc_target), prefix)
-        return asyncio.run(_levels(ctx, [path], (c,), False, server.process.pid))
+        return run_clients(_levels(ctx, [path], (c,), False, server.process.pid))
 
     return Step(
         SECTION,
