@@ -132,14 +132,8 @@ inline void round_row_to_bf16(const float* x, int64_t K, uint16_t* out) {
 
 // Lanes 0-7 and 8-15 of a vector, each summed in a fixed order.
 inline void sum_halves(__m512 v, float& lo, float& hi) {
-  const __m256 a = _mm512_castps512_ps256(v), b = _mm512_extractf32x8_ps(v, 1);
-  auto sum8 = [](__m256 h) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
-  };
-  lo = sum8(a);
-  hi = sum8(b);
+  lo = simd::reduce8_add(_mm512_castps512_ps256(v));
+  hi = simd::reduce8_add(_mm512_extractf32x8_ps(v, 1));
 }
 
 // Rows [0, R) of xb (bfloat16, rows K apart) against channel block nb of the bfloat16 pack.

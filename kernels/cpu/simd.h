@@ -34,6 +34,14 @@ namespace protoserve::simd {
 
 using Mask = uint32_t;  // one bit per lane, lane 0 in bit 0
 
+// The sum of 8 lanes in a fixed order (halves, then pairs, then the last two); both widths use it.
+inline float reduce8_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 #if defined(PROTOSERVE_SIMD_AVX512)
 
 using F16 = __m512;   // 16 float32 lanes
@@ -168,12 +176,6 @@ inline F16 round(F16 a) {
 }
 inline float first(F16 a) { return _mm256_cvtss_f32(a.lo); }
 
-inline float reduce8_add(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline float reduce_add(F16 a) { return reduce8_add(_mm256_add_ps(a.lo, a.hi)); }
 inline float reduce_max(F16 a) {
   const __m256 v = _mm256_max_ps(a.lo, a.hi);
