@@ -23,11 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import machine_peak
 from bench.compare import compare_figures
 from bench.context import BenchContext
 from bench.figures import Figure, resolve
 from bench.profile import PROFILES, Profile
 from bench.report import format_table, json_lines
+from bench.roofline import LinearWork, RooflineInputs, roofline_figures
 from bench.runner import Step, run_steps
 from bench.sections import decode, offline, prefill, serving
 from bench.targets import targets_for
@@ -79,10 +81,28 @@ def collect_steps(ctx: BenchContext, sections: Sequence[str]) -> list[Step]:
     return [step for name in sections for step in SECTIONS[name](ctx)]
 
 
-def finish(figures: list[Figure], served: str = "fp32") -> list[Figure]:
-    """Add the comparisons, then attach targets and ratios to transformers."""
+def finish(figures: list[Figure], served: str = "fp32", roofline: RooflineInputs | None = None) -> list[Figure]:
+    """Add the comparisons (and the roofline figures, given their inputs), then attach targets
+    and ratios to transformers."""
     figures = figures + compare_figures(figures, served)
+    if roofline is not None:
+        figures = figures + roofline_figures(figures, roofline)
     return resolve(figures, targets_for(f.name for f in figures))
+
+
+def roofline_inputs(profile: Profile) -> RooflineInputs:
+    """The default model's linear work, the profile's serving workload and this CPU."""
+    from engine.loader.default_model import default_model_path
+    from engine.loader.gguf_checkpoint import GGUFCheckpoint
+    from kernels.cpu.extension import cpu_flags
+
+    return RooflineInputs(
+        work=LinearWork.of(GGUFCheckpoint(default_model_path()).config),
+        serving_prompt_len=profile.serving_prompt_len,
+        serving_max_tokens=profile.serving_max_tokens,
+        int8_dot_variant=profile.serving_variant.quantization != "none",
+        amx="amx_int8" in cpu_flags().split(),
+    )
 
 
 def metadata(
@@ -135,10 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.threads,
         " ".join(f"{x:.2f}" for x in load_start),
     )
+    # First, while nothing is loaded: the instruction peak the roofline figures are held to.
+    peak = machine_peak.peak_figure(args.threads)
+    log.info("%s = %s", peak.name, f"{peak.value:.1f} {peak.unit}" if peak.value is not None else peak.note)
     ctx = BenchContext(profile, seed=args.seed)
-    figures = finish(
-        run_steps(collect_steps(ctx, sections), args.results_dir, args.threads), profile.serving_variant.label
-    )
+    measured = run_steps(collect_steps(ctx, sections), args.results_dir, args.threads)
+    figures = finish([peak, *measured], profile.serving_variant.label, roofline_inputs(profile))
     meta = metadata(profile, sections, args.threads, started, load_start)
 
     print(
