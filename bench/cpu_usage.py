@@ -13,6 +13,7 @@ Linux only (``/proc``); elsewhere every figure is left out.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,14 +73,22 @@ def snapshot(server_pid: int | None) -> CpuSnapshot | None:
 
 def usage_details(start: CpuSnapshot | None, end: CpuSnapshot | None, tokens: int) -> dict[str, float]:
     """CPU milliseconds per output token by whom, and the machine's idle share, between two snapshots."""
-    if start is None or end is None or tokens <= 0:
+    return usage_over([(start, end)], tokens)
+
+
+def usage_over(spans: Sequence[tuple[CpuSnapshot | None, CpuSnapshot | None]], tokens: int) -> dict[str, float]:
+    """The same over several (start, end) spans together: ``tokens`` are all of theirs."""
+    if tokens <= 0 or not spans or any(start is None or end is None for start, end in spans):
         return {}
+
+    def spent(field: str) -> float:
+        return sum(getattr(end, field) - getattr(start, field) for start, end in spans)
+
     per_token = 1000.0 / tokens
-    busy = end.machine_busy - start.machine_busy
-    idle = end.machine_idle - start.machine_idle
+    busy, idle = spent("machine_busy"), spent("machine_idle")
     return {
-        "server_loop_cpu_ms_per_tok": round((end.server_loop_s - start.server_loop_s) * per_token, 3),
-        "server_other_cpu_ms_per_tok": round((end.server_other_s - start.server_other_s) * per_token, 3),
-        "bench_cpu_ms_per_tok": round((end.bench_s - start.bench_s) * per_token, 3),
+        "server_loop_cpu_ms_per_tok": round(spent("server_loop_s") * per_token, 3),
+        "server_other_cpu_ms_per_tok": round(spent("server_other_s") * per_token, 3),
+        "bench_cpu_ms_per_tok": round(spent("bench_s") * per_token, 3),
         "idle_pct": round(100.0 * idle / (busy + idle), 1) if busy + idle > 0 else 0.0,
     }

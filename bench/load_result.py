@@ -29,13 +29,18 @@ class LoadResult:
 
     @classmethod
     def of(cls, timelines: Sequence[RequestTimeline]) -> LoadResult:
+        return cls.of_rounds([timelines])
+
+    @classmethod
+    def of_rounds(cls, rounds: Sequence[Sequence[RequestTimeline]]) -> LoadResult:
+        """Several runs of the same load pooled: their tokens over the sum of their wall times,
+        latency percentiles over every request (other paths' runs between them are not counted)."""
+        timelines = [t for run in rounds for t in run]
         if not timelines:
             return cls(0, 0, 0, 0.0, 0.0, None, None)
         ok = [t for t in timelines if t.ok]
         failed = [t for t in timelines if not t.ok]
-        start = min(t.sent for t in timelines)
-        end = max((t.finished for t in timelines if t.finished is not None), default=start)
-        wall = end - start
+        wall = sum(_wall(run) for run in rounds if run)
         tokens = sum(t.output_tokens for t in ok)
         ttfts = [t.ttft for t in ok if t.ttft is not None]
         itls = [gap for t in ok for gap in t.inter_token_latencies()]
@@ -62,3 +67,9 @@ class LoadResult:
         if self.first_error:
             out["first_error"] = self.first_error[:200]
         return out
+
+
+def _wall(timelines: Sequence[RequestTimeline]) -> float:
+    """From the first send to the last completion of one run."""
+    start = min(t.sent for t in timelines)
+    return max((t.finished for t in timelines if t.finished is not None), default=start) - start

@@ -38,7 +38,9 @@ class Profile:
     serving_prompt_len: int
     serving_max_tokens: int
     requests_per_worker: int  # each load level sends concurrency * this many requests ...
-    min_requests: int  # ... but at least this many
+    min_requests: int  # ... but at least this many, in each of serving_rounds rounds:
+    # every path runs the level once per round, the paths in turn, and a figure pools its rounds
+    serving_rounds: int
     level_max_seconds: float  # no new requests after this long at one level
     long_mix_concurrency: int
     long_mix_every: int  # every k-th request of the long-prompt mix ...
@@ -78,6 +80,7 @@ DEFAULT = Profile(
     serving_max_tokens=64,
     requests_per_worker=2,
     min_requests=4,
+    serving_rounds=2,
     level_max_seconds=60.0,
     long_mix_concurrency=16,
     long_mix_every=4,
@@ -111,6 +114,7 @@ FULL = Profile(
     serving_max_tokens=64,
     requests_per_worker=8,
     min_requests=16,
+    serving_rounds=2,
     level_max_seconds=180.0,
     long_mix_concurrency=16,
     long_mix_every=4,
@@ -140,6 +144,7 @@ SMOKE = Profile(
     serving_max_tokens=8,
     requests_per_worker=1,
     min_requests=2,
+    serving_rounds=1,
     level_max_seconds=60.0,
     long_mix_concurrency=4,
     long_mix_every=4,

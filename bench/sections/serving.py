@@ -2,7 +2,8 @@
 
 Each level sends ``concurrency * requests_per_worker`` requests (64-token
 prompts, 64 new tokens) and stops starting new ones after
-``level_max_seconds``. The same workload runs through the engine in this
+``level_max_seconds``, once per round (``serving_rounds``). The same
+workload runs through the engine in this
 process (AsyncEngine, the ceiling), through the gRPC server, through the
 gateway's native SSE route and (at some levels) its OpenAI completions route.
 The transformers baseline is one static batch of the same size as the
@@ -34,6 +35,7 @@ from bench.load_generator import run_clients, run_load, warm_up
 from bench.load_result import LoadResult
 from bench.resources import Server, TransformersModel, Variant, load_engine_model
 from bench.runner import Step
+from bench.timeline import RequestTimeline
 from bench.transports import (
     EngineTransport,
     GatewaySseTransport,
@@ -96,7 +98,7 @@ def _baseline(ctx: BenchContext, key: str) -> str | None:
 
 
 def _load_figure(
-    ctx: BenchContext, name: str, result: LoadResult, concurrency: int, key: str, cpu: dict[str, float]
+    ctx: BenchContext, name: str, result: LoadResult, concurrency: int, key: str, extra: dict[str, Any]
 ) -> Figure:
     if result.requests and result.errors == result.requests:
         raise RuntimeError(f"all {result.requests} requests failed: {result.first_error}")
@@ -106,7 +108,7 @@ def _load_figure(
         unit=UNIT,
         section=SECTION,
         baseline=_baseline(ctx, key),
-        details={"concurrency": concurrency, **result.details(), **cpu},
+        details={"concurrency": concurrency, **result.details(), **extra},
     )
 
 
@@ -140,8 +142,10 @@ async def _levels(
     long_mix: bool,
     server_pid: int | None = None,
 ) -> list[Figure]:
-    """Every level (and the long mix) through each path, the paths in turn at each level; the
-    transports are closed at the end. ``server_pid``: the server whose CPU time each run reports."""
+    """Every level (and the long mix) through each path, the paths in turn at each level, in
+    ``serving_rounds`` rounds (engine, gRPC, SSE, engine, gRPC, SSE: a stretch of a noisy machine
+    lands on every path), each figure pooling its path's rounds; the transports are closed at the
+    end. ``server_pid``: the server whose CPU time each figure reports."""
     p = ctx.profile
     figures: list[Figure] = []
     try:
@@ -153,12 +157,21 @@ async def _levels(
         if long_mix:
             runs.append((long_mix_key(ctx), p.long_mix_concurrency, lambda: _long_mix_specs(ctx)))
         for key, concurrency, make_specs in runs:
+            rounds: dict[str, list[list[RequestTimeline]]] = {path.prefix: [] for path in paths}
+            spans: dict[str, list[tuple[Any, Any]]] = {path.prefix: [] for path in paths}
+            for _ in range(p.serving_rounds):
+                for path in paths:
+                    before = cpu_usage.snapshot(server_pid)
+                    _, timelines = await run_load(path.transport, make_specs(), concurrency, p.level_max_seconds)
+                    spans[path.prefix].append((before, cpu_usage.snapshot(server_pid)))
+                    rounds[path.prefix].append(timelines)
             for path in paths:
-                specs = make_specs()
                 name = f"{path.prefix}.{key}"
-                before = cpu_usage.snapshot(server_pid)
-                result, _ = await run_load(path.transport, specs, concurrency, p.level_max_seconds)
-                cpu = cpu_usage.usage_details(before, cpu_usage.snapshot(server_pid), result.output_tokens)
+                result = LoadResult.of_rounds(rounds[path.prefix])
+                cpu = cpu_usage.usage_over(spans[path.prefix], result.output_tokens)
+                if p.serving_rounds > 1:
+                    per_round = [LoadResult.of(run).tokens_per_s for run in rounds[path.prefix]]
+                    cpu = {"rounds_tok_s": "/".join(f"{v:.0f}" for v in per_round), **cpu}
                 try:
                     figures.append(_load_figure(ctx, name, result, concurrency, key, cpu))
                 except RuntimeError as exc:  # every request failed: report it, go on with the next level

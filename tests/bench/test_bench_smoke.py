@@ -116,6 +116,18 @@ def test_load_result_aggregates_successes_only() -> None:
     assert LoadResult.of([]).tokens_per_s == 0.0
 
 
+def test_rounds_pool_tokens_over_their_own_wall_times() -> None:
+    # Two runs of one path, 100 s apart (other paths ran between them): that gap is nobody's time.
+    first = [_timeline(0.0, 0.2, 10, 0.1)]  # 0 .. 1.1 s
+    second = [_timeline(100.0, 100.5, 10, 0.1), _timeline(100.0, 100.2, 4, 0.1)]  # 100 .. 101.4 s
+    pooled = LoadResult.of_rounds([first, second])
+    assert (pooled.requests, pooled.output_tokens) == (3, 24)
+    assert pooled.wall_s == pytest.approx(1.1 + 1.4)
+    assert pooled.tokens_per_s == pytest.approx(24 / 2.5)
+    assert pooled.ttft is not None and pooled.ttft.p50 == pytest.approx(0.2)  # over every request
+    assert LoadResult.of_rounds([first]) == LoadResult.of(first)
+
+
 # -- workloads -----------------------------------------------------------------
 
 
@@ -394,6 +406,7 @@ def test_serving_paths_take_each_level_in_turn() -> None:
     seconds apart, not minutes; each path is warmed once first and closed at the end, and gets
     prompts of the same lengths but its own nonces (gRPC and SSE share one server's prefix cache)."""
     import asyncio
+    import dataclasses
     import time
 
     from bench.context import BenchContext
@@ -420,19 +433,25 @@ def test_serving_paths_take_each_level_in_turn() -> None:
         async def close(self) -> None:
             calls.append((f"closed {self.label}", 0))
 
-    ctx = BenchContext(SMOKE)
+    profile = dataclasses.replace(SMOKE, serving_rounds=2)
+    ctx = BenchContext(profile)
     paths = [LoadPath(FakeTransport(p), f"serving.{p}", ttft_figures=p == "grpc") for p in ("engine", "grpc", "sse")]
-    figures = asyncio.run(_levels(ctx, paths, SMOKE.concurrencies, long_mix=False))
+    figures = asyncio.run(_levels(ctx, paths, profile.concurrencies, long_mix=False))
     names = [f.name for f in figures]
     assert names == [
         "serving.engine.c1", "serving.grpc.c1", "serving.grpc.c1.ttft_p50", "serving.sse.c1",
         "serving.engine.c4", "serving.grpc.c4", "serving.grpc.c4.ttft_p50", "serving.sse.c4",
     ]  # fmt: skip
     # The warm-up requests ask for 4 tokens, the levels' requests for serving_max_tokens.
-    order = [label for label, tokens in calls if tokens == SMOKE.serving_max_tokens]
-    per_level = [SMOKE.level_requests(c) for c in SMOKE.concurrencies]
-    expected = [p for n in per_level for p in ["engine"] * n + ["grpc"] * n + ["sse"] * n]
+    order = [label for label, tokens in calls if tokens == profile.serving_max_tokens]
+    per_level = [profile.level_requests(c) for c in profile.concurrencies]
+    # Each level: engine, gRPC, SSE, then again for the second round, before the next level.
+    expected = [p for n in per_level for _ in range(2) for p in ["engine"] * n + ["grpc"] * n + ["sse"] * n]
     assert order == expected
+    # A figure pools both rounds of its path.
+    by = {f.name: f for f in figures}
+    assert by["serving.grpc.c4"].details["requests"] == 2 * profile.level_requests(4)
+    assert len(by["serving.grpc.c4"].details["rounds_tok_s"].split("/")) == 2
     assert [label for label, _ in calls[-3:]] == ["closed engine", "closed grpc", "closed sse"]
     engine, grpc, sse = (prompts[p] for p in ("engine", "grpc", "sse"))
     assert [len(x) for x in engine] == [len(x) for x in grpc] == [len(x) for x in sse]

@@ -55,6 +55,22 @@ def test_usage_details_per_token_and_idle_share() -> None:
     assert cpu_usage.usage_details(start, end, tokens=0) == {}
 
 
+def test_usage_over_several_spans_adds_them_up() -> None:
+    snap = cpu_usage.CpuSnapshot
+    spans = [
+        (snap(1000, 500, 1.0, 2.0, 3.0), snap(1150, 550, 1.2, 3.0, 3.1)),
+        # A later run: the time between the spans (another path's run) is not counted.
+        (snap(5000, 900, 9.0, 9.0, 9.0), snap(5050, 950, 9.1, 9.5, 9.3)),
+    ]
+    details = cpu_usage.usage_over(spans, tokens=200)
+    assert details["server_loop_cpu_ms_per_tok"] == pytest.approx((0.2 + 0.1) * 1000 / 200)
+    assert details["server_other_cpu_ms_per_tok"] == pytest.approx((1.0 + 0.5) * 1000 / 200)
+    assert details["bench_cpu_ms_per_tok"] == pytest.approx((0.1 + 0.3) * 1000 / 200)
+    assert details["idle_pct"] == 33.3  # 100 idle jiffies of 300
+    assert cpu_usage.usage_over([spans[0]], 100) == cpu_usage.usage_details(*spans[0], tokens=100)
+    assert cpu_usage.usage_over([spans[0], (spans[1][0], None)], 200) == {}
+
+
 def test_snapshot_of_a_gone_server_is_none() -> None:
     # A pid no process has: the server died mid-run, and the figure goes without CPU details.
     with open("/proc/sys/kernel/pid_max") as f:
