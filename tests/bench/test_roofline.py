@@ -8,20 +8,13 @@ from bench import machine_peak
 from bench.figures import Figure, Target
 from bench.roofline import DOT_PRODUCTS_PER_MAC, LinearWork, RooflineInputs, roofline_figures
 from bench.run import finish
+from engine.loader.default_model import default_model_path
+from engine.loader.gguf_checkpoint import GGUFCheckpoint
 from engine.models.config import ModelConfig
 from kernels.cpu.extension import cpu_flags
 
-# SmolLM2-135M's shape, as its GGUF declares it.
-SMOLLM2 = ModelConfig(
-    architecture="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-)
+# SmolLM2-135M's linear work per token (checked against its GGUF below).
+SMOLLM2 = LinearWork(body=106_168_320, head=576 * 49152)
 
 
 def test_linear_work_counts_every_weight_of_the_projections_and_the_head() -> None:
@@ -49,9 +42,12 @@ def test_linear_work_counts_every_weight_of_the_projections_and_the_head() -> No
 
 
 def test_smollm2_work_per_token() -> None:
-    work = LinearWork.of(SMOLLM2)
-    assert work.body == 30 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536) == 106_168_320
-    assert work.head == 576 * 49152
+    # The bench reads the served model's shape from the GGUF that make install ships.
+    config = GGUFCheckpoint(default_model_path()).config
+    work = LinearWork.of(config)
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert work.body == 30 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
+    assert work == SMOLLM2
     # A 512-token prefill computes logits for its last token only.
     assert work.per_prompt_token(512) == pytest.approx(work.body + work.head / 512)
     # 64 prompt tokens and 63 fed-back output tokens through the layers, 64 logits rows, per 64 tokens.
@@ -59,7 +55,7 @@ def test_smollm2_work_per_token() -> None:
 
 
 def _inputs(**kw) -> RooflineInputs:
-    base = dict(work=LinearWork.of(SMOLLM2), serving_prompt_len=64, serving_max_tokens=64,
+    base = dict(work=SMOLLM2, serving_prompt_len=64, serving_max_tokens=64,
                 int8_dot_variant=True, amx=False)  # fmt: skip
     return RooflineInputs(**{**base, **kw})
 
@@ -80,7 +76,7 @@ def _figures(peak: float | None) -> list[Figure]:
 
 
 def test_roofline_shares_of_the_usable_peak_and_the_targets_needs() -> None:
-    work = LinearWork.of(SMOLLM2)
+    work = SMOLLM2
     out = {f.name: f for f in finish(_figures(peak=400.0), roofline=_inputs())}
     usable = 400.0 / DOT_PRODUCTS_PER_MAC
     assert sorted(n for n in out if n.startswith("roofline.")) == [
