@@ -90,14 +90,20 @@ def finish(figures: list[Figure], served: str = "fp32", roofline: RooflineInputs
     return resolve(figures, targets_for(f.name for f in figures))
 
 
-def roofline_inputs(profile: Profile) -> RooflineInputs:
-    """The default model's linear work, the profile's serving workload and this CPU."""
+def roofline_inputs(profile: Profile) -> RooflineInputs | None:
+    """The default model's linear work, the profile's serving workload and this CPU; None (no
+    roofline figures, the rest of the report intact) if the model's shape cannot be read."""
     from engine.loader.default_model import default_model_path
     from engine.loader.gguf_checkpoint import GGUFCheckpoint
     from kernels.cpu.extension import cpu_flags
 
+    try:
+        config = GGUFCheckpoint(default_model_path()).config
+    except Exception as exc:  # noqa: BLE001 - reported, and the measured figures still print
+        log.warning("no roofline figures: the model's shape could not be read (%s)", exc)
+        return None
     return RooflineInputs(
-        work=LinearWork.of(GGUFCheckpoint(default_model_path()).config),
+        work=LinearWork.of(config),
         serving_prompt_len=profile.serving_prompt_len,
         serving_max_tokens=profile.serving_max_tokens,
         int8_dot_variant=profile.serving_variant.quantization != "none",

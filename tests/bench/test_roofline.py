@@ -132,3 +132,16 @@ def test_a_probe_that_cannot_be_built_is_a_skipped_figure(monkeypatch) -> None:
     monkeypatch.setattr(machine_peak, "compiler", lambda: "false")  # a "compiler" that always fails
     figure = machine_peak.peak_figure(threads=2)
     assert figure.value is None and "could not build the probe" in figure.note
+
+
+def test_roofline_inputs_of_the_served_model_or_none(monkeypatch, tmp_path) -> None:
+    from bench.profile import DEFAULT
+    from bench.run import roofline_inputs
+    from engine.loader import default_model
+
+    inputs = roofline_inputs(DEFAULT)
+    assert inputs is not None and inputs.work == SMOLLM2 and inputs.int8_dot_variant
+    assert (inputs.serving_prompt_len, inputs.serving_max_tokens) == (64, 64)
+    # A model that cannot be read costs the roofline figures, not the run's report.
+    monkeypatch.setattr(default_model, "default_model_path", lambda: tmp_path / "missing.gguf")
+    assert roofline_inputs(DEFAULT) is None
