@@ -30,6 +30,7 @@ from typing import Any
 
 from bench import cpu_usage, engine_direct
 from bench.context import BenchContext
+from bench.cpu_usage import CpuSnapshot
 from bench.figures import Figure, skipped
 from bench.load_generator import run_clients, run_load, warm_up
 from bench.load_result import LoadResult
@@ -158,22 +159,25 @@ async def _levels(
             runs.append((long_mix_key(ctx), p.long_mix_concurrency, lambda: _long_mix_specs(ctx)))
         for key, concurrency, make_specs in runs:
             rounds: dict[str, list[list[RequestTimeline]]] = {path.prefix: [] for path in paths}
-            spans: dict[str, list[tuple[Any, Any]]] = {path.prefix: [] for path in paths}
+            rates: dict[str, list[float]] = {path.prefix: [] for path in paths}  # each round's tok/s
+            spans: dict[str, list[tuple[CpuSnapshot | None, CpuSnapshot | None]]] = {
+                path.prefix: [] for path in paths
+            }
             for _ in range(p.serving_rounds):
                 for path in paths:
                     before = cpu_usage.snapshot(server_pid)
-                    _, timelines = await run_load(path.transport, make_specs(), concurrency, p.level_max_seconds)
+                    run, timelines = await run_load(path.transport, make_specs(), concurrency, p.level_max_seconds)
                     spans[path.prefix].append((before, cpu_usage.snapshot(server_pid)))
                     rounds[path.prefix].append(timelines)
+                    rates[path.prefix].append(run.tokens_per_s)
             for path in paths:
                 name = f"{path.prefix}.{key}"
                 result = LoadResult.of_rounds(rounds[path.prefix])
-                cpu = cpu_usage.usage_over(spans[path.prefix], result.output_tokens)
+                extra: dict[str, Any] = cpu_usage.usage_over(spans[path.prefix], result.output_tokens)
                 if p.serving_rounds > 1:
-                    per_round = [LoadResult.of(run).tokens_per_s for run in rounds[path.prefix]]
-                    cpu = {"rounds_tok_s": "/".join(f"{v:.0f}" for v in per_round), **cpu}
+                    extra = {"rounds_tok_s": "/".join(f"{v:.0f}" for v in rates[path.prefix]), **extra}
                 try:
-                    figures.append(_load_figure(ctx, name, result, concurrency, key, cpu))
+                    figures.append(_load_figure(ctx, name, result, concurrency, key, extra))
                 except RuntimeError as exc:  # every request failed: report it, go on with the next level
                     figures.append(skipped(name, UNIT, SECTION, str(exc)))
                     continue
