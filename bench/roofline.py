@@ -92,7 +92,8 @@ def roofline_figures(figures: Iterable[Figure], inputs: RooflineInputs) -> list[
     """
     figures = list(figures)
     by_name = {f.name: f for f in figures}
-    names = [f.name for f in figures if macs_per_token(f.name, inputs) is not None]
+    work_of = {f.name: work for f in figures if (work := macs_per_token(f.name, inputs)) is not None}
+    names = list(work_of)
     if not names:
         return []
     peak = by_name.get(PEAK_FIGURE)
@@ -109,7 +110,7 @@ def roofline_figures(figures: Iterable[Figure], inputs: RooflineInputs) -> list[
     goals = targets_for(names)
     out = []
     for name in names:
-        figure, work = by_name[name], macs_per_token(name, inputs)
+        figure, work = by_name[name], work_of[name]
         if figure.value is None:
             out.append(skipped(f"roofline.{name}", UNIT, SECTION, f"{name} was not measured"))
             continue
