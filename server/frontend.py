@@ -31,12 +31,11 @@ from engine.request import (
 from engine.sampling_params import ContextPolicy, SamplingParams
 from protoserve.v1 import inference_pb2 as pb
 from server import errors
+from server.limits import MAX_REQUEST_ID_CHARS
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
-# Longest client-chosen request id; ids travel in logs and metadata.
-MAX_REQUEST_ID_LEN = 256
 # Roles the chat templates of supported models understand.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -350,8 +349,8 @@ class Frontend:
         ``path_prefix`` prefixes violation paths (e.g. ``requests[3].`` in Batch).
         """
         violations: list[tuple[str, str]] = []
-        if len(req.request_id) > MAX_REQUEST_ID_LEN:
-            violations.append(("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters"))
+        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+            violations.append(("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters"))
         if req.context_policy not in CONTEXT_POLICIES:
             violations.append(("context_policy", f"unknown value {req.context_policy}"))
         params = self.sampling_from_proto(req.sampling)

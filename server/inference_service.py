@@ -12,9 +12,7 @@ from server import errors
 from server.admission import AdmittingServicer
 from server.frontend import RequestResult, new_request_id
 from server.inflight import Call
-
-# Requests in one Batch call; each holds engine memory while it waits.
-MAX_BATCH_REQUESTS = 256
+from server.limits import MAX_BATCH_REQUESTS
 
 
 def call_deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -1,0 +1,48 @@
+"""Every cap the server puts on what one request may carry, in one place.
+
+A field with no natural bound gets a cap here, and a request over it is refused
+with INVALID_ARGUMENT naming the field and the cap (the servicers and the
+frontend check them; the README's Errors section lists them). Text caps count
+characters (Unicode code points), byte caps count UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+# -- whole messages --------------------------------------------------------------------------
+
+# The largest gRPC request the server reads (``protoserve serve --max-message-bytes``); grpc
+# itself answers a larger one with RESOURCE_EXHAUSTED before any handler runs. 16 MiB holds a
+# full 128K-token context as token ids (at most 5 bytes an id) many times over, and a Batch of
+# 256 requests with prompts of up to ~60 KB (~15K tokens) each, while one message stays far below
+# the server's memory.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# The largest response the server sends: Batch results and logprobs can outgrow any request.
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# -- text fields -----------------------------------------------------------------------------
+
+MAX_MODEL_NAME_CHARS = 256  # a longer name cannot name a loaded model: NOT_FOUND, as any unknown one
+MAX_REQUEST_ID_CHARS = 256  # client-chosen request ids travel in logs, metadata and Cancel
+MAX_USER_ID_CHARS = 256  # the x-user-id header
+MAX_STOP_STRING_CHARS = 256  # each stop string; text that could start one is held back from streams
+MAX_CHAT_NAME_CHARS = 256  # a chat message's ``name``
+
+# -- lists -----------------------------------------------------------------------------------
+
+MAX_BATCH_REQUESTS = 256  # requests in one Batch call; each holds engine memory while it waits
+MAX_STOP_STRINGS = 16  # stop strings of one InferenceService request (OpenAI's API allows 4)
+OPENAI_MAX_STOP_STRINGS = 4  # OpenAI's own limit, kept by the OpenAI-compatible API
+
+# -- prompts ---------------------------------------------------------------------------------
+
+# Text input (a prompt, or a conversation's texts together) is tokenized only up to this many
+# bytes, or the model's context bound where that is larger: a prompt the context cannot hold is
+# refused before tokenizing it (OUT_OF_RANGE), and the truncating context policies, which accept
+# over-long prompts, still tokenize at most this much (about 2 s of one core).
+MAX_PROMPT_BYTES = 4 * 1024 * 1024
+
+# -- echoes of input -------------------------------------------------------------------------
+
+# User text quoted in an error message, its metadata or the request log is cut to this many
+# characters (plus its size), so no echo can outgrow gRPC's 8 KB metadata or a log line.
+ECHO_CHARS = 64
