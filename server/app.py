@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
 from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
+from server import exit_codes
 from server.auth import Authenticator
 from server.event_loop import loop_name
 from server.frontend import Frontend, ModelCard
@@ -37,6 +38,7 @@ from server.metrics_http import MetricsHttpServer
 from server.metrics_service import MetricsService
 from server.model_registry import ModelRegistry
 from server.openai_service import OpenAIService
+from server.ports import PortUnavailable, check_can_listen
 from server.request_scope import RequestScopeInterceptor
 from server.telemetry import Telemetry, installed_tracer_provider
 from server.usage import UsageLedger
@@ -179,9 +181,17 @@ class ServerApp:
             ),
             server,
         )
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        host = self.config.host
+        check_can_listen(host, self.config.port, "gRPC")
+        try:
+            self.port = server.add_insecure_port(f"{host}:{self.config.port}")
+        except RuntimeError as exc:  # taken between the check and now
+            raise PortUnavailable(f"cannot listen on {host}:{self.config.port} (gRPC): {exc}") from exc
+        # After the gRPC bind, so that the same port given twice is refused here too.
+        if self.config.metrics_port is not None:
+            check_can_listen(host, self.config.metrics_port, "metrics")
+        if self.http_gateway is not None and self.config.http_port is not None:
+            check_can_listen(host, self.config.http_port, "HTTP")
         await self.readiness.start()
         await server.start()
         self._server = server
@@ -274,6 +284,13 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def _file_error(exc: OSError | ValueError) -> str:
+    """One line for a file that cannot be read: its name and the OS's reason."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"cannot read {exc.filename}: {exc.strerror.lower()}"
+    return str(exc)
+
+
 async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = None) -> int:
     """Run a server until SIGTERM/SIGINT, then drain; returns the process exit code."""
     loop = asyncio.get_running_loop()
@@ -291,10 +308,20 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
             log.warning("received %s again: aborting in-flight calls", signal.Signals(signum).name)
             app.inflight.abort_all()
 
-    app = ServerApp(config, http_gateway=http_gateway)
+    try:
+        app = ServerApp(config, http_gateway=http_gateway)
+    except (OSError, ValueError) as exc:
+        # A file a flag names (API keys, secrets) that cannot be read or used: the user's to fix.
+        print(f"protoserve: {_file_error(exc)}", file=sys.stderr, flush=True)
+        return exit_codes.USAGE
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await app.start()
+    try:
+        await app.start()
+    except PortUnavailable as exc:
+        print(f"protoserve: {exc}", file=sys.stderr, flush=True)
+        await app.stop()
+        return exit_codes.PORT_UNAVAILABLE
     http = f", http on {config.host}:{app.http_port}" if app.http_port is not None else ""
     if app.metrics_port is not None:
         http += f", metrics on {config.host}:{app.metrics_port}"
@@ -308,13 +335,14 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
         from engine.loader.errors import ModelLoadError
 
         exc = load.exception()
-        if not isinstance(exc, ModelLoadError | OSError):
-            # Not a bad path or checkpoint: a bug, so keep the traceback.
-            log.error("model loading failed", exc_info=exc)
+        # A bad path or checkpoint, or an option it cannot take (ValueError, e.g. --max-model-len
+        # beyond its context): one line. Anything else is a bug, so keep the traceback.
+        user_error = isinstance(exc, ModelLoadError | OSError | ValueError)
+        log.log(logging.DEBUG if user_error else logging.ERROR, "model loading failed", exc_info=exc)
         print(f"protoserve: could not load the model: {exc}", file=sys.stderr, flush=True)
         stopping.cancel()
         await app.stop()
-        return 1
+        return exit_codes.MODEL_LOAD
     if not load.done():
         # Shutdown asked for while loading: stop serving now; the loading thread
         # cannot be interrupted, so the process exits when it returns.

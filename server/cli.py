@@ -10,11 +10,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import EngineError
+from engine.loader.errors import ModelLoadError
 from engine.request import GenerationRequest, RequestStats
 from engine.sampling_params import ContextPolicy, SamplingParams
+from server import exit_codes
 from server.app import HttpGatewayStarter, ServerConfig, serve
 from server.errors import ServiceError, invalid_argument, to_service_error
 from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
@@ -24,27 +27,68 @@ log = logging.getLogger("protoserve")
 
 TRACE_CONTENT_ENV = "PROTOSERVE_TRACE_CONTENT"
 
-DTYPES = ("float32", "bfloat16", "float16")
+# engine.loader.load.DTYPES, without importing torch for the parser.
+DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# (argparse dest, EngineConfig attribute) of the engine's flags.
+ENGINE_FLAGS = (
+    ("max_kv_blocks", "max_kv_blocks"),
+    ("max_num_seqs", "max_num_seqs"),
+    ("max_batch_tokens", "max_num_batched_tokens"),
+    ("max_queue", "max_queue"),
+    ("max_model_len", "max_model_len"),
+    ("kv_cache_dtype", "kv_cache_dtype"),
+)
+
+
+class CliError(Exception):
+    """A user error: ``main`` prints ``protoserve: <message>`` as one line and exits with ``code``."""
+
+    def __init__(self, message: str, code: int = exit_codes.USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line; the usage is one ``--help`` away."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(exit_codes.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _port(text: str) -> int:
+    """A TCP port flag: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not in 0..65535")
+    return port
+
+
+def _flag_names(message: str) -> str:
+    """EngineConfig's messages start with its attribute's name; the user typed the flag."""
+    for dest, attr in ENGINE_FLAGS:
+        if message.startswith(attr + " "):
+            return "--" + dest.replace("_", "-") + message[len(attr) :]
+    return message
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags that were given; the engine's defaults for the rest."""
     config = EngineConfig()
-    for flag, attr in (
-        ("max_kv_blocks", "max_kv_blocks"),
-        ("max_num_seqs", "max_num_seqs"),
-        ("max_batch_tokens", "max_num_batched_tokens"),
-        ("max_queue", "max_queue"),
-        ("max_model_len", "max_model_len"),
-        ("kv_cache_dtype", "kv_cache_dtype"),
-    ):
+    for flag, attr in ENGINE_FLAGS:
         value = getattr(args, flag, None)
         if value is not None:
             setattr(config, attr, value)
     if getattr(args, "no_deterministic", False):
         config.deterministic = False
-    config.validate()
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise CliError(_flag_names(str(exc))) from exc
     return config
 
 
@@ -79,20 +123,22 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     parser.add_argument(
         "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
         default=os.environ.get("PROTOSERVE_LOG_LEVEL", "INFO"),
         help="[INFO or $PROTOSERVE_LOG_LEVEL]",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="protoserve", description="gRPC-first LLM inference server.")
+    parser = _Parser(prog="protoserve", description="gRPC-first LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the gRPC server (and the REST gateway when available)")
     _add_model_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
-    s.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one [50051]")
-    s.add_argument("--http-port", type=int, default=8000, help="REST gateway port [8000]")
+    s.add_argument("--port", type=_port, default=50051, help="gRPC port; 0 picks a free one [50051]")
+    s.add_argument("--http-port", type=_port, default=8000, help="REST gateway port [8000]")
     s.add_argument("--no-http", action="store_true", help="do not start the REST gateway")
     s.add_argument(
         "--max-queue", type=int, help="waiting requests before RESOURCE_EXHAUSTED [engine default]"
@@ -104,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-period", type=float, default=10.0, help="seconds in-flight calls get on shutdown [10]"
     )
     s.add_argument(
-        "--metrics-port", type=int, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
+        "--metrics-port", type=_port, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
     )
     s.add_argument(
         "--trace",
@@ -163,8 +209,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     try:
         loop = loop_factory(args.event_loop)
     except EventLoopUnavailable as exc:
-        print(f"protoserve: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from exc
     config = ServerConfig(
         model_path=args.model,
         model_name=args.model_name,
@@ -187,8 +232,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     try:
         configure_tracing("protoserve", force=args.trace)
     except ValueError as exc:
-        print(f"protoserve: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from exc
     use_json_lines()
     gateway = None if args.no_http else _http_gateway()
     if gateway is None and not args.no_http:
@@ -202,7 +246,7 @@ def _chat_turns(args: argparse.Namespace, prompt: str | None) -> list[ChatTurn]:
     for message in args.message:
         role, sep, content = message.partition(":")
         if not sep:
-            raise SystemExit(f"protoserve generate: --message must be ROLE:CONTENT, got {message!r}")
+            raise CliError(f"generate: --message must be ROLE:CONTENT, got {message!r}")
         turns.append(ChatTurn(role.strip(), content))
     if prompt is not None:
         turns.append(ChatTurn("user", prompt))
@@ -244,7 +288,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     prompt = args.prompt
     if prompt is None and not args.message:
         if sys.stdin.isatty():
-            raise SystemExit("protoserve generate: give --prompt, --message or a prompt on stdin")
+            raise CliError("generate: give --prompt, --message or a prompt on stdin")
         prompt = sys.stdin.read()
     sampling = SamplingParams(
         max_tokens=args.max_new_tokens,
@@ -259,15 +303,20 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     if bad:
         raise invalid_argument([(_flag(f), p) for f, p in bad])
     path = args.model or default_model_path()
-    engine = await asyncio.to_thread(
-        AsyncEngine.from_pretrained,
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        config=engine_config,
-        progress=not args.no_progress,
-        model_name=args.model_name,
-    )
+    try:
+        engine = await asyncio.to_thread(
+            AsyncEngine.from_pretrained,
+            args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            config=engine_config,
+            progress=not args.no_progress,
+            model_name=args.model_name,
+        )
+    except (ModelLoadError, OSError, ValueError) as exc:
+        # As `serve` says it: a bad path or checkpoint, or a flag the model cannot take.
+        log.debug("model loading failed", exc_info=exc)
+        raise CliError(f"could not load the model: {_flag_names(str(exc))}", exit_codes.MODEL_LOAD) from exc
     engine.start()
     try:
         frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
@@ -302,26 +351,32 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``protoserve`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:  # argparse checks a given flag, not $PROTOSERVE_LOG_LEVEL
+        parser.error(f"log level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:
         engine_config = _engine_config(args)
-    except ValueError as exc:
-        print(f"protoserve: {exc}", file=sys.stderr)
-        return 2
-    try:
         if args.command == "serve":
             return _serve(args, engine_config)
         return asyncio.run(_generate(args, engine_config))
+    except CliError as exc:
+        return _fail(str(exc), exc.code)
     except (ServiceError, EngineError) as exc:
-        print(f"protoserve: {to_service_error(exc).message}", file=sys.stderr)
-        return 2
+        return _fail(to_service_error(exc).message, exit_codes.USAGE)
     except KeyboardInterrupt:
-        return 130
+        return exit_codes.INTERRUPTED
+
+
+def _fail(message: str, code: int) -> int:
+    """Print a user error as the one line ``protoserve: <message>``; returns the exit code."""
+    print("protoserve: " + " ".join(message.splitlines()), file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
