@@ -99,6 +99,7 @@ class ServerConfig:
     grace_period_s: float = 10.0
     progress: bool = True
     metrics_port: int | None = None  # Prometheus on a port of its own (0 picks one); None: not
+    metrics_identity_usage: bool = False  # per-identity series on /metrics (one series per identity)
     trace_content: bool = False  # prompt and completion text in spans (opt-in)
 
 
@@ -118,7 +119,7 @@ class ServerApp:
         self.auth = auth if auth is not None else Authenticator.from_config(config.api_keys_file)
         self.usage = UsageLedger()
         self.models = ModelRegistry()
-        self.metrics = ServerMetrics(self.models)
+        self.metrics = ServerMetrics(self.models, self.usage if config.metrics_identity_usage else None)
         self.telemetry = Telemetry(
             self.models,
             self.metrics,
@@ -240,6 +241,7 @@ class ServerApp:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
         self.models.add(Frontend(engine, card))
+        self.metrics.add_model(engine.model_name)
         await self.readiness.set_serving()
         log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)
 

@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=_port, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
     )
     s.add_argument(
+        "--metrics-identity-usage",
+        action="store_true",
+        help="export requests and tokens per caller identity on /metrics (a series per identity) [off]",
+    )
+    s.add_argument(
         "--trace",
         action="store_true",
         help="export traces over OTLP even without OTEL_TRACES_EXPORTER/OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -223,6 +228,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         grace_period_s=args.grace_period,
         progress=not args.no_progress,
         metrics_port=args.metrics_port,
+        metrics_identity_usage=args.metrics_identity_usage,
         trace_content=args.trace_content,
     )
     from server.request_log import use_json_lines

@@ -1,36 +1,51 @@
 """ServerMetrics: the server's Prometheus metrics, labelled by model, and the numbers behind GetMetrics.
 
-Names are vLLM's with a ``protoserve:`` prefix (vLLM uses ``vllm:``), so
-dashboards and alerts written for vLLM carry over. Every series has a
-``model_name`` label.
+Names are vLLM's with a ``protoserve_`` prefix where vLLM has ``vllm:``
+(``vllm:num_requests_running`` is ``protoserve_num_requests_running``), so a
+dashboard or alert written for vLLM ports over by that one substitution. The
+prefix ends in an underscore, not a colon: colons are reserved for recording
+rules (``promtool check metrics`` flags them), and a colon name reaches
+Prometheus escaped to underscores when it negotiates OpenMetrics, so the stored
+name would differ from the exposed one. Every series has a ``model_name``
+label, as in vLLM.
 
 ========================================  =========  ==============================================
 metric                                    type       what
 ========================================  =========  ==============================================
-protoserve:num_requests_running           gauge      requests in the engine's running batch
-protoserve:num_requests_waiting           gauge      requests queued for the engine
-protoserve:kv_cache_usage_perc            gauge      share of KV cache blocks in use, 0 to 1
-protoserve:prompt_tokens_total            counter    prompt tokens the engine took in
-protoserve:generation_tokens_total        counter    tokens the engine generated
-protoserve:prefix_cache_queries_total     counter    prompt tokens looked up in the prefix cache
-protoserve:prefix_cache_hits_total        counter    of those, tokens found
-protoserve:num_preemptions_total          counter    preemptions
-protoserve:request_success_total          counter    finished requests by ``finished_reason``
+protoserve_num_requests_running           gauge      requests in the engine's running batch
+protoserve_num_requests_waiting           gauge      requests queued for the engine
+protoserve_queue_capacity                 gauge      waiting requests accepted before RESOURCE_EXHAUSTED
+protoserve_kv_cache_usage_perc            gauge      share of KV cache blocks in use, 0 to 1
+protoserve_prompt_tokens_total            counter    prompt tokens the engine took in
+protoserve_generation_tokens_total        counter    tokens the engine generated
+protoserve_prefix_cache_queries_total     counter    prompt tokens looked up in the prefix cache
+protoserve_prefix_cache_hits_total        counter    of those, tokens found
+protoserve_num_preemptions_total          counter    preemptions
+protoserve_request_success_total          counter    finished requests by ``finished_reason``
                                                      (stop, length, cancelled, error)
-protoserve:request_status_total           counter    finished requests by gRPC ``status`` name
-protoserve:time_to_first_token_seconds    histogram  arrival to first token
-protoserve:inter_token_latency_seconds    histogram  between consecutive tokens of a request
-protoserve:e2e_request_latency_seconds    histogram  arrival to finish
-protoserve:request_queue_time_seconds     histogram  arrival to first scheduling
-protoserve:request_prefill_time_seconds   histogram  first scheduling to first token
-protoserve:request_decode_time_seconds    histogram  first token to finish
+protoserve_request_status_total           counter    finished requests by gRPC ``status`` name
+protoserve_time_to_first_token_seconds    histogram  arrival to first token
+protoserve_inter_token_latency_seconds    histogram  between consecutive tokens of a request
+protoserve_e2e_request_latency_seconds    histogram  arrival to finish
+protoserve_request_queue_time_seconds     histogram  arrival to first scheduling
+protoserve_request_prefill_time_seconds   histogram  first scheduling to first token
+protoserve_request_decode_time_seconds    histogram  first token to finish
+protoserve_identity_requests_total        counter    finished requests by ``identity`` (opt-in)
+protoserve_identity_input_tokens_total    counter    their prompt tokens by ``identity`` (opt-in)
+protoserve_identity_output_tokens_total   counter    their generated tokens by ``identity`` (opt-in)
 ========================================  =========  ==============================================
+
+The registry also carries prometheus-client's process and Python collectors
+(``process_*``, ``python_info``, ``python_gc_*``), and no ``*_created``
+series: they double the series count and no dashboard reads them.
 
 The gauges and the token, cache and preemption counters are the engine's own
 totals, read from ``engine.stats()`` at scrape time (so they also count work
 of other servers sharing the engine). Request counters move once per finished
 request (see :mod:`server.request_record`); histograms once per finished
-engine request, from its RequestStats.
+engine request, from its RequestStats. The per-identity counters read the
+usage ledger at scrape time; they are off unless asked for, because every
+identity (API key and ``x-user-id``) becomes a series of its own.
 """
 
 from __future__ import annotations
@@ -38,17 +53,32 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.request import RequestStats
 from server.metric_windows import LatencyStats, LatencyWindow, RateWindow
 from server.model_registry import ModelRegistry
-from server.request_record import RequestRecord
+from server.request_record import CANCELLED, ERROR, LENGTH, STOP, RequestRecord
+from server.usage import UsageLedger
 
-PREFIX = "protoserve:"
+PREFIX = "protoserve_"
 MODEL_LABEL = "model_name"
+IDENTITY_LABEL = "identity"
+
+# Process-wide in prometheus-client: counters and histograms made from here on
+# export no ``*_created`` gauge next to each series.
+disable_created_metrics()
 
 # vLLM's buckets: token latencies from milliseconds, request latencies up to hours.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -105,6 +135,7 @@ class EngineCollector(Collector):
 
         running = gauge("num_requests_running", "Requests in the engine's running batch.")
         waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        capacity = gauge("queue_capacity", "Waiting requests accepted before new ones are refused.")
         kv = gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1.")
         prompt = counter("prompt_tokens", "Prompt tokens processed.")
         generation = counter("generation_tokens", "Tokens generated.")
@@ -115,13 +146,34 @@ class EngineCollector(Collector):
             stats, label = frontend.engine.stats(), [frontend.name]
             running.add_metric(label, stats.running)
             waiting.add_metric(label, stats.waiting)
+            capacity.add_metric(label, frontend.engine.engine.config.max_queue)
             kv.add_metric(label, stats.kv_usage)
             prompt.add_metric(label, stats.prompt_tokens_total)
             generation.add_metric(label, stats.generation_tokens_total)
             queries.add_metric(label, stats.prefix_cache_queries)
             hits.add_metric(label, stats.prefix_cache_hits)
             preemptions.add_metric(label, stats.preemptions_total)
-        return [running, waiting, kv, prompt, generation, queries, hits, preemptions]
+        return [running, waiting, capacity, kv, prompt, generation, queries, hits, preemptions]
+
+
+class IdentityUsageCollector(Collector):
+    """Requests and tokens of every identity, read from the usage ledger when scraped."""
+
+    def __init__(self, usage: UsageLedger) -> None:
+        self.usage = usage
+
+    def collect(self) -> Iterable[Metric]:
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, labels=[IDENTITY_LABEL])
+
+        requests = counter("identity_requests", "Finished requests by caller identity.")
+        input_tokens = counter("identity_input_tokens", "Prompt tokens of finished requests by caller identity.")
+        output_tokens = counter("identity_output_tokens", "Generated tokens of finished requests by caller identity.")
+        for identity, usage in self.usage.snapshot().items():
+            requests.add_metric([identity], usage.requests)
+            input_tokens.add_metric([identity], usage.input_tokens)
+            output_tokens.add_metric([identity], usage.output_tokens)
+        return [requests, input_tokens, output_tokens]
 
 
 @dataclass
@@ -136,11 +188,17 @@ class ModelWindows:
 class ServerMetrics:
     """Prometheus metrics of one server (in its own registry) and the windows behind its snapshots."""
 
-    def __init__(self, models: ModelRegistry, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, models: ModelRegistry, identity_usage: UsageLedger | None = None) -> None:
+        """``identity_usage``: the ledger to export per identity; None exports none."""
         self.models = models
         # A registry per server, not the process-global one: several servers may share a process.
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.registry.register(EngineCollector(models))
+        if identity_usage is not None:
+            self.registry.register(IdentityUsageCollector(identity_usage))
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished requests by finish reason (stop, length, cancelled, error).",
@@ -164,6 +222,20 @@ class ServerMetrics:
         if windows is None:
             windows = self._windows.setdefault(model, ModelWindows())
         return windows
+
+    def add_model(self, model: str) -> None:
+        """Start a model's request counters and histograms at zero, before its first request.
+
+        A series that first appears with a non-zero value has no earlier sample
+        for rate() to start from, so whatever happened before its first scrape
+        (a first burst of errors, say) would never show in a rate or an alert.
+        """
+        for reason in (STOP, LENGTH, CANCELLED, ERROR):
+            self.request_success.labels(model, reason)
+        for code in grpc.StatusCode:
+            self.request_status.labels(model, code.name)
+        for histogram in self.histograms.values():
+            histogram.labels(model)
 
     # ---- observations ------------------------------------------------------------
 
@@ -212,6 +284,7 @@ def _counts(counter: Counter, model: str, label: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for family in counter.collect():
         for sample in family.samples:
-            if sample.name.endswith("_total") and sample.labels.get(MODEL_LABEL) == model:
+            # Series started at zero by add_model are left out: the maps list what happened.
+            if sample.name.endswith("_total") and sample.labels.get(MODEL_LABEL) == model and sample.value:
                 out[sample.labels[label]] = int(sample.value)
     return out

@@ -78,10 +78,10 @@ def test_http_snapshot_and_prometheus_agree_with_get_metrics(obs, channel):
     assert int(http_view["generation_tokens_total"]) == grpc_view.generation_tokens_total
     assert int(http_view["e2e_request_latency"]["count"]) == grpc_view.e2e_request_latency.count
     prom = parse_metrics(httpx.get(obs.http_url + "/metrics").text)
-    assert sample(prom, "protoserve:generation_tokens_total", model_name=MODEL_NAME) == (
+    assert sample(prom, "protoserve_generation_tokens_total", model_name=MODEL_NAME) == (
         grpc_view.generation_tokens_total
     )
-    assert sample(prom, "protoserve:request_status_total", model_name=MODEL_NAME, status="OK") == (
+    assert sample(prom, "protoserve_request_status_total", model_name=MODEL_NAME, status="OK") == (
         grpc_view.requests_by_status["OK"]
     )
 

@@ -202,8 +202,8 @@ def test_serve_exports_one_trace_over_otlp(tiny_obs_model, collector):
         # Both Prometheus endpoints serve the one registry of the serving process.
         for url in (http + "/metrics", f"http://127.0.0.1:{found.group(3)}/metrics"):
             metrics = parse_metrics(httpx.get(url, timeout=10).text)
-            assert sample(metrics, "protoserve:request_status_total", model_name="tiny-otlp", status="OK") == 1
-            assert sample(metrics, "protoserve:generation_tokens_total", model_name="tiny-otlp") == 3
+            assert sample(metrics, "protoserve_request_status_total", model_name="tiny-otlp", status="OK") == 1
+            assert sample(metrics, "protoserve_generation_tokens_total", model_name="tiny-otlp") == 3
     finally:
         process.terminate()
         process.wait(30)
