@@ -14,7 +14,7 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 
-.PHONY: help install kernels proto proto-check lint test run bench clean
+.PHONY: help install prometheus kernels proto proto-check lint test run bench clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
@@ -41,7 +41,16 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed node_modules/.installed proto kernels
+install: $(VENV)/.installed node_modules/.installed proto kernels prometheus
+
+# Prometheus and promtool (Debian's `prometheus` package), which the metrics
+# tests run for real. Installed only where apt-get works as root and promtool is
+# missing; elsewhere those tests skip and say why.
+prometheus:
+	@if command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	else echo "prometheus: promtool is not on PATH and apt-get cannot run as root here; the Prometheus tests will skip" >&2; fi
 
 # The C++ CPU kernels (kernels/cpu/*.cpp), compiled for this CPU ahead of the
 # first request; a no-op when the cached build is current.
