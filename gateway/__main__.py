@@ -11,6 +11,7 @@ import argparse
 import logging
 
 from gateway.app import run_gateway
+from gateway.cors import check_origins
 from gateway.runtime.handler import GatewaySettings
 
 
@@ -25,7 +26,18 @@ def main() -> None:
     parser.add_argument(
         "--max-body-bytes", type=int, default=default_body_limit, help=f"larger bodies get 413 [{default_body_limit}]"
     )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (scheme://host[:port], or * for any) call the API; repeatable [off]",
+    )
     args = parser.parse_args()
+    try:
+        cors_origins = check_origins(args.cors_origin)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The SDK setup is shared with the server CLI; imported here only, so the
     # gateway library itself depends on the OpenTelemetry API alone.
@@ -36,7 +48,11 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     run_gateway(
-        args.host, args.port, args.grpc_target, settings=GatewaySettings(max_body_bytes=args.max_body_bytes)
+        args.host,
+        args.port,
+        args.grpc_target,
+        settings=GatewaySettings(max_body_bytes=args.max_body_bytes),
+        cors_origins=cors_origins,
     )
 
 

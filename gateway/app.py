@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route as StarletteRoute
 
+from gateway.cors import cors_middleware
 from gateway.runtime.channel import SharedChannel
 from gateway.runtime.docs import render_docs
 from gateway.runtime.handler import GatewayHandler, GatewaySettings
@@ -62,6 +63,7 @@ def create_app(
     openapi_path: Path | None = None,
     metrics_registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> Starlette:
     """The gateway ASGI app calling the gRPC server at ``grpc_target`` (``host:port``).
 
@@ -75,6 +77,7 @@ def create_app(
     gateway's HTTP and process metrics only; scrape the server's engine metrics
     from ``protoserve serve --metrics-port``. ``tracer_provider`` None traces
     with the global provider when one is installed, else not at all.
+    ``cors_origins`` turns on CORS for those origins (``"*"``: any; see gateway.cors).
     """
     channel = SharedChannel(grpc_target)
     registry = metrics_registry
@@ -82,10 +85,12 @@ def create_app(
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)
     provider = tracer_provider if tracer_provider is not None else installed_tracer_provider()
+    route_table = tuple(generated_routes() if routes is None else routes)
+    settings = settings or GatewaySettings()
     handler = GatewayHandler(
-        generated_routes() if routes is None else routes,
+        route_table,
         channel,
-        settings or GatewaySettings(),
+        settings,
         tracing=HttpTracing(provider),
         metrics=GatewayMetrics(registry),
     )
@@ -117,6 +122,15 @@ def create_app(
             StarletteRoute("/{path:path}", handler),
         ],
         lifespan=lifespan,
+        middleware=[
+            cors_middleware(
+                cors_origins,
+                {"GET"} | {r.http_method for r in route_table},
+                (*settings.forwarded_headers, settings.timeout_header, "content-type"),
+            )
+        ]
+        if cors_origins
+        else [],
     )
     app.state.channel = channel
     return app
@@ -152,6 +166,7 @@ class GatewayServer:
         log_level: str = "warning",
         metrics_registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
+        cors_origins: Sequence[str] = (),
     ) -> None:
         config = uvicorn.Config(
             create_app(
@@ -159,6 +174,7 @@ class GatewayServer:
                 settings=settings,
                 metrics_registry=metrics_registry,
                 tracer_provider=tracer_provider,
+                cors_origins=cors_origins,
             ),
             host=host,
             port=port,
@@ -215,9 +231,12 @@ async def serve_gateway(
     *,
     settings: GatewaySettings | None = None,
     handle_signals: bool = False,
+    cors_origins: Sequence[str] = (),
 ) -> None:
     """Serve the gateway until cancelled (or stopped by a signal when ``handle_signals``)."""
-    server = GatewayServer(host, port, grpc_target, settings=settings, handle_signals=handle_signals)
+    server = GatewayServer(
+        host, port, grpc_target, settings=settings, handle_signals=handle_signals, cors_origins=cors_origins
+    )
     await server.start()
     try:
         await server.wait()
@@ -232,19 +251,36 @@ async def start_gateway(
     *,
     metrics_registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> Callable[[], Awaitable[None]]:
     """Start the gateway in the running loop and return the coroutine function that stops it.
 
     This is the hook ``protoserve serve --http-port`` calls (server.app.HttpGatewayStarter),
-    passing the server's metrics registry and tracer provider.
+    passing the server's metrics registry, tracer provider and CORS origins.
     """
     server = GatewayServer(
-        host, port, grpc_target, metrics_registry=metrics_registry, tracer_provider=tracer_provider
+        host,
+        port,
+        grpc_target,
+        metrics_registry=metrics_registry,
+        tracer_provider=tracer_provider,
+        cors_origins=cors_origins,
     )
     await server.start()
     return server.stop
 
 
-def run_gateway(host: str, port: int, grpc_target: str, *, settings: GatewaySettings | None = None) -> None:
+def run_gateway(
+    host: str,
+    port: int,
+    grpc_target: str,
+    *,
+    settings: GatewaySettings | None = None,
+    cors_origins: Sequence[str] = (),
+) -> None:
     """Blocking runner: serve until SIGINT/SIGTERM."""
-    asyncio.run(serve_gateway(host, port, grpc_target, settings=settings, handle_signals=True))
+    asyncio.run(
+        serve_gateway(
+            host, port, grpc_target, settings=settings, handle_signals=True, cors_origins=cors_origins
+        )
+    )

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,6 +39,7 @@ from server.metrics_service import MetricsService
 from server.model_registry import ModelRegistry
 from server.openai_service import OpenAIService
 from server.ports import PortUnavailable, check_can_listen
+from server.rate_limit import RateLimiter
 from server.request_scope import RequestScopeInterceptor
 from server.telemetry import Telemetry, installed_tracer_provider
 from server.usage import UsageLedger
@@ -68,8 +69,9 @@ SERVICE_NAMES = (
 class HttpGatewayStarter(Protocol):
     """Starts the REST gateway in front of the gRPC server; returns a coroutine function that stops it.
 
-    The gateway serves ``metrics_registry`` at ``GET /metrics`` and traces with
-    ``tracer_provider`` (None: not at all).
+    The gateway serves ``metrics_registry`` at ``GET /metrics``, traces with
+    ``tracer_provider`` (None: not at all) and answers CORS for ``cors_origins``
+    (empty: no CORS; ``"*"``: any origin).
     """
 
     def __call__(
@@ -80,6 +82,7 @@ class HttpGatewayStarter(Protocol):
         *,
         metrics_registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
+        cors_origins: Sequence[str] = (),
     ) -> Awaitable[Callable[[], Awaitable[None]]]: ...
 
 
@@ -96,6 +99,13 @@ class ServerConfig:
     quantization: str = "auto"  # the checkpoint's own precision (engine/loader/auto_quantization.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
     api_keys_file: str | None = None
+    admin_keys_file: str | None = None  # admin keys are API keys that also see every identity's usage
+    data_dir: str | None = None  # where the identity secret is kept; None: server.identity_secret's default
+    identity_secret_file: str | None = None  # the identity secret itself, instead of the data dir's
+    rate_limit_rpm: int = 0  # requests per minute per caller (server.rate_limit); 0: no limit
+    rate_limit_tpm: int = 0  # tokens per minute per caller; 0: no limit
+    rate_limits_file: str | None = None  # per-API-key overrides (TOML)
+    cors_origins: tuple[str, ...] = ()  # origins the REST gateway allows cross-origin ("*": any); (): no CORS
     grace_period_s: float = 10.0
     progress: bool = True
     metrics_port: int | None = None  # Prometheus on a port of its own (0 picks one); None: not
@@ -116,7 +126,15 @@ class ServerApp:
     ) -> None:
         """``tracer_provider`` None traces with the global provider when one is installed (else not)."""
         self.config = config
-        self.auth = auth if auth is not None else Authenticator.from_config(config.api_keys_file)
+        self.auth = auth if auth is not None else Authenticator.from_config(
+            config.api_keys_file,
+            config.admin_keys_file,
+            identity_secret_file=config.identity_secret_file,
+            data_dir=config.data_dir,
+        )
+        self.rate_limiter = RateLimiter.from_config(
+            config.rate_limit_rpm, config.rate_limit_tpm, config.rate_limits_file, self.auth
+        )
         self.usage = UsageLedger()
         self.models = ModelRegistry()
         self.metrics = ServerMetrics(self.models, self.usage if config.metrics_identity_usage else None)
@@ -126,7 +144,7 @@ class ServerApp:
             tracer_provider if tracer_provider is not None else installed_tracer_provider(),
             capture_content=config.trace_content,
         )
-        self.inflight = InflightRequests(self.usage, self.telemetry)
+        self.inflight = InflightRequests(self.usage, self.telemetry, self.rate_limiter)
         self.readiness = Readiness(SERVICE_NAMES)
         self.http_gateway = http_gateway
         self.engine: AsyncEngine | None = None
@@ -207,6 +225,7 @@ class ServerApp:
                 http_port,
                 metrics_registry=self.metrics.registry,
                 tracer_provider=self.telemetry.tracer_provider,
+                cors_origins=self.config.cors_origins,
             )
             self.http_port = http_port
         return self.port

@@ -1,11 +1,17 @@
 """API-key authentication and caller identity.
 
-Auth is off unless keys are configured. Each call carries its key as
-``authorization: Bearer <key>`` metadata and optionally an ``x-user-id``; there
-are no sessions. The identity, sha256(api_key ∥ user_id) in hex, owns the
-caller's requests (only it may cancel them), its usage, and its prefix-cache
-salt, so callers never share cached KV or see each other's requests. With auth
-off the key is the empty string, so users still get separate identities.
+Auth is off unless keys are configured (``--api-keys-file``, ``$PROTOSERVE_API_KEYS``;
+admin keys, ``--admin-keys-file`` / ``$PROTOSERVE_ADMIN_KEYS``, are API keys too).
+Each call carries its key as ``authorization: Bearer <key>`` metadata and
+optionally an ``x-user-id``; there are no sessions.
+
+The identity is HMAC-SHA256(server secret, len(key) ∥ key ∥ user_id) in hex
+(server.identity_secret keeps the secret): the length prefix keeps ("ab", "c")
+and ("a", "bc") apart, and the secret makes the hash worthless for guessing a
+key offline. The identity owns the caller's requests (only it may cancel
+them), its usage row, and its prefix-cache salt, so callers never share cached
+KV or see each other's requests. With auth off the key is the empty string, so
+users still get separate identities.
 """
 
 from __future__ import annotations
@@ -13,23 +19,32 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from server import errors
+from server.identity_secret import load_identity_secret
+from server.limits import MAX_USER_ID_CHARS
 
 API_KEYS_ENV = "PROTOSERVE_API_KEYS"
+ADMIN_KEYS_ENV = "PROTOSERVE_ADMIN_KEYS"
 USER_ID_HEADER = "x-user-id"
 _BEARER = "bearer "
 
 
 @dataclass(frozen=True)
 class Identity:
-    """Who is calling: the hash that owns requests, usage and cached KV."""
+    """Who is calling: the hash that owns requests, usage and cached KV, and what it may see."""
 
-    id: str  # sha256(api_key ∥ user_id), hex
+    id: str  # HMAC-SHA256(secret, api_key ∥ user_id), hex
     user_id: str = ""
+    # Whose rate limits the call counts against: the API key's (its identity without a user
+    # id) when auth is on, since the key holder picks x-user-id freely; the identity itself
+    # when auth is off, where the user id is the only name a caller has.
+    quota_id: str = ""
+    admin: bool = False  # an admin key: sees every identity's usage
 
     @property
     def cache_salt(self) -> bytes:
@@ -37,10 +52,11 @@ class Identity:
         return bytes.fromhex(self.id)
 
 
-def identity_for(api_key: str, user_id: str) -> Identity:
-    """The identity of a key and user id (both may be empty)."""
-    digest = hashlib.sha256((api_key + user_id).encode("utf-8")).hexdigest()
-    return Identity(id=digest, user_id=user_id)
+def identity_hash(secret: bytes, api_key: str, user_id: str) -> str:
+    """HMAC-SHA256 of the (key, user id) pair under the server secret, hex; the key is length-prefixed."""
+    key = api_key.encode("utf-8")
+    message = len(key).to_bytes(8, "big") + key + user_id.encode("utf-8")
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 def load_api_keys(path: str | os.PathLike[str] | None = None, env: str | None = None) -> list[str]:
@@ -56,22 +72,68 @@ def load_api_keys(path: str | os.PathLike[str] | None = None, env: str | None = 
     return keys
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
 class Authenticator:
     """Checks a call's API key (when auth is on) and derives its identity."""
 
-    def __init__(self, api_keys: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        api_keys: Iterable[str] | None = None,
+        *,
+        admin_keys: Iterable[str] | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        """``secret`` None: a random one, so identities last as long as this object (tests, embedding)."""
         # Keep only digests: compare fixed-length values in constant time, and
         # hold no plain keys in memory longer than needed.
-        self._digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in (api_keys or ())]
+        self._admin_digests = [_digest(k) for k in (admin_keys or ())]
+        self._digests = [_digest(k) for k in (api_keys or ())] + self._admin_digests
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
 
     @classmethod
-    def from_config(cls, api_keys_file: str | None) -> Authenticator:
-        """Keys from ``--api-keys-file`` and ``$PROTOSERVE_API_KEYS``; no keys means auth off."""
-        return cls(load_api_keys(api_keys_file, os.environ.get(API_KEYS_ENV)))
+    def from_config(
+        cls,
+        api_keys_file: str | None,
+        admin_keys_file: str | None = None,
+        *,
+        identity_secret_file: str | None = None,
+        data_dir: str | None = None,
+    ) -> Authenticator:
+        """Keys from the files and ``$PROTOSERVE_API_KEYS`` / ``$PROTOSERVE_ADMIN_KEYS`` (none: auth off).
+
+        The identity secret comes from server.identity_secret.load_identity_secret.
+        Raises ValueError / OSError with a message fit for the command line.
+        """
+        return cls(
+            load_api_keys(api_keys_file, os.environ.get(API_KEYS_ENV)),
+            admin_keys=load_api_keys(admin_keys_file, os.environ.get(ADMIN_KEYS_ENV)),
+            secret=load_identity_secret(identity_secret_file, data_dir),
+        )
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
+
+    def is_api_key(self, api_key: str) -> bool:
+        """Whether ``api_key`` is accepted (any key when auth is off)."""
+        return not self.enabled or self._matches(_digest(api_key), self._digests)
+
+    def identity_for(self, api_key: str, user_id: str, *, admin: bool = False) -> Identity:
+        """The identity of a key and user id (both may be empty), as a call with them would get."""
+        identity = identity_hash(self._secret, api_key, user_id)
+        quota = identity_hash(self._secret, api_key, "") if self.enabled else identity
+        return Identity(id=identity, user_id=user_id, quota_id=quota, admin=admin)
+
+    @staticmethod
+    def _matches(digest: bytes, known: list[bytes]) -> bool:
+        # Check every key so timing does not reveal which position matched.
+        matched = False
+        for candidate in known:
+            matched |= hmac.compare_digest(digest, candidate)
+        return matched
 
     def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Identity:
         """The caller's identity from its invocation metadata; UNAUTHENTICATED if the key is bad."""
@@ -81,17 +143,17 @@ class Authenticator:
                 continue  # binary headers (-bin) carry nothing we read
             values.setdefault(key.lower(), value)
         user_id = values.get(USER_ID_HEADER, "")
+        if len(user_id) > MAX_USER_ID_CHARS:
+            raise errors.invalid_argument(
+                [(USER_ID_HEADER, f"must be at most {MAX_USER_ID_CHARS} characters, got {len(user_id)}")]
+            )
         if not self.enabled:
-            return identity_for("", user_id)
+            return self.identity_for("", user_id)
         header = values.get("authorization", "")
         if not header.lower().startswith(_BEARER):
             raise errors.unauthenticated("missing API key: send 'authorization: Bearer <key>' metadata")
         api_key = header[len(_BEARER) :].strip()
-        digest = hashlib.sha256(api_key.encode("utf-8")).digest()
-        # Check every key so timing does not reveal which position matched.
-        matched = False
-        for known in self._digests:
-            matched |= hmac.compare_digest(digest, known)
-        if not matched:
+        digest = _digest(api_key)
+        if not self._matches(digest, self._digests):
             raise errors.unauthenticated("invalid API key")
-        return identity_for(api_key, user_id)
+        return self.identity_for(api_key, user_id, admin=self._matches(digest, self._admin_digests))

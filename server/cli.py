@@ -147,6 +147,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
     )
     s.add_argument(
+        "--admin-keys-file",
+        help="admin API keys (one per line; also $PROTOSERVE_ADMIN_KEYS): valid API keys that also see every "
+        "identity's usage in GetMetrics [none]",
+    )
+    s.add_argument(
+        "--data-dir",
+        help="where the server keeps its identity secret [$PROTOSERVE_DATA_DIR, else $XDG_DATA_HOME/protoserve, "
+        "else ~/.local/share/protoserve]",
+    )
+    s.add_argument(
+        "--identity-secret-file",
+        help="the secret that keys caller identities, at least 32 bytes, instead of the data dir's; also "
+        "$PROTOSERVE_IDENTITY_SECRET [generated at first start]",
+    )
+    s.add_argument(
+        "--rate-limit-rpm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests per minute per caller (the API key, or the user id with auth off); 0: no limit [0]",
+    )
+    s.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens per minute per caller: prompt + max_tokens reserved at admission, the unused part "
+        "given back at the end; 0: no limit [0]",
+    )
+    s.add_argument(
+        "--rate-limits-file",
+        help='per-API-key rpm/tpm overriding the defaults, TOML: [keys."<key>"] rpm = N, tpm = N [none]',
+    )
+    s.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (scheme://host[:port], or * for any) call the REST gateway; "
+        "repeatable [off]",
+    )
+    s.add_argument(
         "--grace-period", type=float, default=10.0, help="seconds in-flight calls get on shutdown [10]"
     )
     s.add_argument(
@@ -225,6 +267,13 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         quantization=args.quantization,
         engine=engine_config,
         api_keys_file=args.api_keys_file,
+        admin_keys_file=args.admin_keys_file,
+        data_dir=args.data_dir,
+        identity_secret_file=args.identity_secret_file,
+        rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm,
+        rate_limits_file=args.rate_limits_file,
+        cors_origins=tuple(args.cors_origin),
         grace_period_s=args.grace_period,
         progress=not args.no_progress,
         metrics_port=args.metrics_port,
@@ -241,6 +290,15 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         raise CliError(str(exc)) from exc
     use_json_lines()
     gateway = None if args.no_http else _http_gateway()
+    if config.cors_origins:
+        if gateway is None:
+            raise CliError("--cors-origin needs the REST gateway (drop --no-http)")
+        from gateway.cors import check_origins
+
+        try:
+            check_origins(config.cors_origins)
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
     if gateway is None and not args.no_http:
         log.info("REST gateway not available; serving gRPC only")
     with asyncio.Runner(loop_factory=loop) as runner:

@@ -14,6 +14,10 @@ engine requests it starts, so
 Each call is one request for accounting: it carries a RequestRecord that its
 engine requests fill in, and when it ends (however it ends) its usage goes to
 the ledger and the record to telemetry (metrics and the request log).
+
+Rate limits (server.rate_limit) are charged here, where every generating RPC
+passes: opening a call takes one request (so each Batch item counts), and each
+engine request holds its token reservation while it runs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 from engine.request import FinishReason, GenerationRequest, RequestOutput, RequestStats
 from server import errors
 from server.auth import Identity
+from server.rate_limit import RateLimiter, reserved_tokens
 from server.request_record import RequestRecord
 from server.request_scope import current_scope
 from server.usage import UsageLedger
@@ -62,9 +67,12 @@ class Call:
 class InflightRequests:
     """The registry of running calls, keyed by (identity, public request id)."""
 
-    def __init__(self, usage: UsageLedger, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self, usage: UsageLedger, telemetry: Telemetry | None = None, limiter: RateLimiter | None = None
+    ) -> None:
         self.usage = usage
         self.telemetry = telemetry
+        self.limiter = limiter
         self._calls: dict[tuple[str, str], Call] = {}
         self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._idle = asyncio.Event()
@@ -86,6 +94,8 @@ class InflightRequests:
                 raise errors.invalid_argument(
                     [("request_id", f"{public_id!r} is already in use by a running request")]
                 )
+            if self.limiter is not None:
+                self.limiter.admit_request(identity)
         except errors.ServiceError as exc:
             self._finish(record, exc, deadline)
             raise
@@ -137,6 +147,9 @@ class InflightRequests:
     async def _generate(
         self, call: Call, engine: AsyncEngine, request: GenerationRequest
     ) -> AsyncIterator[RequestOutput]:
+        reservation = None
+        if self.limiter is not None:
+            reservation = self.limiter.reserve_tokens(call.identity, reserved_tokens(request, engine.max_model_len))
         rid = request.request_id
         call.engine_requests[rid] = engine
         model = engine.model_name
@@ -183,6 +196,8 @@ class InflightRequests:
             if timer is not None:
                 timer.cancel()
             del call.engine_requests[rid]
+            if self.limiter is not None:
+                self.limiter.release(reservation, prompt_tokens + generated)
             record.add_engine_request(prompt_tokens, generated, [reasons[i] for i in sorted(reasons)], stats)
             if stats is not None and telemetry is not None:
                 telemetry.engine_request_finished(model, stats)

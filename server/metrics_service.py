@@ -6,6 +6,12 @@ percentiles, token throughput over the last minute, and usage per identity
 keyed by the identity hash. With auth on, a valid API key is required; the
 server does not have to be ready, so metrics can be watched while the model
 loads.
+
+Usage rows are private: a caller sees its own identity's row only (its key and
+x-user-id), an admin key sees every row. With auth off nothing is secret (any
+caller may send any x-user-id), so, as on vLLM or llama.cpp without an API key,
+a caller without x-user-id gets the operator's view of every row, and one with
+x-user-id its own row. Server-wide figures are the same for everyone.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import grpc
 from protoserve.v1 import metrics_pb2 as pb
 from protoserve.v1 import metrics_pb2_grpc
 from server import errors
-from server.auth import Authenticator
+from server.auth import Authenticator, Identity
 from server.health import Phase, Readiness
 from server.metric_windows import LatencyStats
 from server.metrics import ServerMetrics
 from server.model_registry import ModelRegistry
-from server.usage import UsageLedger
+from server.usage import IdentityUsage, UsageLedger
 
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100
@@ -50,8 +56,13 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
         self.usage = usage
         self.readiness = readiness
 
-    def snapshot(self) -> pb.MetricsSnapshot:
-        """The metrics of the default model and of the server, now."""
+    def _usage_of(self, identity: Identity) -> dict[str, IdentityUsage]:
+        """The usage rows ``identity`` may see (see the module doc)."""
+        operator = identity.admin or (not self.auth.enabled and not identity.user_id)
+        return self.usage.snapshot(None if operator else identity.id)
+
+    def snapshot(self, identity: Identity) -> pb.MetricsSnapshot:
+        """The metrics of the default model and of the server, now, as ``identity`` may see them."""
         snap = pb.MetricsSnapshot(timestamp=time.time())
         frontends = self.models.all()
         if frontends:
@@ -71,8 +82,8 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
             for key, latency in self.metrics.latencies(name).items():
                 getattr(snap, key).CopyFrom(_summary(latency))
             snap.prompt_throughput, snap.generation_throughput = self.metrics.throughput(name)
-        for identity, usage in self.usage.snapshot().items():
-            snap.usage_by_identity[identity].CopyFrom(
+        for identity_id, usage in self._usage_of(identity).items():
+            snap.usage_by_identity[identity_id].CopyFrom(
                 pb.IdentityUsage(
                     requests=usage.requests, input_tokens=usage.input_tokens, output_tokens=usage.output_tokens
                 )
@@ -82,18 +93,18 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
     @errors.reports_errors
     async def GetMetrics(self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext):
         """One snapshot."""
-        self.auth.identify(context.invocation_metadata())
-        return pb.GetMetricsResponse(snapshot=self.snapshot())
+        identity = self.auth.identify(context.invocation_metadata())
+        return pb.GetMetricsResponse(snapshot=self.snapshot(identity))
 
     @errors.reports_errors
     async def WatchMetrics(self, request: pb.WatchMetricsRequest, context: grpc.aio.ServicerContext) -> None:
         """A snapshot now and one per interval, until the client leaves or the server drains."""
-        self.auth.identify(context.invocation_metadata())
+        identity = self.auth.identify(context.invocation_metadata())
         interval_ms = request.interval_ms or DEFAULT_INTERVAL_MS
         if interval_ms < MIN_INTERVAL_MS:
             raise errors.invalid_argument([("interval_ms", f"must be at least {MIN_INTERVAL_MS}")])
         while True:
-            await context.write(pb.WatchMetricsResponse(snapshot=self.snapshot()))
+            await context.write(pb.WatchMetricsResponse(snapshot=self.snapshot(identity)))
             await asyncio.sleep(interval_ms / 1000)
             if self.readiness.phase is Phase.DRAINING:
                 # End cleanly so shutdown does not wait on a stream that never finishes.

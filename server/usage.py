@@ -1,7 +1,8 @@
 """Per-identity usage: requests finished and tokens in and out.
 
 The identity (not the user id) is the key, so the count cannot be spoofed by
-a request body; the metrics service reads these totals.
+a request body; the metrics service reads these totals, each caller only its
+own unless it has an admin key (server.metrics_service).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ class UsageLedger:
             usage.input_tokens += input_tokens
             usage.output_tokens += output_tokens
 
-    def snapshot(self) -> dict[str, IdentityUsage]:
+    def snapshot(self, identity_id: str | None = None) -> dict[str, IdentityUsage]:
+        """Every identity's totals, or only ``identity_id``'s (empty until it has any)."""
         with self._lock:
-            return {
-                k: IdentityUsage(v.requests, v.input_tokens, v.output_tokens) for k, v in self._usage.items()
-            }
+            if identity_id is None:
+                rows = self._usage.items()
+            else:
+                rows = [(identity_id, self._usage[identity_id])] if identity_id in self._usage else []
+            return {k: IdentityUsage(v.requests, v.input_tokens, v.output_tokens) for k, v in rows}

@@ -28,9 +28,11 @@ Fixture API (all session-scoped and started lazily, on first use):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +52,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.omp_policy import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before torch loads: the suite shares 2 cores with live servers
+
+# Servers started by the suite (subprocesses inherit this) keep their identity secret in a
+# throwaway data dir, never in the real ~/.local/share/protoserve.
+os.environ["PROTOSERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="protoserve-test-data-")
+atexit.register(shutil.rmtree, os.environ["PROTOSERVE_DATA_DIR"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 LOAD_TIMEOUT_S = 180.0

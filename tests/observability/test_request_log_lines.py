@@ -14,7 +14,6 @@ from obs_stack import API_KEYS, MODEL_NAME, auth_headers, grpc_metadata
 
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
-from server.auth import identity_for
 from server.request_log import LOGGER_NAME
 from server.request_scope import operation_of
 
@@ -64,14 +63,14 @@ def stub(obs):
         yield inference_pb2_grpc.InferenceServiceStub(channel)
 
 
-def test_one_line_per_finished_request(stub, request_log):
+def test_one_line_per_finished_request(obs, stub, request_log):
     user = f"log-{uuid.uuid4().hex[:8]}"
     request = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
     response = stub.Generate(request, metadata=grpc_metadata(user_id=user), timeout=60)
     [line] = request_log.wait_for(1)
     record = json.loads(line)
     assert record["request_id"] == response.request_id
-    assert record["identity"] == identity_for(API_KEYS[0], user).id
+    assert record["identity"] == obs.app.auth.identity_for(API_KEYS[0], user).id
     assert record["method"] == "/protoserve.v1.InferenceService/Generate"
     assert record["model"] == MODEL_NAME and record["operation"] == "text_completion"
     assert (record["status"], record["status_code"]) == ("OK", 0)

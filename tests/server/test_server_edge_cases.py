@@ -67,7 +67,7 @@ async def test_unexpected_engine_error_is_internal_without_traceback(caplog):
 
 
 async def test_generate_and_stream_through_double():
-    async with double_server() as (_, engine, stub):
+    async with double_server() as (app, engine, stub):
         response = await stub.Generate(prompt("abc", max_tokens=5))
         assert response.choices[0].text == "abcab"
         assert response.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
@@ -77,8 +77,9 @@ async def test_generate_and_stream_through_double():
         ]
         assert "".join(e.delta.text for e in events if e.HasField("delta")) == "xyx"
         assert events[-1].final.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
-        # The identity salts the prefix cache; with auth off it is sha256("" + "").
-        assert engine.submitted[0].cache_salt.hex() == (
+        # The identity salts the prefix cache: with auth off, the keyed hash of ("", ""), not sha256("").
+        assert engine.submitted[0].cache_salt == app.auth.identity_for("", "").cache_salt
+        assert engine.submitted[0].cache_salt.hex() != (
             "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
         )
 
@@ -208,17 +209,18 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     from engine.request import FinishReason, GenerationRequest
     from engine.sampling_params import SamplingParams
     from server import errors
-    from server.auth import identity_for
+    from server.auth import Authenticator
     from server.inflight import InflightRequests
     from server.usage import UsageLedger
 
     engine = EngineDouble(step_s=0.02, max_model_len=4096)
     inflight = InflightRequests(UsageLedger())
+    caller = Authenticator().identity_for("", "")
     request = GenerationRequest("e1", list(b"tell me everything"), SamplingParams(max_tokens=1000, ignore_eos=True))
     deadline = asyncio.get_running_loop().time() + 0.15
     outputs = []
     with pytest.raises(errors.ServiceError) as info:
-        async with inflight.call(identity_for("", ""), "r1", deadline) as call:
+        async with inflight.call(caller, "r1", deadline) as call:
             async for output in inflight.generate(call, engine, request):
                 outputs.append(output)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -228,6 +230,6 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     # A request that finishes before its deadline still answers normally.
     request = GenerationRequest("e2", list(b"hi"), SamplingParams(max_tokens=2, ignore_eos=True))
     deadline = asyncio.get_running_loop().time() + 5.0
-    async with inflight.call(identity_for("", ""), "r2", deadline) as call:
+    async with inflight.call(caller, "r2", deadline) as call:
         last = [o async for o in inflight.generate(call, engine, request)][-1]
     assert last.finished and last.deltas[-1].finish_reason == FinishReason.LENGTH
