@@ -203,9 +203,9 @@ def test_limits_file_needs_auth_and_known_keys(tmp_path):
 # ---- live ------------------------------------------------------------------------------------
 
 SECRET = "live-test-identity-secret-0123456789abcdef"
-KEYS = ("rl-grpc", "rl-http", "rl-openai", "rl-batch", "rl-tokens", "rl-other", "rl-view-a", "rl-view-b")
+KEYS = ("rl-grpc", "rl-http", "rl-openai", "rl-batch", "rl-tokens", "rl-refund", "rl-other", "rl-view-a", "rl-view-b")
 ADMIN_KEY = "rl-admin"
-TPM = 120  # rl-tokens only
+TPM = 120  # rl-tokens and rl-refund only
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,8 @@ def limited_server(spawn_server, tmp_path_factory):
     (directory / "admin").write_text(ADMIN_KEY + "\n")
     (directory / "secret").write_text(SECRET)
     (directory / "limits.toml").write_text(
-        f'[keys."rl-tokens"]\nrpm = 0\ntpm = {TPM}\n\n[keys."rl-view-a"]\nrpm = 0\n\n[keys."rl-view-b"]\nrpm = 0\n'
+        f'[keys."rl-tokens"]\nrpm = 0\ntpm = {TPM}\n\n[keys."rl-refund"]\nrpm = 0\ntpm = {TPM}\n\n'
+        '[keys."rl-view-a"]\nrpm = 0\n\n[keys."rl-view-b"]\nrpm = 0\n'
     )
     server = spawn_server(
         "--api-keys-file", str(directory / "keys"),
@@ -329,6 +330,25 @@ def test_tokens_per_minute_reserve_prompt_plus_max_tokens(limited_server):
         assert details_of(refused.value)["RetryInfo"].retry_delay.ToTimedelta().total_seconds() > 0
         # rpm is lifted for this key, so small requests that fit still go through.
         assert stub.Generate(short(max_tokens=1), metadata=md("rl-tokens"), timeout=60).choices
+
+
+def test_unused_tokens_are_given_back(limited_server):
+    with limited_server.sync_channel() as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        text = "The capital of France is"
+        prompt_tokens = len(stub.Tokenize(pb.TokenizeRequest(text=text), metadata=md("rl-refund")).token_ids)
+        # Reserves the whole minute, but stops at the first space: a few tokens used.
+        first = pb.GenerateRequest(
+            prompt=text, sampling=pb.SamplingParams(max_tokens=TPM - prompt_tokens, temperature=0, stop=[" "])
+        )
+        reply = stub.Generate(first, metadata=md("rl-refund"), timeout=120)
+        used = reply.usage.completion_tokens
+        assert used < 20, reply.choices[0].text
+        # Only the refund can make room for this one (the refill is 2 tokens a second).
+        second = pb.GenerateRequest(
+            prompt=text, sampling=pb.SamplingParams(max_tokens=TPM - prompt_tokens - used - 20, ignore_eos=True)
+        )
+        assert stub.Generate(second, metadata=md("rl-refund"), timeout=120).usage.completion_tokens > 0
 
 
 def _usage(server, key: str, user_id: str | None = None) -> dict[str, metrics_pb2.IdentityUsage]:
