@@ -33,6 +33,7 @@ from server.frontend import Frontend, ModelCard
 from server.health import Readiness
 from server.inference_service import InferenceService
 from server.inflight import InflightRequests
+from server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
 from server.metrics import ServerMetrics
 from server.metrics_http import MetricsHttpServer
 from server.metrics_service import MetricsService
@@ -52,9 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Large enough for long prompts as token ids and big Batch calls; bounded so one
-# message cannot exhaust the server's memory.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # After in-flight calls are done (or aborted), how long the gRPC server may take
 # to flush their last messages.
 SERVER_STOP_GRACE_S = 2.0
@@ -111,6 +109,7 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus on a port of its own (0 picks one); None: not
     metrics_identity_usage: bool = False  # per-identity series on /metrics (one series per identity)
     trace_content: bool = False  # prompt and completion text in spans (opt-in)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger gRPC requests get RESOURCE_EXHAUSTED
 
 
 class ServerApp:
@@ -179,8 +178,8 @@ class ServerApp:
         server = grpc.aio.server(
             interceptors=self._interceptors(),
             options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
                 # A second server on the same port must fail, not silently share it.
                 ("grpc.so_reuseport", 0),
             ]
@@ -234,9 +233,12 @@ class ServerApp:
         """Load the configured model in a worker thread (health keeps answering), then serve it."""
         from engine.async_engine import AsyncEngine
         from engine.loader.default_model import default_model_path
+        from engine.loader.errors import ModelLoadError
 
         # None lets the engine name the default model itself; the card still records the file.
         path = self.config.model_path or default_model_path()
+        if self.config.model_name is not None and len(self.config.model_name) > MAX_MODEL_NAME_CHARS:
+            raise ModelLoadError(path, f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
         engine = await asyncio.to_thread(
             AsyncEngine.from_pretrained,
             self.config.model_path,

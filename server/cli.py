@@ -22,6 +22,7 @@ from server.app import HttpGatewayStarter, ServerConfig, serve
 from server.errors import ServiceError, invalid_argument, to_service_error
 from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
 from server.frontend import ChatTurn, Frontend, ModelCard, new_request_id
+from server.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("protoserve")
 
@@ -66,6 +67,13 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is not in 0..65535")
     return port
+
+
+def _byte_count(text: str) -> int:
+    """A size flag in bytes: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a positive number of bytes")
+    return int(text)
 
 
 def _flag_names(message: str) -> str:
@@ -142,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-http", action="store_true", help="do not start the REST gateway")
     s.add_argument(
         "--max-queue", type=int, help="waiting requests before RESOURCE_EXHAUSTED [engine default]"
+    )
+    s.add_argument(
+        "--max-message-bytes",
+        type=_byte_count,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help=f"largest gRPC request; larger ones get RESOURCE_EXHAUSTED [{DEFAULT_MAX_MESSAGE_BYTES}]",
     )
     s.add_argument(
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
@@ -279,6 +293,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         metrics_port=args.metrics_port,
         metrics_identity_usage=args.metrics_identity_usage,
         trace_content=args.trace_content,
+        max_message_bytes=args.max_message_bytes,
     )
     from server.request_log import use_json_lines
     from server.tracing_setup import configure_tracing

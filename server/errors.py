@@ -12,6 +12,7 @@ in the server log.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import uuid
@@ -24,11 +25,52 @@ from grpc_status import rpc_status
 
 from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
 from protoserve.v1 import inference_pb2
+from server.limits import ECHO_CHARS, MAX_MODEL_NAME_CHARS
 
 log = logging.getLogger(__name__)
 
 ERROR_DOMAIN = "protoserve"
 _REASON_PREFIX = "ERROR_REASON_"
+# A status travels in trailers, which a gRPC client reads only up to 8 KB (grpc-message is
+# percent-encoded, up to 3 bytes per byte; the details are base64): a status whose parts stay
+# within these budgets can never turn into the client's RESOURCE_EXHAUSTED instead of itself.
+MAX_MESSAGE_BYTES = 1024
+MAX_VIOLATIONS = 8
+MAX_VIOLATION_FIELD_BYTES = 128
+MAX_VIOLATION_BYTES = 256
+MAX_METADATA_VALUE_BYTES = 128
+
+
+def utf8_size(text: str) -> int:
+    """Bytes of ``text`` as UTF-8 (cheap for ASCII, which needs no encoding to count)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """User text as metadata or a log line may carry it: the first ``limit`` characters, and the
+    whole text's size when it was longer."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…({utf8_size(text)} bytes)"
+
+
+def echo(text: str, limit: int = ECHO_CHARS) -> str:
+    """User text as an error message quotes it: ``repr`` of at most ``limit`` characters, then
+    the whole text's size when it was longer.
+
+    Every message that repeats caller input goes through here, so no echo can outgrow a
+    status's trailers or a log line, whatever the caller sent.
+    """
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}…({utf8_size(text)} bytes)"
+
+
+def _cut_bytes(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (at a character boundary), marked when cut."""
+    if utf8_size(text) <= limit:
+        return text
+    return text.encode("utf-8", "surrogatepass")[: limit - 3].decode("utf-8", "ignore") + "…"
 
 
 class ServiceError(Exception):
@@ -49,19 +91,27 @@ class ServiceError(Exception):
         retry_after_s: float | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> None:
+        # Bounded here, so every status and request log line built from this error is.
+        message = _cut_bytes(message, MAX_MESSAGE_BYTES)
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
-        self.violations = list(violations)
+        # The first few only (the message says how many more there were).
+        self.violations = [
+            (_cut_bytes(f, MAX_VIOLATION_FIELD_BYTES), _cut_bytes(p, MAX_VIOLATION_BYTES))
+            for f, p in itertools.islice(violations, MAX_VIOLATIONS)
+        ]
         self.retry_after_s = retry_after_s
-        self.metadata = dict(metadata or {})
+        self.metadata = {k: _cut_bytes(v, MAX_METADATA_VALUE_BYTES) for k, v in (metadata or {}).items()}
 
 
 def invalid_argument(violations: Iterable[tuple[str, str]]) -> ServiceError:
-    """INVALID_ARGUMENT naming every bad field."""
+    """INVALID_ARGUMENT naming every bad field (the first few, and how many more, when there are many)."""
     violations = list(violations)
-    summary = "; ".join(f"{f}: {p}" for f, p in violations)
+    summary = "; ".join(f"{f}: {p}" for f, p in violations[:MAX_VIOLATIONS])
+    if len(violations) > MAX_VIOLATIONS:
+        summary += f"; and {len(violations) - MAX_VIOLATIONS} more"
     return ServiceError(
         grpc.StatusCode.INVALID_ARGUMENT,
         inference_pb2.ERROR_REASON_INVALID_PARAMETER,
@@ -71,13 +121,14 @@ def invalid_argument(violations: Iterable[tuple[str, str]]) -> ServiceError:
 
 
 def model_not_found(name: str, available: Iterable[str]) -> ServiceError:
-    """NOT_FOUND for a model this server has not loaded."""
+    """NOT_FOUND for a model this server has not loaded (a name over the cap can name none)."""
     names = ", ".join(available) or "none"
+    over = f"; model names are at most {MAX_MODEL_NAME_CHARS} characters" if len(name) > MAX_MODEL_NAME_CHARS else ""
     return ServiceError(
         grpc.StatusCode.NOT_FOUND,
         inference_pb2.ERROR_REASON_MODEL_NOT_FOUND,
-        f"model {name!r} is not loaded (loaded: {names})",
-        metadata={"model": name},
+        f"model {echo(name)} is not loaded (loaded: {names}){over}",
+        metadata={"model": clip(name)},
     )
 
 
@@ -86,7 +137,7 @@ def request_not_found(request_id: str) -> ServiceError:
     return ServiceError(
         grpc.StatusCode.NOT_FOUND,
         inference_pb2.ERROR_REASON_REQUEST_NOT_FOUND,
-        f"no request {request_id!r} belongs to the caller",
+        f"no request {echo(request_id)} belongs to the caller",
     )
 
 
@@ -95,8 +146,8 @@ def no_chat_template(model: str) -> ServiceError:
     return ServiceError(
         grpc.StatusCode.FAILED_PRECONDITION,
         inference_pb2.ERROR_REASON_NO_CHAT_TEMPLATE,
-        f"model {model!r} has no chat template; send a plain prompt or token ids",
-        metadata={"model": model},
+        f"model {echo(model)} has no chat template; send a plain prompt or token ids",
+        metadata={"model": clip(model)},
     )
 
 

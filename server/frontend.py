@@ -13,13 +13,17 @@ InferenceService, ``temperature`` for OpenAIService (callers pass a rename map).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from engine.errors import ContextLengthError
 from engine.request import (
     CompletionDelta,
     FinishReason,
@@ -31,13 +35,30 @@ from engine.request import (
 from engine.sampling_params import ContextPolicy, SamplingParams
 from protoserve.v1 import inference_pb2 as pb
 from server import errors
-from server.limits import MAX_REQUEST_ID_CHARS
+from server.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_CHAT_NAME_CHARS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PROMPT_BYTES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
+T = TypeVar("T")
+
 # Roles the chat templates of supported models understand.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Text shorter than this is tokenized on the event loop: it takes less time than a hop to a
+# worker thread and back would (see INLINE_TOKENIZE_CHARS in the commit that set it).
+INLINE_TOKENIZE_CHARS = 2048
+# Longer texts are tokenized by these threads; the tokenizer releases the GIL meanwhile.
+TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# The engine refuses a prompt that fills the context under these policies; the others truncate.
+FITTING_POLICIES = frozenset({ContextPolicy.ALLOW_CONTEXT_STOP, ContextPolicy.REJECT})
 
 CONTEXT_POLICIES: dict[int, ContextPolicy] = {
     pb.CONTEXT_POLICY_UNSPECIFIED: ContextPolicy.ALLOW_CONTEXT_STOP,
@@ -187,6 +208,11 @@ class Frontend:
         self.vocab_size: int = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
         # Decoding one id is pure; logprob-heavy streams ask for the same ids over and over.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(self._token_text)
+        # Text beyond this many bytes is not tokenized at all; where the context's byte bound is
+        # larger, that, so a prompt that could fit is never refused for its size.
+        span = self.tokenizer.max_token_span_bytes
+        self.max_prompt_bytes = max(MAX_PROMPT_BYTES, self.max_model_len * span if span else 0)
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # ---- the model ---------------------------------------------------------------
 
@@ -227,22 +253,35 @@ class Frontend:
         ``rename`` maps the engine's field names to the request's field paths.
         """
         to_path = rename if callable(rename) else (lambda f: rename.get(f, f))
+        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            # Alone: a problem per entry of a huge map would bury this one.
+            raise errors.invalid_argument([(to_path("logit_bias"), f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")])
         violations = list(extra)
         violations += [(to_path(f), problem) for f, problem in params.validate(self.vocab_size)]
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in params.stop):
+            violations.append((to_path("stop"), f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters"))
         if violations:
             raise errors.invalid_argument(violations)
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of plain text."""
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of plain text (with the GIL released for long text, so it suits worker threads)."""
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer.encode_unlocked(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
-        self, turns: Sequence[ChatTurn], *, add_generation_prompt: bool = True, path: str = "chat.messages"
+        self,
+        turns: Sequence[ChatTurn],
+        *,
+        add_generation_prompt: bool = True,
+        path: str = "chat.messages",
+        policy: ContextPolicy | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
         A template that refuses the conversation (say, roles that do not
-        alternate) is the caller's error: INVALID_ARGUMENT on ``path``.
+        alternate) is the caller's error: INVALID_ARGUMENT on ``path``. The
+        rendered text is size-checked as :meth:`checked_ids` does.
         """
         if not self.tokenizer.has_chat_template:
             raise errors.no_chat_template(self.name)
@@ -266,11 +305,82 @@ class Frontend:
             ) from None
         if isinstance(rendered, str):
             # The template writes any BOS itself; adding special tokens again would double it.
-            return self.encode_text(rendered, add_special_tokens=False)
+            return self.checked_ids(rendered, path=path, policy=policy, add_special_tokens=False)
         return list(rendered)
+
+    def checked_ids(
+        self, text: str, *, path: str, policy: ContextPolicy | None, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of ``text``, refusing first, without tokenizing, text that cannot be served.
+
+        Under a policy that refuses prompts the context cannot hold (``FITTING_POLICIES``),
+        text whose bytes need at least max_model_len tokens is OUT_OF_RANGE; any text over
+        ``max_prompt_bytes`` (the truncating policies, Tokenize) is INVALID_ARGUMENT.
+        """
+        # A character is at most 4 bytes and a token at least 1: shorter text cannot be too long.
+        if policy in FITTING_POLICIES and 4 * len(text) >= self.max_model_len:
+            fewest = self.tokenizer.fewest_tokens(text)
+            if fewest >= self.max_model_len:
+                raise ContextLengthError(
+                    fewest,
+                    self.max_model_len,
+                    f"the prompt ({errors.utf8_size(text)} bytes) is at least {fewest} tokens, but the "
+                    f"context window (max_model_len) is {self.max_model_len} tokens, which leaves no "
+                    "room to generate",
+                )
+        if len(text) > self.max_prompt_bytes // 4 and (size := errors.utf8_size(text)) > self.max_prompt_bytes:
+            raise errors.invalid_argument(
+                [(path, f"is {size} bytes; at most {self.max_prompt_bytes} bytes of text are tokenized")]
+            )
+        return self.encode_text(text, add_special_tokens=add_special_tokens)
+
+    async def _tokenizing(self, chars: int, work: Callable[[], T]) -> T:
+        """Run ``work`` inline for short input, else on a tokenizer thread so the loop keeps serving."""
+        if chars < INLINE_TOKENIZE_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work)
+
+    async def prompt_ids(
+        self, text: str, *, path: str, policy: ContextPolicy | None = None, add_special_tokens: bool = True
+    ) -> list[int]:
+        """:meth:`checked_ids` of a prompt, off the event loop when it is long."""
+        return await self._tokenizing(
+            len(text),
+            functools.partial(
+                self.checked_ids, text, path=path, policy=policy, add_special_tokens=add_special_tokens
+            ),
+        )
+
+    async def chat_ids(
+        self,
+        turns: Sequence[ChatTurn],
+        *,
+        add_generation_prompt: bool = True,
+        path: str = "chat.messages",
+        policy: ContextPolicy | None = None,
+    ) -> list[int]:
+        """:meth:`render_chat` after the cheap checks, off the event loop when the conversation is long."""
+        if not self.tokenizer.has_chat_template:
+            raise errors.no_chat_template(self.name)
+        violations = [
+            (f"{path}[{i}].name", f"must be at most {MAX_CHAT_NAME_CHARS} characters")
+            for i, turn in enumerate(turns)
+            if len(turn.name) > MAX_CHAT_NAME_CHARS
+        ]
+        if violations:
+            raise errors.invalid_argument(violations)
+        chars = sum(len(t.content) + len(t.name) for t in turns)
+        return await self._tokenizing(
+            chars,
+            functools.partial(
+                self.render_chat, turns, add_generation_prompt=add_generation_prompt, path=path, policy=policy
+            ),
+        )
 
     def token_id_violations(self, ids: Sequence[int], path: str) -> list[tuple[str, str]]:
         """Violations for token ids outside the vocabulary (first few named)."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
+            return []  # the common case, at C speed even for a context's worth of ids
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if not bad:
             return []
@@ -301,11 +411,15 @@ class Frontend:
             skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
         )
 
-    def prompt_from_proto(self, req: pb.GenerateRequest | pb.TokenizeRequest) -> tuple[list[int], str]:
+    async def prompt_from_proto(
+        self, req: pb.GenerateRequest | pb.TokenizeRequest, policy: ContextPolicy | None = None
+    ) -> tuple[list[int], str]:
         """Token ids of a request's input oneof, and the field path they came from.
 
         Raises INVALID_ARGUMENT for a missing input, an empty prompt, token ids
-        outside the vocabulary or malformed chat messages.
+        outside the vocabulary, malformed chat messages or text over the size cap,
+        and (under ``policy``, see :meth:`checked_ids`) OUT_OF_RANGE for a prompt
+        the context cannot hold. Long text is tokenized off the event loop.
         """
         kind = req.WhichOneof("input")
         if kind is None:
@@ -313,6 +427,13 @@ class Frontend:
             raise errors.invalid_argument([("input", f"one of {fields} is required")])
         if kind == "token_ids":
             ids = list(req.token_ids.ids)
+            if policy in FITTING_POLICIES and len(ids) >= self.max_model_len:
+                raise ContextLengthError(
+                    len(ids),
+                    self.max_model_len,
+                    f"the prompt has {len(ids)} tokens but the context window (max_model_len) is "
+                    f"{self.max_model_len} tokens, which leaves no room to generate",
+                )
             violations = self.token_id_violations(ids, "token_ids.ids")
             if not ids:
                 violations.append(("token_ids.ids", "must not be empty"))
@@ -320,6 +441,8 @@ class Frontend:
                 raise errors.invalid_argument(violations)
             return ids, "token_ids.ids"
         if kind == "chat":
+            if len(req.chat.messages) > MAX_CHAT_MESSAGES:
+                raise errors.invalid_argument([("chat.messages", f"at most {MAX_CHAT_MESSAGES} messages")])
             violations = []
             if not req.chat.messages:
                 violations.append(("chat.messages", "must not be empty"))
@@ -332,14 +455,14 @@ class Frontend:
             add_prompt = (
                 req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
             )
-            return self.render_chat(turns, add_generation_prompt=add_prompt), "chat"
+            return await self.chat_ids(turns, add_generation_prompt=add_prompt, policy=policy), "chat"
         add_special = True
         if isinstance(req, pb.TokenizeRequest) and req.HasField("add_special_tokens"):
             add_special = req.add_special_tokens
         text = getattr(req, kind)  # "prompt" or "text"
-        return self.encode_text(text, add_special_tokens=add_special), kind
+        return await self.prompt_ids(text, path=kind, policy=policy, add_special_tokens=add_special), kind
 
-    def generation_request(
+    async def generation_request(
         self, req: pb.GenerateRequest, *, request_id: str, cache_salt: bytes, path_prefix: str = ""
     ) -> GenerationRequest:
         """Validate an InferenceService GenerateRequest and build the engine request.
@@ -347,6 +470,7 @@ class Frontend:
         ``request_id`` is the engine's id (the caller keeps the public one);
         ``cache_salt`` comes from the authenticated identity, never the body.
         ``path_prefix`` prefixes violation paths (e.g. ``requests[3].`` in Batch).
+        Everything but the prompt is checked before the prompt is tokenized.
         """
         violations: list[tuple[str, str]] = []
         if len(req.request_id) > MAX_REQUEST_ID_CHARS:
@@ -356,9 +480,12 @@ class Frontend:
         params = self.sampling_from_proto(req.sampling)
         if params.top_logprobs and not params.logprobs:
             violations.append(("sampling.top_logprobs", "requires sampling.logprobs"))
+        if len(params.stop) > MAX_STOP_STRINGS:
+            violations.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+        policy = CONTEXT_POLICIES.get(req.context_policy)
         try:
             self.check_sampling(params, lambda f: f"sampling.{f}", violations)
-            prompt_ids, source = self.prompt_from_proto(req)
+            prompt_ids, source = await self.prompt_from_proto(req, policy)
         except errors.ServiceError as exc:
             if path_prefix and exc.violations:
                 raise errors.invalid_argument([(path_prefix + f, p) for f, p in exc.violations]) from None
@@ -445,12 +572,11 @@ class Frontend:
 
     # ---- tokenizer RPCs ----------------------------------------------------------------
 
-    def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        """Tokenize RPC: text or chat → ids and their texts."""
-        ids, _ = self.prompt_from_proto(req)
-        return pb.TokenizeResponse(
-            token_ids=ids, tokens=[self.token_text(i) for i in ids], max_model_len=self.max_model_len
-        )
+    async def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Tokenize RPC: text or chat → ids and their texts (the texts of many ids built off the loop)."""
+        ids, _ = await self.prompt_from_proto(req)
+        tokens = await self._tokenizing(len(ids), lambda: [self.token_text(i) for i in ids])
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens, max_model_len=self.max_model_len)
 
     def detokenize(self, req: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         """Detokenize RPC: ids → text."""

@@ -12,7 +12,13 @@ from server import errors
 from server.admission import AdmittingServicer
 from server.frontend import RequestResult, new_request_id
 from server.inflight import Call
-from server.limits import MAX_BATCH_REQUESTS
+from server.limits import MAX_BATCH_REQUESTS, MAX_REQUEST_ID_CHARS
+
+
+def check_request_id(request_id: str, path: str = "request_id") -> None:
+    """INVALID_ARGUMENT for a client-chosen id over the cap, before any call is registered under it."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise errors.invalid_argument([(path, f"must be at most {MAX_REQUEST_ID_CHARS} characters")])
 
 
 def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -29,7 +35,7 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
     async def _run(self, call: Call, request: pb.GenerateRequest, request_id: str, path_prefix: str = ""):
         """Validate and run one GenerateRequest inside ``call``; returns its RequestResult."""
         frontend = self.models.get(request.model)
-        gen_request = frontend.generation_request(
+        gen_request = await frontend.generation_request(
             request,
             request_id=f"{request_id}.{new_request_id('e')}",
             cache_salt=call.identity.cache_salt,
@@ -46,6 +52,7 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
     ) -> pb.GenerateResponse:
         """Run one request to completion and return every choice."""
         identity = self._admit(context)
+        check_request_id(request.request_id)
         request_id = request.request_id or new_request_id()
         async with self.inflight.call(identity, request_id, call_deadline(context)) as call:
             frontend, result = await self._run(call, request, request_id)
@@ -60,10 +67,11 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
         # coroutine at the write and the engine request is aborted right there.
         identity = self._admit(context)
         inner = request.request
+        check_request_id(inner.request_id)
         request_id = inner.request_id or new_request_id()
         async with self.inflight.call(identity, request_id, call_deadline(context)) as call:
             frontend = self.models.get(inner.model)
-            gen_request = frontend.generation_request(
+            gen_request = await frontend.generation_request(
                 inner, request_id=f"{request_id}.{new_request_id('e')}", cache_salt=identity.cache_salt
             )
             result = RequestResult(n=gen_request.sampling.n)
@@ -87,6 +95,7 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
         identity = self.auth.identify(context.invocation_metadata())
         if not request.request_id:
             raise errors.invalid_argument([("request_id", "is required")])
+        check_request_id(request.request_id)
         return pb.CancelResponse(cancelled=self.inflight.cancel(identity, request.request_id))
 
     @errors.reports_errors
@@ -95,12 +104,14 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
         identity = self._admit(context)
         if len(request.requests) > MAX_BATCH_REQUESTS:
             raise errors.invalid_argument([("requests", f"at most {MAX_BATCH_REQUESTS} requests per batch")])
+        for index, item in enumerate(request.requests):
+            check_request_id(item.request_id, f"requests[{index}].request_id")
         ids = [r.request_id or new_request_id() for r in request.requests]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
-            raise errors.invalid_argument(
-                [("requests", f"request ids must be unique; repeated: {duplicates}")]
-            )
+            shown = ", ".join(errors.echo(i) for i in duplicates[:3])
+            more = f" and {len(duplicates) - 3} more" if len(duplicates) > 3 else ""
+            raise errors.invalid_argument([("requests", f"request ids must be unique; repeated: {shown}{more}")])
         deadline = call_deadline(context)
 
         async def one(index: int) -> pb.BatchResult:
@@ -124,7 +135,7 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
     ) -> pb.TokenizeResponse:
         """Text or chat → token ids and their texts."""
         self._admit(context)
-        return self.models.get(request.model).tokenize(request)
+        return await self.models.get(request.model).tokenize(request)
 
     @errors.reports_errors
     async def Detokenize(

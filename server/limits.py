@@ -18,6 +18,11 @@ from __future__ import annotations
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # The largest response the server sends: Batch results and logprobs can outgrow any request.
 MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
+# protobuf's decoder (upb) refuses a message whose messages nest deeper than this below the
+# top-level one; not ours to change. Such a request, like any undecodable one, is refused with
+# INVALID_ARGUMENT (server/request_decoding.py). In JSON, each array level of a free-form field
+# (``prompt``, ``stop``, ``content``) takes 2 levels, each object level 3.
+MAX_MESSAGE_DEPTH = 100
 
 # -- text fields -----------------------------------------------------------------------------
 
@@ -32,6 +37,16 @@ MAX_CHAT_NAME_CHARS = 256  # a chat message's ``name``
 MAX_BATCH_REQUESTS = 256  # requests in one Batch call; each holds engine memory while it waits
 MAX_STOP_STRINGS = 16  # stop strings of one InferenceService request (OpenAI's API allows 4)
 OPENAI_MAX_STOP_STRINGS = 4  # OpenAI's own limit, kept by the OpenAI-compatible API
+# Prompts in one OpenAI completion request: each becomes an engine request, as a Batch item does,
+# so the same cap keeps one call from filling the engine's queue.
+MAX_COMPLETION_PROMPTS = MAX_BATCH_REQUESTS
+# Messages of one conversation (OpenAI chat, or InferenceService chat input). Each costs at least
+# a few template tokens, so more than this cannot fit any context the server runs; the cap stops
+# a long list before the chat template renders it.
+MAX_CHAT_MESSAGES = 2048
+# Entries of a logit_bias map; the engine applies every entry to every sequence at every step.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# Choices per request (``n``) are capped by the engine at 16 (engine.sampling_params).
 
 # -- prompts ---------------------------------------------------------------------------------
 

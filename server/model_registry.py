@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from server import errors
 from server.frontend import Frontend
+from server.limits import MAX_MODEL_NAME_CHARS
 
 
 class ModelRegistry:
@@ -13,6 +14,11 @@ class ModelRegistry:
         self._frontends: dict[str, Frontend] = {}
 
     def add(self, frontend: Frontend) -> None:
+        """Serve ``frontend`` under its name; a name over the cap could never be asked for."""
+        if len(frontend.name) > MAX_MODEL_NAME_CHARS:
+            raise ValueError(
+                f"model name {errors.echo(frontend.name)} is longer than {MAX_MODEL_NAME_CHARS} characters"
+            )
         self._frontends[frontend.name] = frontend
 
     @property
@@ -23,7 +29,11 @@ class ModelRegistry:
         return list(self._frontends.values())
 
     def get(self, name: str) -> Frontend:
-        """The named model, or the default for ""; NOT_FOUND for a model not loaded."""
+        """The named model, or the default for ""; NOT_FOUND for a model not loaded.
+
+        The message quotes the name cut short (:func:`errors.echo`): the whole of a long one
+        would overflow the status's trailers.
+        """
         if not self._frontends:
             raise errors.not_ready()
         if not name:

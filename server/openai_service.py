@@ -32,9 +32,14 @@ from server.auth import Identity
 from server.frontend import ChatTurn, Frontend, RequestResult, new_request_id
 from server.inference_service import call_deadline
 from server.inflight import Call
+from server.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_COMPLETION_PROMPTS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    OPENAI_MAX_STOP_STRINGS,
+)
 
 SERVER_VERSION = "protoserve-0.1.0"
-MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` range is 0-5
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {
@@ -86,21 +91,36 @@ def _stop_strings(req: Any, has_stop: bool, violations: list[tuple[str, str]]) -
     if isinstance(stop, str):
         return [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > MAX_STOP_STRINGS:
-            violations.append(("stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+        if len(stop) > OPENAI_MAX_STOP_STRINGS:
+            violations.append(("stop", f"at most {OPENAI_MAX_STOP_STRINGS} stop strings"))
         return stop
     violations.append(("stop", "must be a string or a list of strings"))
     return []
 
 
 def _logit_bias(bias: Any, violations: list[tuple[str, str]]) -> dict[int, float]:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        violations.append(("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries"))
+        return {}
     out: dict[int, float] = {}
     for key, value in bias.items():
         try:
             out[int(key)] = value
         except ValueError:
-            violations.append(("logit_bias", f"key {key!r} is not a token id"))
+            violations.append(("logit_bias", f"key {errors.echo(key)} is not a token id"))
     return out
+
+
+def _stream_field_violations(req: Any, streaming: bool) -> list[tuple[str, str]]:
+    """Stream settings on a unary call, which would otherwise be ignored."""
+    if streaming:
+        return []
+    violations = []
+    if req.stream:
+        violations.append(("stream", "true needs the streaming method; this one answers once"))
+    if req.HasField("stream_options"):
+        violations.append(("stream_options", "only applies to streamed responses"))
+    return violations
 
 
 def _top_k(top_k: int, violations: list[tuple[str, str]]) -> int:
@@ -185,10 +205,10 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
 
     # ---- request preparation -----------------------------------------------------------
 
-    def _prepare_completion(self, req: oa.CreateCompletionRequest) -> _Prepared:
+    async def _prepare_completion(self, req: oa.CreateCompletionRequest, *, streaming: bool) -> _Prepared:
         frontend = self.models.get(req.model)
-        violations: list[tuple[str, str]] = []
-        prompts = self._completion_prompts(frontend, req, violations)
+        violations = _stream_field_violations(req, streaming)
+        prompts = await self._completion_prompts(frontend, req, violations)
         if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             violations.append(("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}]"))
         if req.echo and req.HasField("logprobs"):
@@ -216,7 +236,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         frontend.check_sampling(sampling, {"top_logprobs": "logprobs"}, violations)
         return _Prepared(frontend, prompts, sampling, echo=req.echo)
 
-    def _completion_prompts(
+    async def _completion_prompts(
         self, frontend: Frontend, req: oa.CreateCompletionRequest, violations: list[tuple[str, str]]
     ) -> list[_Prompt]:
         """OpenAI's prompt forms: a string, strings, token ids, or lists of token ids."""
@@ -228,11 +248,15 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         if not isinstance(value, list) or not value:
             violations.append(("prompt", "must be a string, a list of strings or a list of token id lists"))
             return []
+        if len(value) > MAX_COMPLETION_PROMPTS:
+            # Before any tokenizing: each prompt would be an engine request of its own.
+            violations.append(("prompt", f"at most {MAX_COMPLETION_PROMPTS} prompts per request"))
+            return []
         prompts = []
         for i, item in enumerate(value):
             path = "prompt" if len(value) == 1 else f"prompt[{i}]"
             if isinstance(item, str):
-                ids = frontend.encode_text(item)
+                ids = await frontend.prompt_ids(item, path=path, policy=ContextPolicy.ALLOW_CONTEXT_STOP)
                 if not ids:
                     violations.append((path, "must produce at least one token"))
                 prompts.append(_Prompt(ids, item))
@@ -247,12 +271,16 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 prompts.append(_Prompt(ids, frontend.tokenizer.decode(ids, skip_special_tokens=False)))
         return prompts
 
-    def _prepare_chat(self, req: oa.CreateChatCompletionRequest) -> _Prepared:
+    async def _prepare_chat(self, req: oa.CreateChatCompletionRequest, *, streaming: bool) -> _Prepared:
         frontend = self.models.get(req.model)
-        violations: list[tuple[str, str]] = []
+        violations = _stream_field_violations(req, streaming)
         turns = self._chat_turns(req, violations)
         if req.HasField("top_logprobs") and req.top_logprobs and not req.logprobs:
             violations.append(("top_logprobs", "requires logprobs"))
+        both = req.HasField("max_completion_tokens") and req.HasField("max_tokens")
+        if both and req.max_tokens != req.max_completion_tokens:
+            # One of them would be ignored.
+            violations.append(("max_tokens", "differs from max_completion_tokens; set one of them"))
         if req.HasField("max_completion_tokens"):
             max_tokens: int | None = req.max_completion_tokens
             max_field = "max_completion_tokens"
@@ -280,7 +308,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else 0,
         )
         frontend.check_sampling(sampling, {"max_tokens": max_field}, violations)
-        prompt_ids = frontend.render_chat(turns, path="messages")
+        prompt_ids = await frontend.chat_ids(turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP)
         return _Prepared(frontend, [_Prompt(prompt_ids, "")], sampling)
 
     def _chat_turns(
@@ -288,6 +316,9 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     ) -> list[ChatTurn]:
         if not req.messages:
             violations.append(("messages", "must not be empty"))
+        if len(req.messages) > MAX_CHAT_MESSAGES:
+            violations.append(("messages", f"at most {MAX_CHAT_MESSAGES} messages"))
+            return []
         turns = []
         for i, message in enumerate(req.messages):
             role = CHAT_ROLES.get(message.role)
@@ -384,7 +415,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     ) -> oa.CreateCompletionResponse:
         """Complete one or more prompts; choice i*n+j is choice j of prompt i."""
         identity = self._admit(context)
-        prepared = self._prepare_completion(request)
+        prepared = await self._prepare_completion(request, streaming=False)
         frontend, n = prepared.frontend, prepared.sampling.n
         public_id = new_request_id("cmpl")
         created = int(time.time())
@@ -428,7 +459,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         """Stream completion chunks; the last chunk of each choice carries its finish_reason."""
         identity = self._admit(context)
         inner = request.request
-        prepared = self._prepare_completion(inner)
+        prepared = await self._prepare_completion(inner, streaming=True)
         frontend, n = prepared.frontend, prepared.sampling.n
         public_id = new_request_id("cmpl")
         created = int(time.time())
@@ -498,7 +529,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     ) -> oa.CreateChatCompletionResponse:
         """Answer a conversation with n choices."""
         identity = self._admit(context)
-        prepared = self._prepare_chat(request)
+        prepared = await self._prepare_chat(request, streaming=False)
         frontend = prepared.frontend
         public_id = new_request_id("chatcmpl")
         created = int(time.time())
@@ -534,7 +565,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         """Stream chat chunks: role first, then content, then an empty delta with finish_reason."""
         identity = self._admit(context)
         inner = request.request
-        prepared = self._prepare_chat(inner)
+        prepared = await self._prepare_chat(inner, streaming=True)
         frontend = prepared.frontend
         public_id = new_request_id("chatcmpl")
         created = int(time.time())

@@ -10,9 +10,11 @@ A line looks like::
 
 (on one line). ``identity`` is the identity hash, never the API key; no prompt
 or completion text is logged. Failed requests add ``"error"``, the message the
-caller got. The lines are logged at INFO, so ``--log-level WARNING`` silences
-them; :func:`use_json_lines` makes the logger write bare JSON lines (no
-timestamp prefix) so log shippers can parse them as they are.
+caller got. Text a caller chose (request id, model) is cut past its cap, with
+its size, so a line stays short. The lines are logged at INFO, so
+``--log-level WARNING`` silences them; :func:`use_json_lines` makes the logger
+write bare JSON lines (no timestamp prefix) so log shippers can parse them as
+they are.
 """
 
 from __future__ import annotations
@@ -22,16 +24,31 @@ import logging
 import sys
 from typing import TextIO
 
+from server.errors import MAX_MESSAGE_BYTES, clip
+from server.limits import MAX_MODEL_NAME_CHARS, MAX_REQUEST_ID_CHARS
 from server.request_record import RequestRecord
 
 LOGGER_NAME = "protoserve.requests"
 log = logging.getLogger(LOGGER_NAME)
 
+# A refused request's fields are the caller's text, unchecked (a 3 MB model name, say): each is
+# cut past the longest valid value, so a line stays short whatever the request held.
+_FIELD_CHARS = {"request_id": MAX_REQUEST_ID_CHARS, "model": MAX_MODEL_NAME_CHARS}
+_OTHER_CHARS = MAX_MESSAGE_BYTES
+
+
+def line_fields(record: RequestRecord) -> dict:
+    """The record's log fields with every text value cut to its bound."""
+    return {
+        key: clip(value, _FIELD_CHARS.get(key, _OTHER_CHARS)) if isinstance(value, str) else value
+        for key, value in record.log_fields().items()
+    }
+
 
 def log_request(record: RequestRecord) -> None:
     """Write the record's line (skipped cheaply when INFO is off for the logger)."""
     if log.isEnabledFor(logging.INFO):
-        log.info(json.dumps(record.log_fields(), separators=(",", ":"), ensure_ascii=False))
+        log.info(json.dumps(line_fields(record), separators=(",", ":"), ensure_ascii=False))
 
 
 class _JsonLines(logging.StreamHandler):

@@ -6,7 +6,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,11 @@ from engine.tokenizer.gguf_tokenizer import load_gguf_tokenizer, special_tokens_
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPM_SPACE = "\u2581"  # ▁
+# Pre-tokenizers that split text without dropping any of it (Split and Punctuation only
+# unless their behaviour is "Removed").
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"})
+_MAX_UTF8_CHAR_BYTES = 4
+_COUNT_PIECE_CHARS = 1 << 20  # fewest_tokens encodes this much at a time
 
 
 @lru_cache(maxsize=1)
@@ -180,6 +185,72 @@ class Tokenizer:
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """:meth:`encode` with the GIL released while the Rust tokenizer runs: for worker threads.
+
+        ``tokenizers`` releases the GIL only in its batch API; a long text encoded with
+        ``encode`` in a worker thread would still stop every other Python thread (a
+        server's event loop) until it is done. A little slower than ``encode`` for short texts.
+        """
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, found without tokenizing; 0 when none holds.
+
+        Every token stands for at most :attr:`max_token_span_bytes` bytes of the text, and
+        bytes the vocabulary cannot spell (a byte-level BPE may lack a few control bytes) are
+        dropped, so the text's other bytes need at least that many tokens. One pass over the
+        text, in pieces, so other threads get the GIL in between.
+        """
+        bound = self._span_bound
+        if bound is None:
+            return 0
+        span, dropped = bound
+        kept = 0
+        for start in range(0, len(text), _COUNT_PIECE_CHARS):
+            piece = text[start : start + _COUNT_PIECE_CHARS].encode("utf-8", "surrogatepass")
+            kept += len(piece.translate(None, dropped)) if dropped else len(piece)
+        return -(-kept // span)
+
+    @property
+    def max_token_span_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for; None when no such bound holds."""
+        return self._span_bound[0] if self._span_bound is not None else None
+
+    @cached_property
+    def _span_bound(self) -> tuple[int, bytes] | None:
+        """(most text bytes per token, byte values the encoding drops), or None.
+
+        Holds when nothing between the text and the model folds input: no normalizer but
+        ones that only grow it, pre-tokenizers that keep every character, added tokens that
+        absorb no whitespace around them, and a model that spells every byte (a byte-level
+        alphabet, less the byte values it lacks, which are dropped; byte fallback) or gives
+        each unknown character a token of its own.
+        """
+        backend = self.backend
+        pre_tokenizers = _steps_of(backend.pre_tokenizer)
+        normalizers = _steps_of(backend.normalizer)
+        if not _growing_normalizer(normalizers) or not _keeping_pre_tokenizer(pre_tokenizers):
+            return None
+        if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+            return None
+        longest = max((len(b) for b in self._byte_table), default=0)
+        model = backend.model
+        kind = type(model).__name__
+        if kind in ("BPE", "Unigram") and getattr(model, "byte_fallback", False):
+            if all(backend.token_to_id(f"<0x{b:02X}>") is not None for b in range(256)):
+                return longest, b""
+            return None
+        if kind != "BPE":
+            return None
+        if any(step.get("type") == "ByteLevel" for step in pre_tokenizers) and not normalizers:
+            alphabet = byte_level_alphabet()
+            dropped = bytes(sorted(b for c, b in alphabet.items() if backend.token_to_id(c) is None))
+            return longest, dropped
+        if model.unk_token and not model.fuse_unk:
+            return max(longest, _MAX_UTF8_CHAR_BYTES), b""  # one unknown token per character
+        return None  # unknown characters are dropped, or a run of them is one token
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids`` (invalid UTF-8 becomes U+FFFD)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -221,6 +292,40 @@ class Tokenizer:
                 f"{self.source}: this model has no chat template; send a plain prompt instead of chat messages"
             )
         return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _steps_of(component: Any) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's JSON steps, Sequences unrolled ([] for None)."""
+    if component is None:
+        return []
+    return list(_unrolled(json.loads(component.__getstate__())))
+
+
+def _unrolled(step: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    if step.get("type") == "Sequence":
+        for child in step.get("normalizers", step.get("pretokenizers", [])):
+            yield from _unrolled(child)
+    else:
+        yield step
+
+
+def _growing_normalizer(steps: list[dict[str, Any]]) -> bool:
+    """True when every step only adds text: Prepend, or Replace of a fixed string by one no shorter."""
+    for step in steps:
+        kind = step.get("type")
+        if kind == "Prepend":
+            continue
+        pattern = step.get("pattern", {}).get("String") if kind == "Replace" else None
+        if pattern is None or len(step.get("content", "").encode()) < len(pattern.encode()):
+            return False
+    return True
+
+
+def _keeping_pre_tokenizer(steps: list[dict[str, Any]]) -> bool:
+    """True when no step drops text (whitespace splitters and "Removed" splits do)."""
+    return all(
+        step.get("type") in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in steps
+    )
 
 
 def _token_byte_table(backend: BackendTokenizer) -> tuple[list[bytes], bool]:

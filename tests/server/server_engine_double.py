@@ -28,8 +28,15 @@ class ByteTokenizer:
     vocab_size = 257
     has_chat_template = True
 
+    max_token_span_bytes = 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_unlocked = encode
+
+    def fewest_tokens(self, text: str) -> int:
+        return len(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
