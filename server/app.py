@@ -41,6 +41,7 @@ from server.model_registry import ModelRegistry
 from server.openai_service import OpenAIService
 from server.ports import PortUnavailable, check_can_listen
 from server.rate_limit import RateLimiter
+from server.request_decoding import RequestDecodingInterceptor
 from server.request_scope import RequestScopeInterceptor
 from server.telemetry import Telemetry, installed_tracer_provider
 from server.usage import UsageLedger
@@ -168,6 +169,7 @@ class ServerApp:
             from server.grpc_tracing import tracing_interceptors
 
             interceptors += tracing_interceptors(self.telemetry.tracer_provider)
+        interceptors.append(RequestDecodingInterceptor())  # outside the request scope, which reads requests
         interceptors.append(
             RequestScopeInterceptor(self.telemetry.request_finished, lambda md: self.auth.identify(md).id)
         )

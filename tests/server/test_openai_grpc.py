@@ -21,6 +21,14 @@ def value(python) -> struct_pb2.Value:
     return v
 
 
+def without_stream_options(request):
+    """The unary twin of a streamed request: stream_options only applies to streams (and is refused)."""
+    unary = type(request)()
+    unary.CopyFrom(request)
+    unary.ClearField("stream_options")
+    return unary
+
+
 def chat_request(**kw) -> oa.CreateChatCompletionRequest:
     messages = [
         oa.ChatCompletionRequestMessage(role="system", content=value("You are terse.")),
@@ -83,7 +91,7 @@ async def test_completion_stream_with_usage(stubs):
         n=2,
         stream_options=oa.StreamOptions(include_usage=True),
     )
-    unary = await openai.CreateCompletion(request)
+    unary = await openai.CreateCompletion(without_stream_options(request))
     chunks = await read_all(openai.CreateCompletionStream(oa.CreateCompletionStreamRequest(request=request)))
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
     usage_chunk = chunks[-1]
@@ -119,7 +127,7 @@ async def test_chat_stream_roles_finish_and_usage(stubs):
     request = chat_request(
         max_tokens=4, temperature=0, n=2, stream_options=oa.StreamOptions(include_usage=True)
     )
-    unary = await openai.CreateChatCompletion(request)
+    unary = await openai.CreateChatCompletion(without_stream_options(request))
     chunks = await read_all(
         openai.CreateChatCompletionStream(oa.CreateChatCompletionStreamRequest(request=request))
     )
