@@ -51,6 +51,7 @@ class GatewayOptions:
     framing: Framing = Framing.SSE
     error_style: ErrorStyle = ErrorStyle.GOOGLE_RPC_STATUS
     reject_unknown_fields: bool = False
+    ignored_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,7 @@ class RouteSpec:
     framing: Framing
     error_style: ErrorStyle
     reject_unknown_fields: bool
+    ignored_fields: tuple[str, ...]
     stream: StreamSpec | None
 
     @property
@@ -265,6 +267,7 @@ class Api:
                 framing=_FRAMINGS[framing],
                 error_style=_ERROR_STYLES[style],
                 reject_unknown_fields=rule.reject_unknown_fields,
+                ignored_fields=tuple(rule.ignored_fields),
             )
         return ApiMethod(method, tuple(bindings), gateway)
 
@@ -306,6 +309,7 @@ class Api:
         stream = None
         if method.options.stream_method:
             stream = self._stream_spec(method, binding)
+        self._check_ignored_fields(method, binding)
         return RouteSpec(
             method=method,
             binding=binding,
@@ -313,8 +317,34 @@ class Api:
             framing=method.options.framing,
             error_style=method.options.error_style,
             reject_unknown_fields=method.options.reject_unknown_fields,
+            ignored_fields=method.options.ignored_fields,
             stream=stream,
         )
+
+    @staticmethod
+    def _check_ignored_fields(method: ApiMethod, binding: Binding) -> None:
+        where = method.full_name
+        ignored = method.options.ignored_fields
+        if not ignored:
+            return
+        if not method.options.reject_unknown_fields:
+            raise GeneratorError(f"{where}: ignored_fields only means something with reject_unknown_fields")
+        if len(set(ignored)) != len(ignored) or "" in ignored:
+            raise GeneratorError(f"{where}: ignored_fields must be distinct, non-empty names")
+        body = method.descriptor.input_type
+        if binding.body not in ("", "*"):
+            body = body.fields_by_name[binding.body].message_type
+            if body is None:
+                raise GeneratorError(
+                    f"{where}: ignored_fields needs a message body; {binding.body!r} is not one"
+                )
+        elif not binding.body:
+            raise GeneratorError(f"{where}: ignored_fields names body fields; this route has no body")
+        for name in ignored:
+            if name in body.fields_by_name or any(f.json_name == name for f in body.fields):
+                raise GeneratorError(
+                    f"{where}: ignored field {name!r} is a field of {body.full_name}; only unknown fields are ignored"
+                )
 
     def _stream_spec(self, method: ApiMethod, binding: Binding) -> StreamSpec:
         where = method.full_name

@@ -255,8 +255,15 @@ def _operation(builder: _SchemaBuilder, route: RouteSpec) -> dict[str, Any]:
         "tags": [method.containing_service.name],
         "summary": f"{method.containing_service.name}.{method.name}",
     }
-    if description:
-        operation["description"] = description
+    notes = [description] if description else []
+    if route.reject_unknown_fields and binding.body:
+        note = "Body fields the request message does not define are refused (400)"
+        if route.ignored_fields:
+            names = ", ".join(f"`{name}`" for name in route.ignored_fields)
+            note += f", except {names}, which change nothing here and are accepted and ignored"
+        notes.append(note + ".")
+    if notes:
+        operation["description"] = "\n\n".join(notes)
     parameters = []
     bound = set()
     for variable in binding.path.variables:

@@ -32,6 +32,12 @@ def _str(text: str) -> str:
     return json.dumps(text)
 
 
+def _tuple(names: tuple[str, ...]) -> str:
+    if len(names) == 1:
+        return f"({_str(names[0])},)"
+    return f"({', '.join(_str(name) for name in names)})"
+
+
 def python_module(file: descriptor.FileDescriptor) -> str:
     """The module protoc's Python generator writes for a .proto file."""
     return file.name.removesuffix(".proto").replace("/", ".").replace("-", "_") + "_pb2"
@@ -74,6 +80,7 @@ def _route_source(route: RouteSpec) -> str:
         f"        framing=Framing.{Framing(route.framing).name},",
         f"        error_style=ErrorStyle.{ErrorStyle(route.error_style).name},",
         f"        reject_unknown_fields={route.reject_unknown_fields!r},",
+        f"        ignored_fields={_tuple(route.ignored_fields)},",
     ]
     if route.stream is None:
         lines.append("        stream=None,")

@@ -11,7 +11,7 @@ the body says ``"stream": true``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,20 +55,26 @@ def invalid_request(exc: InvalidJson) -> HttpError:
 
 def _bind(route: Route, path_values: dict[str, str], query: list[tuple[str, str]], body: bytes) -> Call:
     request_type = route.request_type
-    reject = route.reject_unknown_fields
+    reject, ignored = route.reject_unknown_fields, route.ignored_fields
     document: Any = None
     if route.body:
         document = loads(body) if body.strip() else ({} if route.body == "*" else None)
+    stream = route.stream
+    streaming = stream is not None and isinstance(document, dict) and document.get("stream") is True
+    # A streamed request travels wrapped in the streaming method's request: one level deeper.
+    depth = 1 if streaming else 0
     if route.body == "*":
         data = document
         if isinstance(data, dict):
             _put_path_values(data, request_type.DESCRIPTOR, path_values)
-        request = parse_message(data, request_type, reject_unknown_fields=reject)
+        request = parse_message(
+            data, request_type, reject_unknown_fields=reject, ignored_fields=ignored, depth=depth
+        )
     else:
         data = _query_document(request_type.DESCRIPTOR, query, set(path_values) | {route.body}, reject)
-        request = parse_message(data, request_type, reject_unknown_fields=reject)
+        request = parse_message(data, request_type, reject_unknown_fields=reject, depth=depth)
         if route.body and document is not None:
-            _set_body_field(request, route.body, document, reject)
+            _set_body_field(request, route.body, document, reject, ignored, depth)
         if path_values:
             # Applied last: a path variable inside the body field ({book.name}) wins over the body.
             path_data: dict[str, Any] = {}
@@ -76,22 +82,26 @@ def _bind(route: Route, path_values: dict[str, str], query: list[tuple[str, str]
             _copy_fields(
                 parse_message(path_data, request_type, reject_unknown_fields=True), request, path_values
             )
-    stream = route.stream
-    if stream is not None and isinstance(document, dict) and document.get("stream") is True:
+    if streaming:
         wrapper = stream.request_type()
         getattr(wrapper, stream.wrap_field).CopyFrom(request)
         return Call(stream.grpc_method, wrapper, stream.response_type, True, stream.response_body)
     return Call(route.grpc_method, request, route.response_type, route.server_streaming, route.response_body)
 
 
-def _set_body_field(request: Message, name: str, document: Any, reject: bool) -> None:
+def _set_body_field(
+    request: Message, name: str, document: Any, reject: bool, ignored: Collection[str], depth: int
+) -> None:
     field = request.DESCRIPTOR.fields_by_name[name]
     if field.message_type is not None and not field.is_repeated:
         # Parsed on its own so that error paths read as the client wrote the body.
         part_type = message_factory.GetMessageClass(field.message_type)
-        getattr(request, name).CopyFrom(parse_message(document, part_type, reject_unknown_fields=reject))
+        part = parse_message(
+            document, part_type, reject_unknown_fields=reject, ignored_fields=ignored, depth=depth + 1
+        )
+        getattr(request, name).CopyFrom(part)
     else:
-        part = parse_message({name: document}, type(request), reject_unknown_fields=reject)
+        part = parse_message({name: document}, type(request), reject_unknown_fields=reject, depth=depth)
         request.MergeFrom(part)
 
 

@@ -55,6 +55,9 @@ class GatewaySettings:
     forwarded_headers: tuple[str, ...] = DEFAULT_FORWARDED_HEADERS
     # Seconds (decimal) the client allows the call; becomes the gRPC deadline.
     timeout_header: str = TIMEOUT_HEADER
+    # The longest deadline the timeout header may ask for. Larger ones are refused (400): far
+    # out they overflow grpc's deadline arithmetic and the call would fail at once.
+    max_request_timeout_s: float = 24 * 3600.0
 
 
 class _ClientGone(Exception):
@@ -184,10 +187,13 @@ class GatewayHandler:
             seconds = float(raw)
         except ValueError:
             seconds = math.nan
-        if not math.isfinite(seconds) or seconds <= 0:
+        limit = self.settings.max_request_timeout_s
+        if not (math.isfinite(seconds) and 0 < seconds <= limit):
+            shown = raw if len(raw) <= 32 else raw[:32] + "..."
             raise gateway_error(
                 code_pb2.INVALID_ARGUMENT,
-                f"header {self.settings.timeout_header} must be a positive number of seconds, got {raw!r}",
+                f"header {self.settings.timeout_header} must be a positive number of seconds, "
+                f"at most {limit:g}, got {shown!r}",
             )
         return seconds
 

@@ -21,6 +21,9 @@ import binascii
 import functools
 import json
 import math
+import re
+from collections.abc import Collection
+from itertools import accumulate
 from typing import Any
 
 from google.protobuf import descriptor, descriptor_pb2, json_format, message_factory
@@ -42,6 +45,17 @@ _INT_RANGES = {
 _FLOAT_MAX = 3.4028234663852886e38
 _FLOAT_WORDS = ("NaN", "Infinity", "-Infinity")
 _WKT_PREFIX = "google.protobuf."
+# protobuf's decoder (upb, which the server runs) refuses a message whose messages nest more
+# than this many levels below the top-level one. The gateway refuses such a request itself,
+# naming the field, instead of sending what the server cannot read.
+MAX_MESSAGE_DEPTH = 100
+# JSON nesting the gateway reads at all: every request within MAX_MESSAGE_DEPTH fits (a level
+# of messages is at most an array and an object), and checking it before decoding keeps both
+# json and the checks below far from Python's recursion limit.
+MAX_JSON_DEPTH = 2 * MAX_MESSAGE_DEPTH + 1
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
 # Well-known types whose JSON form is free-form; any JSON value (or shape) is valid.
 _FREE_FORM = {
     "google.protobuf.Value": None,
@@ -61,7 +75,13 @@ class InvalidJson(Exception):
 
 
 def loads(data: bytes) -> Any:
-    """Decode a request body; raises InvalidJson for bytes that are not one JSON document."""
+    """Decode a request body; raises InvalidJson for bytes that are not one JSON document.
+
+    Documents nested deeper than MAX_JSON_DEPTH are refused before decoding.
+    """
+    too_deep = InvalidJson([("", f"the JSON document nests deeper than {MAX_JSON_DEPTH} levels")])
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise too_deep
     try:
         return json.loads(data)
     except UnicodeDecodeError:
@@ -70,6 +90,22 @@ def loads(data: bytes) -> Any:
         raise InvalidJson(
             [("", f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")]
         ) from None
+    except RecursionError:
+        # The check above bounds the depth; this is the backstop should the two ever disagree.
+        raise too_deep from None
+
+
+def json_depth(data: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text (brackets inside strings do not count).
+
+    Cheap: a body with few brackets cannot nest deeply and is not scanned; otherwise the
+    scan runs in C (strings cut out by a regex, a running sum over the remaining brackets).
+    Malformed text gets some number; json.loads reports what is wrong with it.
+    """
+    if data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH:
+        return 0
+    steps = _JSON_STRING.sub(b"", data).translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    return max(accumulate(memoryview(steps).cast("b")), default=0)
 
 
 def dumps(value: Any) -> bytes:
@@ -78,11 +114,24 @@ def dumps(value: Any) -> bytes:
 
 
 def parse_message(
-    value: Any, message_type: type[Message], *, reject_unknown_fields: bool, path: str = ""
+    value: Any,
+    message_type: type[Message],
+    *,
+    reject_unknown_fields: bool,
+    ignored_fields: Collection[str] = (),
+    path: str = "",
+    depth: int = 0,
 ) -> Message:
-    """Build ``message_type`` from decoded JSON, or raise InvalidJson naming every bad field."""
+    """Build ``message_type`` from decoded JSON, or raise InvalidJson naming every bad field.
+
+    ``ignored_fields`` are unknown top-level keys dropped even when unknown fields are
+    rejected. ``depth`` is how many messages enclose this one in the request sent (1 when
+    it is wrapped in another), so that nesting is checked against what the server can decode.
+    """
+    if ignored_fields and isinstance(value, dict):
+        value = {key: item for key, item in value.items() if key not in ignored_fields}
     violations: list[tuple[str, str]] = []
-    _check_message(value, message_type.DESCRIPTOR, path, reject_unknown_fields, violations)
+    _check_message(value, message_type.DESCRIPTOR, path, reject_unknown_fields, violations, depth)
     if violations:
         raise InvalidJson(violations)
     message = message_type()
@@ -91,6 +140,8 @@ def parse_message(
     except json_format.ParseError as exc:
         # The checks above mirror json_format's rules; this is the backstop if they ever drift.
         raise InvalidJson([(path, str(exc))]) from None
+    except RecursionError:
+        raise InvalidJson([(path, "nested too deeply")]) from None
     return message
 
 
@@ -149,7 +200,11 @@ def _fields_by_json_key(message: descriptor.Descriptor) -> dict[str, descriptor.
     return keys
 
 
-def _check_message(value, message, path, reject_unknown, out) -> None:
+def _check_message(value, message, path, reject_unknown, out, depth) -> None:
+    """Check ``value`` as ``message``, which sits ``depth`` messages below the request's top."""
+    if depth > MAX_MESSAGE_DEPTH:
+        out.append((path, f"nested too deeply: messages may nest at most {MAX_MESSAGE_DEPTH} levels"))
+        return
     name = message.full_name
     if name in _FREE_FORM:
         expected = _FREE_FORM[name]
@@ -157,6 +212,11 @@ def _check_message(value, message, path, reject_unknown, out) -> None:
             out.append(
                 (path, f"expected {'an object' if expected is dict else 'an array'}, got {_kind(value)}")
             )
+            return
+        # A Value holds the JSON value itself; a Struct or ListValue sits where its Value would.
+        base = depth if expected is None else depth - 1
+        if base + _free_form_depth(value, MAX_MESSAGE_DEPTH - base) > MAX_MESSAGE_DEPTH:
+            out.append((path, _too_deep_free_form(base)))
         return
     if name.startswith(_WKT_PREFIX):
         _check_with_json_format(value, message, path, out)
@@ -170,8 +230,14 @@ def _check_message(value, message, path, reject_unknown, out) -> None:
         field = fields.get(key)
         field_path = _join(path, key)
         if field is None:
-            if reject_unknown:
-                out.append((field_path, f"unknown field; {message.name} has no field {key!r}"))
+            # null asks for nothing, as it does for a known field.
+            if reject_unknown and item is not None:
+                out.append(
+                    (
+                        field_path,
+                        f"unknown field; {message.name} has no field {key!r}, so it cannot be honoured",
+                    )
+                )
             continue
         is_value = field.message_type is not None and field.message_type.full_name == "google.protobuf.Value"
         if item is None and not is_value:
@@ -185,28 +251,72 @@ def _check_message(value, message, path, reject_unknown, out) -> None:
                 )
                 continue
             oneofs_seen[oneof.name] = field.name
-        _check_field(item, field, field_path, reject_unknown, out)
+        _check_field(item, field, field_path, reject_unknown, out, depth)
 
 
-def _check_field(value, field, path, reject_unknown, out) -> None:
+def _free_form_depth(value: Any, limit: int) -> int:
+    """Messages nested below a google.protobuf.Value holding ``value`` (0 for a scalar).
+
+    An array is a ListValue holding a Value per element (2 levels); an object is a Struct
+    holding a map entry per key, each holding a Value (3 levels). Iterative, and it stops
+    once past ``limit``: the JSON may be as deep as MAX_JSON_DEPTH.
+    """
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, below = stack.pop()
+        if isinstance(item, list):
+            children: Any = item
+            step = 2
+        elif isinstance(item, dict):
+            children = item.values()
+            step = 3
+        else:
+            continue
+        if not children:
+            deepest = max(deepest, below + 1)  # just the empty ListValue or Struct
+            continue
+        below += step
+        deepest = max(deepest, below)
+        if deepest > limit:
+            return deepest
+        kinds = set(map(type, children))  # in C: long lists of scalars (token ids) cost little
+        if list in kinds or dict in kinds:
+            stack.extend((child, below) for child in children if isinstance(child, list | dict))
+    return deepest
+
+
+def _too_deep_free_form(depth: int) -> str:
+    arrays = (MAX_MESSAGE_DEPTH - depth) // 2
+    return (
+        f"nested too deeply: the server decodes at most {MAX_MESSAGE_DEPTH} levels of nested messages, "
+        f"which leaves room here for {arrays} levels of arrays (an array takes 2 levels, an object 3)"
+    )
+
+
+def _check_field(value, field, path, reject_unknown, out, depth) -> None:
+    """Check a field of a message at ``depth``; its message values sit one level deeper."""
     entry = field.message_type
     if entry is not None and entry.GetOptions().map_entry:
         if not isinstance(value, dict):
             out.append((path, f"expected an object (a map), got {_kind(value)}"))
             return
         key_field, value_field = entry.fields_by_name["key"], entry.fields_by_name["value"]
+        if value and depth + 1 > MAX_MESSAGE_DEPTH:  # each map entry is a message of its own
+            out.append((path, f"nested too deeply: messages may nest at most {MAX_MESSAGE_DEPTH} levels"))
+            return
         for key, item in value.items():
             _check_map_key(key, key_field, f"{path}[{json.dumps(key)}]", out)
-            _check_single(item, value_field, f"{path}[{json.dumps(key)}]", reject_unknown, out)
+            _check_single(item, value_field, f"{path}[{json.dumps(key)}]", reject_unknown, out, depth + 2)
         return
     if field.is_repeated:
         if not isinstance(value, list):
             out.append((path, f"expected an array, got {_kind(value)}"))
             return
         for index, item in enumerate(value):
-            _check_single(item, field, f"{path}[{index}]", reject_unknown, out)
+            _check_single(item, field, f"{path}[{index}]", reject_unknown, out, depth + 1)
         return
-    _check_single(value, field, path, reject_unknown, out)
+    _check_single(value, field, path, reject_unknown, out, depth + 1)
 
 
 def _check_map_key(key: str, field, path, out) -> None:
@@ -224,13 +334,14 @@ def _check_map_key(key: str, field, path, out) -> None:
             out.append((path, f"map key {number} is out of range [{low}, {high}]"))
 
 
-def _check_single(value, field, path, reject_unknown, out) -> None:
+def _check_single(value, field, path, reject_unknown, out, depth) -> None:
+    """Check one value of ``field``; a message value sits at ``depth``."""
     kind = field.type
     if field.message_type is not None:
         if value is None and field.message_type.full_name != "google.protobuf.Value":
             out.append((path, "null is not allowed here"))
             return
-        _check_message(value, field.message_type, path, reject_unknown, out)
+        _check_message(value, field.message_type, path, reject_unknown, out, depth)
     elif value is None:
         out.append((path, "null is not allowed here"))
     elif kind in _INT_RANGES:

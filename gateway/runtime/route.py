@@ -61,4 +61,6 @@ class Route:
     framing: Framing = Framing.SSE
     error_style: ErrorStyle = ErrorStyle.GOOGLE_RPC_STATUS
     reject_unknown_fields: bool = False
+    # Unknown top-level body fields accepted and dropped despite reject_unknown_fields.
+    ignored_fields: tuple[str, ...] = ()
     stream: StreamTarget | None = None

@@ -63,7 +63,10 @@ class Router:
         """The error style of the routes sharing the longest literal prefix with the path.
 
         An OpenAI client calling an endpoint we lack (``/v1/chat/foo``) then gets
-        an OpenAI error body; a tie between styles falls back to google.rpc.Status.
+        an OpenAI error body. Where both styles share the prefix (``/v1/embeddings``)
+        OpenAI's wins: OpenAI clients cannot read a google.rpc.Status, and an unknown path
+        there is most likely an OpenAI endpoint this server lacks. A path sharing nothing
+        with any route gets google.rpc.Status.
         """
         segments = raw_path.strip("/").split("/")
         best, styles = 0, set()
@@ -77,4 +80,6 @@ class Router:
                 best, styles = shared, {route.error_style}
             elif shared == best and shared:
                 styles.add(route.error_style)
-        return styles.pop() if len(styles) == 1 else ErrorStyle.GOOGLE_RPC_STATUS
+        if ErrorStyle.OPENAI in styles:
+            return ErrorStyle.OPENAI
+        return ErrorStyle.GOOGLE_RPC_STATUS

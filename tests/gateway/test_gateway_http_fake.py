@@ -170,14 +170,43 @@ def test_bad_bodies_are_400_in_the_route_style(http, fake_backend, path, content
     assert _calls(fake_backend) == before
 
 
-def test_unknown_fields_are_ignored_on_openai_routes(http, fake_backend):
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/completions", "best_of"),
+        ("/v1/completions", "suffix"),
+        ("/v1/completions:stream", "guided_json"),
+        ("/v1/chat/completions", "response_format"),
+        ("/v1/chat/completions", "tools"),
+        ("/v1/chat/completions", "tool_choice"),
+        ("/v1/chat/completions:stream", "parallel_tool_calls"),
+    ],
+)
+def test_fields_the_server_cannot_honour_are_refused_on_openai_routes(http, fake_backend, path, field):
+    before = _calls(fake_backend)
+    body = {"model": "m", "prompt": "hi"} if "/chat/" not in path else {"model": "m", "messages": []}
     response = http.post(
-        "/v1/completions",
-        json={"model": "m", "prompt": "hi", "best_of": 3, "guided_json": {"type": "object"}},
+        path, json={**body, field: {"type": "json_object"}, "stream": path.endswith("completions")}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert f"{field}: unknown field" in error["message"] and "cannot be honoured" in error["message"]
+    assert _calls(fake_backend) == before
+
+
+def test_openai_routes_accept_null_and_the_declared_no_op_fields(http, fake_backend):
+    no_ops = {"metadata": {"k": "v"}, "store": True, "safety_identifier": "u1", "prompt_cache_key": "p"}
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "best_of": None, **no_ops},
     )
     assert response.status_code == 200
-    method, request, _, _ = fake_backend.log.last("CreateCompletion")
-    assert request.prompt.string_value == "hi"
+    _, request, _, _ = fake_backend.log.last("CreateChatCompletion")
+    assert request.messages[0].content.string_value == "hi"
+    # The no-op list is the chat API's: completions has no `store`.
+    refused = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "store": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
 
 
 def test_oversized_bodies_are_413_with_or_without_content_length(http, fake_backend):

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from gateway_fakes import rich_status
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2
 from protoserve_gateway.routes import ROUTES
 
 from gateway.runtime import framing
 from gateway.runtime.binding import bind_request
 from gateway.runtime.errors import HTTP_STATUS_BY_CODE, HttpError, from_rpc_error, gateway_error
-from gateway.runtime.json_codec import InvalidJson, loads, message_to_json, parse_message
+from gateway.runtime.json_codec import (
+    MAX_JSON_DEPTH,
+    InvalidJson,
+    json_depth,
+    loads,
+    message_to_json,
+    parse_message,
+)
 from gateway.runtime.path_template import PathTemplate
 from gateway.runtime.route import ErrorStyle, Framing
 from gateway.runtime.router import Router, RoutingError
@@ -82,7 +92,10 @@ def test_router_picks_route_and_reports_404_405_in_the_likely_style():
         router.resolve("GET", "/v1/chat/unknown")
     assert unknown.value.http_status == 404 and unknown.value.style is ErrorStyle.OPENAI
     with pytest.raises(RoutingError) as unknown:
-        router.resolve("POST", "/v1/embeddings")  # shared by both styles: google.rpc.Status
+        router.resolve("POST", "/v1/embeddings")  # shared by both styles: OpenAI clients need theirs
+    assert unknown.value.style is ErrorStyle.OPENAI
+    with pytest.raises(RoutingError) as unknown:
+        router.resolve("GET", "/nothing/here")  # shares nothing: google.rpc.Status
     assert unknown.value.style is ErrorStyle.GOOGLE_RPC_STATUS
     with pytest.raises(RoutingError) as unknown:
         router.resolve("GET", "/v1/inference/models/a/b")
@@ -164,6 +177,54 @@ def test_parse_free_form_values_and_float_limits():
             reject_unknown_fields=False,
         )
     assert [f for f, _ in exc.value.violations] == ["temperature", "n", "stream"]
+
+
+def _shape(kind: str, depth: int):
+    """``depth`` levels of arrays, objects or both, around a string (or an empty array)."""
+    value: object = [] if kind == "empty" else "a"
+    for level in range(depth):
+        value = {"k": value} if kind == "objects" or (kind == "mixed" and level % 2) else [value]
+    return value
+
+
+@pytest.mark.parametrize("kind", ["arrays", "objects", "mixed", "empty"])
+def test_gateway_accepts_exactly_the_nesting_the_server_can_decode(kind):
+    # The gateway's depth model against protobuf's own decoder, around its limit, for a Value
+    # field of the request and of a message in a list, unary and streamed (one level deeper).
+    routes = {r.grpc_method.rsplit("/", 1)[1]: r for r in ROUTES}
+    for depth in range(25, 54):
+        value = _shape(kind, depth)
+        for route, body in (
+            (routes["CreateCompletion"], {"prompt": value}),
+            (routes["CreateCompletion"], {"prompt": value, "stream": True}),
+            (routes["CreateChatCompletion"], {"messages": [{"role": "user", "content": value}]}),
+        ):
+            try:
+                bind_request(route, {}, [], json.dumps(body).encode())
+                accepted = True
+            except HttpError as exc:
+                assert "nested too deeply" in exc.status.message
+                accepted = False
+            # What the server would get, built by json_format (which has no depth limit).
+            streamed = body.get("stream") is True
+            message = route.stream.request_type() if streamed else route.request_type()
+            json_format.ParseDict({"request": body} if streamed else body, message)
+            try:
+                type(message).FromString(message.SerializeToString())
+                decodable = True
+            except DecodeError:
+                decodable = False
+            assert accepted == decodable, (kind, depth, route.grpc_method, streamed)
+
+
+def test_json_nesting_is_bounded_before_decoding():
+    assert json_depth(b"[" * 300 + b"]" * 300) == 300
+    assert json_depth(b'{"a": "' + b"[" * 500 + b'"}') == 1  # brackets in strings do not count
+    assert json_depth(b'["\\", ' + b"[" * 250 + b"]" * 250 + b"]") == 251
+    for depth in (MAX_JSON_DEPTH + 1, 5000, 1_000_000):
+        with pytest.raises(InvalidJson, match="nests deeper than"):
+            loads(b"[" * depth + b"]" * depth)
+    assert loads(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) is not None
 
 
 def test_loads_rejects_malformed_json():

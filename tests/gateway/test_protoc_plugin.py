@@ -24,6 +24,7 @@ from grpc_tools import protoc
 
 from gateway.protoc_gen_gateway import generate
 from gateway.runtime.binding import bind_request
+from gateway.runtime.errors import HttpError
 from gateway.runtime.route import ErrorStyle, Framing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +112,18 @@ def test_real_route_table():
     assert [v.field_path for v in cancel.path.variables] == ["request_id"]
     assert cancel.reject_unknown_fields and cancel.error_style is ErrorStyle.GOOGLE_RPC_STATUS
 
+    for name in (
+        "CreateCompletion",
+        "CreateCompletionStream",
+        "CreateChatCompletion",
+        "CreateChatCompletionStream",
+    ):
+        assert by_name[f"{name}@openai"].reject_unknown_fields, name
+    assert by_name["CreateCompletion@openai"].ignored_fields == ()
+    chat_ignored = ("metadata", "store", "safety_identifier", "prompt_cache_key")
+    assert by_name["CreateChatCompletion@openai"].ignored_fields == chat_ignored
+    assert by_name["CreateChatCompletionStream@openai"].ignored_fields == chat_ignored
+
     retrieve = by_name["RetrieveModel@openai"]
     assert (retrieve.http_method, retrieve.path.template, retrieve.response_body) == (
         "GET",
@@ -193,7 +206,7 @@ service Library {
   }
   rpc UpdateBook(UpdateBookRequest) returns (Book) {
     option (google.api.http) = {patch: "/v1/{book.name=shelves/*/books/*}" body: "book"};
-    option (protoserve.options.v1.gateway) = {reject_unknown_fields: true};
+    option (protoserve.options.v1.gateway) = {reject_unknown_fields: true ignored_fields: ["etag"]};
   }
   rpc Search(SearchRequest) returns (SearchResponse) {
     option (google.api.http) = {
@@ -313,6 +326,15 @@ def test_body_field_with_nested_path_variable(feature_routes):
     )
     assert call.request.book.name == "shelves/1/books/2"  # the path wins over the body
     assert call.request.book.pages == 3 and call.request.validate_only
+    # The body's ignored field is dropped; any other unknown one is refused.
+    assert route.ignored_fields == ("etag",)
+    assert (
+        bind_request(route, {"book.name": "shelves/1/books/2"}, [], b'{"etag": "w/1"}').request.book.pages
+        == 0
+    )
+    with pytest.raises(HttpError, match="colour: unknown field"):
+        bind_request(route, {"book.name": "shelves/1/books/2"}, [], b'{"etag": "w/1", "colour": "red"}')
+    assert "except `etag`" in doc["paths"]["/v1/{book.name}"]["patch"]["description"]
     body = doc["paths"]["/v1/{book.name}"]["patch"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["anyOf"][0]["$ref"] == "#/components/schemas/gwtest.v1.Book"
 
@@ -436,6 +458,27 @@ def test_plugin_runs_under_protoc_with_the_launcher(tmp_path):
             ' option (protoserve.options.v1.gateway) = {stream_method: "gwtest.v1.S.B"}; }\n'
             'rpc B(Wrap) returns (stream Res) { option (google.api.http) = {post: "/b" body: "res"}; }',
             "needs a bool field 'stream'",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            ' option (protoserve.options.v1.gateway) = {ignored_fields: ["store"]}; }',
+            "ignored_fields only means something with reject_unknown_fields",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            ' option (protoserve.options.v1.gateway) = {reject_unknown_fields: true ignored_fields: ["x"]}; }',
+            "ignored field 'x' is a field of gwtest.v1.Req",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            " option (protoserve.options.v1.gateway) = {reject_unknown_fields: true"
+            ' ignored_fields: ["s", "s"]}; }',
+            "ignored_fields must be distinct",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {get: "/a"};'
+            ' option (protoserve.options.v1.gateway) = {reject_unknown_fields: true ignored_fields: ["s"]}; }',
+            "this route has no body",
         ),
     ],
 )
