@@ -53,7 +53,9 @@ MAX_MESSAGE_DEPTH = 100
 # of messages is at most an array and an object), and checking it before decoding keeps both
 # json and the checks below far from Python's recursion limit.
 MAX_JSON_DEPTH = 2 * MAX_MESSAGE_DEPTH + 1
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string. The closing quote is optional so that a match, once started, never fails:
+# an unterminated string must not make the search retry from each quote inside it (quadratic).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
 # Well-known types whose JSON form is free-form; any JSON value (or shape) is valid.

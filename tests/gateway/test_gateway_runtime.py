@@ -220,7 +220,10 @@ def test_gateway_accepts_exactly_the_nesting_the_server_can_decode(kind):
 def test_json_nesting_is_bounded_before_decoding():
     assert json_depth(b"[" * 300 + b"]" * 300) == 300
     assert json_depth(b'{"a": "' + b"[" * 500 + b'"}') == 1  # brackets in strings do not count
-    assert json_depth(b'["\\", ' + b"[" * 250 + b"]" * 250 + b"]") == 251
+    assert json_depth(b'["\\\\", ' + b"[" * 250 + b"]" * 250 + b"]") == 251  # an escaped backslash ends
+    # An unterminated string full of escaped quotes: one linear pass (a pattern that needs the
+    # closing quote retries from every quote inside, and this input would take hours).
+    assert json_depth(b"[" * 300 + b'"' + b'\\"' * 1_000_000) == 300
     for depth in (MAX_JSON_DEPTH + 1, 5000, 1_000_000):
         with pytest.raises(InvalidJson, match="nests deeper than"):
             loads(b"[" * depth + b"]" * depth)
