@@ -9,6 +9,8 @@ from pathlib import Path
 
 import gguf
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
@@ -485,3 +487,51 @@ def test_hf_dir_malformed_config(tmp_path, smollm2_hf_dir):
     with pytest.raises(ModelLoadError) as info:
         Tokenizer.from_hf_dir(tmp_path)
     assert "tokenizer_config.json" in str(info.value)
+
+
+# -- token counts bounded from bytes, and encoding without the GIL ------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300))
+def test_fewest_tokens_never_exceeds_the_encoding(smollm2_tokenizer, text):
+    assert smollm2_tokenizer.fewest_tokens(text) <= len(smollm2_tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_smollm2_token_span_bound(smollm2_tokenizer):
+    """A token stands for at most its longest vocabulary entry's bytes; bytes SmolLM2 cannot spell are dropped."""
+    span = smollm2_tokenizer.max_token_span_bytes
+    assert span == max(len(smollm2_tokenizer.token_bytes(i)) for i in range(smollm2_tokenizer.vocab_size))
+    for text in [*TEXTS, "\n" + " " * 200, "x" * 10_000, "<|im_start|>" * 50]:
+        assert smollm2_tokenizer.fewest_tokens(text) <= len(smollm2_tokenizer.encode(text, add_special_tokens=False))
+    assert smollm2_tokenizer.fewest_tokens("x" * (10 * span)) == 10
+    # \x04 is not in SmolLM2's vocabulary: encoding drops it, so a text of them proves nothing.
+    assert smollm2_tokenizer.encode("\x04" * 1000, add_special_tokens=False) == []
+    assert smollm2_tokenizer.fewest_tokens("\x04" * 1000) == 0
+
+
+def test_sentencepiece_with_byte_fallback_has_a_span_bound(spm_gguf):
+    tok = Tokenizer.from_gguf(spm_gguf)
+    assert tok.max_token_span_bytes == len("<|user|>")  # the longest entry is the added token
+    for text in SPM_TEXTS:
+        assert tok.fewest_tokens(text) <= len(tok.encode(text, add_special_tokens=False)), text
+
+
+def test_no_span_bound_where_input_can_fold_or_vanish():
+    from tokenizers import models, normalizers
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2}
+    folding = BackendTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    folding.normalizer = normalizers.NFKC()
+    splitting = BackendTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    splitting.pre_tokenizer = pre_tokenizers.Whitespace()  # drops every space
+    fused = BackendTokenizer(models.BPE(vocab, [], unk_token="[UNK]", fuse_unk=True))
+    for backend in (folding, splitting, fused):
+        tok = Tokenizer(backend)
+        assert tok.max_token_span_bytes is None and tok.fewest_tokens("a" * 1000) == 0
+
+
+def test_encode_unlocked_matches_encode(smollm2_tokenizer):
+    for text in TEXTS:
+        for special in (True, False):
+            assert smollm2_tokenizer.encode_unlocked(text, special) == smollm2_tokenizer.encode(text, special)
