@@ -5,7 +5,8 @@ Callers hand work to the thread through an inbox under a lock (new requests,
 aborts); the thread hands outputs back with ``loop.call_soon_threadsafe``, one
 call per step and event loop. Only the thread touches the LLMEngine after
 start(), except for ``LLMEngine.prepare`` (validation), which reads immutable
-state and so runs in the caller's task and raises there.
+state and so runs in the caller's task and raises there (in a worker thread for
+a request with a constraint, whose grammar may compile there).
 """
 
 from __future__ import annotations
@@ -101,7 +102,11 @@ class AsyncEngine:
         the request, which frees its KV blocks within one step.
         """
         self.start()
-        prepared = self.engine.prepare(request)
+        if request.sampling.constraint is not None:
+            # A constraint may compile here (milliseconds, up to a second for a big grammar): off the loop.
+            prepared = await asyncio.to_thread(self.engine.prepare, request)
+        else:
+            prepared = self.engine.prepare(request)
         rid = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:

@@ -8,11 +8,18 @@ RequestOutput, refusals as the exceptions in engine.errors.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, resolve_max_model_len
+from engine.constraints.compiler import CompiledGrammar, ConstraintCompileError, GrammarCompiler
+from engine.constraints.masks import MaskFiller
 from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
 from engine.loader.load import LoadedModel, load_model
 from engine.model_runner import ModelRunner
@@ -25,6 +32,11 @@ from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.stop_checker import check_token_stop
 from engine.tracing import RequestSpan
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +58,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     truncated: int
     max_len: int  # total tokens (prompt + generated) at which each choice stops with "length"
+    grammar: CompiledGrammar | None = None  # the compiled constraint, when the request has one
 
 
 class LLMEngine:
@@ -79,6 +92,9 @@ class LLMEngine:
         special = self.tokenizer.all_special_ids if self.tokenizer is not None else []
         self._special_ids = frozenset(special) | self.eos_token_ids
         self._text_vocab = self.tokenizer.vocab_size if self.tokenizer is not None else 0
+        self.grammars = (GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
+        self._masks = MaskFiller(self.grammars.vocab_size) if self.grammars is not None else None
 
     def _token_bytes(self, token_id: int) -> bytes:
         """Ids past the tokenizer's vocabulary (padded embeddings) have no text."""
@@ -95,7 +111,11 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """Validate and apply the context policy; touches no engine state, so any thread may call it."""
+        """Validate, compile the constraint and apply the context policy.
+
+        Touches no engine state but the thread-safe grammar cache, so any thread may call it; a
+        constraint seen for the first time compiles here, on the caller's thread, not the step's.
+        """
         sp = request.sampling
         bad = sp.validate(self.vocab_size)
         prompt = list(request.prompt_token_ids)
@@ -127,7 +147,18 @@ class LLMEngine:
             keep = min(length, limit - reserve)
         prompt = prompt[:keep] if policy == ContextPolicy.TRUNCATE_RIGHT else prompt[length - keep :]
         max_len = limit if max_tokens is None else min(limit, keep + max_tokens)
-        return PreparedRequest(request, prompt, length - keep, max_len)
+        return PreparedRequest(request, prompt, length - keep, max_len, self._compile(request))
+
+    def _compile(self, request: GenerationRequest) -> CompiledGrammar | None:
+        constraint = request.sampling.constraint
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError([(constraint.field, "needs the model's tokenizer, and this model has none")])
+        try:
+            return self.grammars.compile(constraint)
+        except ConstraintCompileError as exc:
+            raise InvalidRequestError([(exc.field, exc.message)]) from None
 
     def add_request(self, request: GenerationRequest | PreparedRequest) -> None:
         """Queue a request; raises InvalidRequestError, ContextLengthError or QueueFullError."""
@@ -142,7 +173,8 @@ class LLMEngine:
         if req.trace is not None:
             state.span = RequestSpan(req.trace, req, len(prepared.prompt_token_ids),
                                      lambda: self._prompt_text(prepared.prompt_token_ids))
-        seq = self._new_seq(state, 0, prepared.max_len)
+        matcher = prepared.grammar.new_matcher() if prepared.grammar is not None else None
+        seq = self._new_seq(state, 0, prepared.max_len, matcher=matcher)
         seq.num_pending_forks = req.sampling.n - 1
         self.requests[req.request_id] = state
         self.scheduler.add(seq)
@@ -153,13 +185,15 @@ class LLMEngine:
         """The prompt as text, for traces that opted in to content capture."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
-    def _new_seq(self, state: RequestState, index: int, max_len: int, arrival: int | None = None) -> Sequence:
+    def _new_seq(self, state: RequestState, index: int, max_len: int, arrival: int | None = None,
+                 matcher: LLMatcher | None = None) -> Sequence:
         req = state.request
         seq = Sequence(
             seq_id=next(self._seq_ids), request_id=req.request_id, index=index,
             token_ids=list(state.prompt_token_ids), num_prompt_tokens=len(state.prompt_token_ids),
             max_len=max_len, sampling=req.sampling, generator=state.generators[index], priority=req.priority,
             arrival_order=next(self._arrivals) if arrival is None else arrival, cache_salt=req.cache_salt,
+            matcher=matcher, mirostat_mu=2.0 * req.sampling.mirostat_tau,
         )
         state.seqs.append(seq)
         return seq
@@ -189,14 +223,26 @@ class LLMEngine:
             self.requests[seq.request_id].note_preempted()
         if not batch.is_empty:
             self._note_scheduled(batch, start)
-            logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
             sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]  # before computed counts move
+            masks = self._start_masks(sampling)
+            logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
             self.scheduler.finish_step(batch)
+            bitmask = masks.result() if masks is not None else None  # before forks copy the matchers it reads
             seqs, rows = self._fork_choices(sampling)
-            samples = self.sampler(logits[rows], seqs)
+            samples = self.sampler(logits[rows], seqs, bitmask[rows] if bitmask is not None else None)
             self._postprocess(seqs, samples)
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
+
+    def _start_masks(self, sampling: list[Sequence]) -> Future[torch.Tensor] | None:
+        """Start filling the grammar masks of this step's constrained rows; they fill while the forward runs.
+
+        A row's mask depends only on its matcher, which took last step's token already; the
+        choices forked off a row this step start at the grammar's start, as the row itself does.
+        """
+        if self._masks is None or all(s.matcher is None for s in sampling):
+            return None
+        return self._masks.start([s.matcher for s in sampling])
 
     def _note_scheduled(self, batch: ScheduledBatch, now: float) -> None:
         for seq in batch.seqs:
@@ -213,7 +259,9 @@ class LLMEngine:
             if seq.num_pending_forks:
                 state = self.requests[seq.request_id]
                 for index in range(1, seq.num_pending_forks + 1):
-                    child = self._new_seq(state, index, seq.max_len, arrival=seq.arrival_order)
+                    # The parent has taken no token yet: a copy of its matcher is a fresh one.
+                    matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
+                    child = self._new_seq(state, index, seq.max_len, arrival=seq.arrival_order, matcher=matcher)
                     self.scheduler.fork(seq, child)
                     seqs.append(child)
                     rows.append(row)
@@ -231,13 +279,28 @@ class LLMEngine:
             self.counters.generation_tokens += 1
             self._touched.add(seq.request_id)
             token_stop = check_token_stop(token, seq.num_generated, seq.sampling, self.eos_token_ids)
+            complete = token_stop is None and seq.matcher is not None and self._advance_grammar(seq, token)
             stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
             if token_stop is not None:
                 self._finish(seq, *token_stop)
             elif stop_string is not None:
                 self._finish(seq, FinishReason.STOP, stop_string)
+            elif complete:
+                self._finish(seq, FinishReason.STOP)
             elif seq.num_tokens >= seq.max_len:
                 self._finish(seq, FinishReason.LENGTH)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Feed the token to the sequence's matcher; True when the grammar is complete (only EOS may follow)."""
+        matcher = seq.matcher
+        assert matcher is not None
+        if not matcher.consume_token(token):
+            # The mask allowed only tokens the grammar takes, so this is a bug, not the request's fault:
+            # end the choice rather than the step (and everyone else's requests with it).
+            log.error("request %s: token %d was refused by its grammar (%s); ending the choice",
+                      seq.request_id, token, matcher.get_error())
+            return True
+        return matcher.is_stopped()
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.scheduler.finish(seq)

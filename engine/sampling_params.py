@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from engine.constraints.constraint import Constraint
+
 
 class ContextPolicy(StrEnum):
     """What to do when the prompt plus max_tokens does not fit the context window."""
@@ -23,6 +25,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``max_tokens=None`` means "until the
     context window is full". Validation lives in ``validate()`` so the server
     can turn each problem into a field violation.
+
+    ``constraint`` holds the output to a JSON Schema, regex, GBNF grammar or
+    choice (whether it compiles is checked by ``LLMEngine.prepare``).
+    ``mirostat_mode`` 1 or 2 replaces top-k/top-p/typical-p/min-p with llama.cpp's
+    Mirostat v1/v2 (target surprise ``mirostat_tau`` bits, learning rate ``mirostat_eta``).
     """
 
     max_tokens: int | None = 16
@@ -44,6 +51,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None
+    mirostat_mode: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def validate(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
         """Return (field, problem) pairs for every invalid parameter; empty when valid."""
@@ -84,6 +95,33 @@ class SamplingParams:
             bad.append(("n", "must be in [1, 16]"))
         if not 0 <= self.top_logprobs <= 20:
             bad.append(("top_logprobs", "must be in [0, 20]"))
+        bad += self._mirostat_problems()
+        if self.constraint is not None:
+            bad += self.constraint.validate()
+            if self.ignore_eos:
+                bad.append(("ignore_eos", "cannot be combined with a constraint: the grammar decides where "
+                                          "the output ends"))
+        return bad
+
+    def _mirostat_problems(self) -> list[tuple[str, str]]:
+        """Mirostat picks the candidates itself: the truncation filters it replaces must stay off."""
+        bad: list[tuple[str, str]] = []
+        if self.mirostat_mode not in (0, 1, 2):
+            return [("mirostat_mode", "must be 0 (off), 1 (Mirostat) or 2 (Mirostat 2.0)")]
+        if not 0.0 <= self.mirostat_tau <= 100.0:
+            bad.append(("mirostat_tau", "must be in [0, 100]"))
+        if not 0.0 <= self.mirostat_eta <= 1.0:
+            bad.append(("mirostat_eta", "must be in [0, 1]"))
+        if self.mirostat_mode == 0:
+            for name, default in (("mirostat_tau", 5.0), ("mirostat_eta", 0.1)):
+                if getattr(self, name) != default:
+                    bad.append((name, "has no effect unless mirostat_mode is 1 or 2"))
+            return bad
+        if self.greedy:
+            bad.append(("temperature", "must be above 0 with mirostat_mode (0 is greedy decoding)"))
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("typical_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != off:
+                bad.append((name, f"must be {off} with mirostat_mode: Mirostat chooses the candidates itself"))
         return bad
 
     @property

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.block_manager import chain_hashes
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(IntEnum):
@@ -52,6 +56,10 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # Where the output stands in its constraint's grammar: it has taken every generated token, and
+    # lives with the sequence, so preemption (which keeps the tokens and recomputes their K/V) keeps it.
+    matcher: LLMatcher | None = None
+    mirostat_mu: float = 0.0  # Mirostat's running target; 2 * tau before the first token
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,57 @@
+"""Token bitmasks: which tokens each constrained row may take next, and applying them to a logits row.
+
+A bitmask row is ``ceil(V / 32)`` int32 words, bit ``t % 32`` of word ``t // 32``
+set when token t is allowed (llguidance's layout). The masks a step needs depend
+only on the matchers' state after the previous step's tokens, so the engine asks
+for them before the forward and collects them after: llguidance fills them on its
+own threads with the GIL released while the forward runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+NEG_INF = float("-inf")
+
+
+def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """One bitmask row as a bool vector of ``vocab_size`` (True = allowed)."""
+    unpacked = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return torch.from_numpy(unpacked.view(np.bool_))
+
+
+def apply_token_mask(row: torch.Tensor, bits: torch.Tensor) -> None:
+    """Make every token the bitmask row disallows impossible, in place."""
+    row.masked_fill_(~allowed_tokens(bits, row.shape[0]), NEG_INF)
+
+
+class MaskFiller:
+    """Fills a step's bitmasks on llguidance's thread pool, from one worker thread of our own."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._executor: LLExecutor | None = None
+        self._worker: ThreadPoolExecutor | None = None
+
+    def start(self, matchers: Sequence[LLMatcher | None]) -> Future[torch.Tensor]:
+        """Begin filling one bitmask row per entry (rows of ``None`` stay all-allowed and unused)."""
+        if self._worker is None:
+            self._executor = LLExecutor()
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return self._worker.submit(self._fill, list(matchers))
+
+    def _fill(self, matchers: list[LLMatcher | None]) -> torch.Tensor:
+        bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
+        jobs = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        fill_next_token_bitmask_par(self._executor, jobs, bitmask)
+        return bitmask
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
