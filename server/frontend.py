@@ -313,10 +313,12 @@ class Frontend:
     ) -> list[int]:
         """Token ids of ``text``, refusing first, without tokenizing, text that cannot be served.
 
-        Under a policy that refuses prompts the context cannot hold (``FITTING_POLICIES``),
-        text whose bytes need at least max_model_len tokens is OUT_OF_RANGE; any text over
-        ``max_prompt_bytes`` (the truncating policies, Tokenize) is INVALID_ARGUMENT.
+        Any text over ``max_prompt_bytes`` is INVALID_ARGUMENT, whatever the policy (one that
+        is over it in characters alone, before even a scan); under a policy that refuses
+        prompts the context cannot hold (``FITTING_POLICIES``), text whose bytes need at least
+        max_model_len tokens is OUT_OF_RANGE.
         """
+        self.check_text_chars(text, path)
         # A character is at most 4 bytes and a token at least 1: shorter text cannot be too long.
         if policy in FITTING_POLICIES and 4 * len(text) >= self.max_model_len:
             fewest = self.tokenizer.fewest_tokens(text)
@@ -334,6 +336,13 @@ class Frontend:
             )
         return self.encode_text(text, add_special_tokens=add_special_tokens)
 
+    def check_text_chars(self, text: str, path: str) -> None:
+        """INVALID_ARGUMENT for text with more characters than ``max_prompt_bytes`` (O(1): no scan)."""
+        if len(text) > self.max_prompt_bytes:
+            raise errors.invalid_argument(
+                [(path, f"is {len(text)} characters; at most {self.max_prompt_bytes} bytes of text are tokenized")]
+            )
+
     async def _tokenizing(self, chars: int, work: Callable[[], T]) -> T:
         """Run ``work`` inline for short input, else on a tokenizer thread so the loop keeps serving."""
         if chars < INLINE_TOKENIZE_CHARS:
@@ -344,6 +353,7 @@ class Frontend:
         self, text: str, *, path: str, policy: ContextPolicy | None = None, add_special_tokens: bool = True
     ) -> list[int]:
         """:meth:`checked_ids` of a prompt, off the event loop when it is long."""
+        self.check_text_chars(text, path)  # the huge refused here, without a hop to a thread
         return await self._tokenizing(
             len(text),
             functools.partial(
@@ -370,6 +380,10 @@ class Frontend:
         if violations:
             raise errors.invalid_argument(violations)
         chars = sum(len(t.content) + len(t.name) for t in turns)
+        if chars > self.max_prompt_bytes:  # the conversation's texts together, before rendering them
+            raise errors.invalid_argument(
+                [(path, f"hold {chars} characters; at most {self.max_prompt_bytes} bytes of text are tokenized")]
+            )
         return await self._tokenizing(
             chars,
             functools.partial(

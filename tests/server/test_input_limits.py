@@ -148,34 +148,39 @@ async def test_long_prompt_is_tokenized_while_the_server_keeps_answering(inproc_
     assert probe.encoded  # it was really tokenized, on the path the probe held
 
 
-async def test_huge_prompt_is_refused_before_tokenizing(big, big_app, probe):
-    """The issue's 20 MB prompt, every way in: refused without the tokenizer ever seeing it."""
+async def test_prompt_that_cannot_be_served_is_refused_before_tokenizing(big, big_app, probe):
+    """The issue's 20 MB prompt, every way in, is over the text cap whatever the policy; 2 MB is under
+    it but cannot fit the context. Both are refused without the tokenizer ever seeing them."""
     stub, openai_stub = big
     frontend = big_app.models.all()[0]
-    limit = frontend.max_model_len
+    limit, cap = frontend.max_model_len, frontend.max_prompt_bytes
     huge = "x" * HUGE
-    for policy in (pb.CONTEXT_POLICY_UNSPECIFIED, pb.CONTEXT_POLICY_REJECT):
-        failure = await failure_of(stub.Generate(pb.GenerateRequest(prompt=huge, context_policy=policy)))
-        assert failure.code == grpc.StatusCode.OUT_OF_RANGE and failure.reason == "CONTEXT_LENGTH_EXCEEDED"
-        assert str(limit) in failure.message
-        assert failure.details["ErrorInfo"].metadata["max_model_len"] == str(limit)
-    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content=huge)])
-    failure = await failure_of(
-        stub.GenerateStream(pb.GenerateStreamRequest(request=pb.GenerateRequest(chat=chat)))
-    )
-    assert failure.code == grpc.StatusCode.OUT_OF_RANGE
-    completion = oa.CreateCompletionRequest(model=frontend.name)
-    completion.prompt.string_value = huge
-    failure = await failure_of(openai_stub.CreateCompletion(completion))
-    assert failure.code == grpc.StatusCode.OUT_OF_RANGE and str(limit) in failure.message
-    # The truncating policies and Tokenize accept over-long text, up to a cap they name.
-    cap = frontend.max_prompt_bytes
-    for policy in (pb.CONTEXT_POLICY_TRUNCATE_LEFT, pb.CONTEXT_POLICY_TRUNCATE_RIGHT):
+    for policy in pb.ContextPolicy.values():
         failure = await failure_of(stub.Generate(pb.GenerateRequest(prompt=huge, context_policy=policy)))
         assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and failure.fields == {"prompt"}
         assert str(cap) in failure.message
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content=huge)])
+    failure = await failure_of(stub.Generate(pb.GenerateRequest(chat=chat)))
+    assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and failure.fields == {"chat.messages"}
     failure = await failure_of(stub.Tokenize(pb.TokenizeRequest(text=huge)))
     assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and failure.fields == {"text"}
+    completion = oa.CreateCompletionRequest(model=frontend.name)
+    completion.prompt.string_value = huge
+    failure = await failure_of(openai_stub.CreateCompletion(completion))
+    assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and failure.fields == {"prompt"}
+
+    long = "x" * (2 * MiB)  # a token is at most 81 bytes of SmolLM2 text: at least 25K tokens
+    for policy in (pb.CONTEXT_POLICY_UNSPECIFIED, pb.CONTEXT_POLICY_REJECT):
+        failure = await failure_of(stub.Generate(pb.GenerateRequest(prompt=long, context_policy=policy)))
+        assert failure.code == grpc.StatusCode.OUT_OF_RANGE and failure.reason == "CONTEXT_LENGTH_EXCEEDED"
+        assert str(limit) in failure.message
+        assert failure.details["ErrorInfo"].metadata["max_model_len"] == str(limit)
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content=long)])
+    stream = stub.GenerateStream(pb.GenerateStreamRequest(request=pb.GenerateRequest(chat=chat)))
+    assert (await failure_of(stream)).code == grpc.StatusCode.OUT_OF_RANGE
+    completion.prompt.string_value = long
+    failure = await failure_of(openai_stub.CreateCompletion(completion))
+    assert failure.code == grpc.StatusCode.OUT_OF_RANGE and str(limit) in failure.message
     assert probe.encoded == []
     assert (await stub.CheckHealth(pb.CheckHealthRequest())).status == pb.SERVING_STATUS_SERVING
 
