@@ -154,7 +154,7 @@ class LLMEngine:
         if constraint is None:
             return None
         if self.grammars is None:
-            raise InvalidRequestError([(constraint.field, "needs the model's tokenizer, and this model has none")])
+            raise InvalidRequestError([(constraint.field, "needs a tokenizer, and this model has none")])
         try:
             return self.grammars.compile(constraint)
         except ConstraintCompileError as exc:
@@ -261,7 +261,8 @@ class LLMEngine:
                 for index in range(1, seq.num_pending_forks + 1):
                     # The parent has taken no token yet: a copy of its matcher is a fresh one.
                     matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
-                    child = self._new_seq(state, index, seq.max_len, arrival=seq.arrival_order, matcher=matcher)
+                    child = self._new_seq(state, index, seq.max_len, arrival=seq.arrival_order,
+                                          matcher=matcher)
                     self.scheduler.fork(seq, child)
                     seqs.append(child)
                     rows.append(row)
@@ -291,7 +292,7 @@ class LLMEngine:
                 self._finish(seq, FinishReason.LENGTH)
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
-        """Feed the token to the sequence's matcher; True when the grammar is complete (only EOS may follow)."""
+        """Feed the sequence's matcher the token; True when the grammar is complete (only EOS may follow)."""
         matcher = seq.matcher
         assert matcher is not None
         if not matcher.consume_token(token):

@@ -184,7 +184,8 @@ class Sampler:
             keep = mirostat.v2_keep(probs, seq.mirostat_mu)
         kept = probs[:keep] / probs[:keep].sum()
         index = draw(kept, seq.generator)
-        seq.mirostat_mu = mirostat.updated_mu(seq.mirostat_mu, float(kept[index]), sp.mirostat_tau, sp.mirostat_eta)
+        p_chosen = float(kept[index])
+        seq.mirostat_mu = mirostat.updated_mu(seq.mirostat_mu, p_chosen, sp.mirostat_tau, sp.mirostat_eta)
         return int(ids[index])
 
 

@@ -121,7 +121,7 @@ class SamplingParams:
             bad.append(("temperature", "must be above 0 with mirostat_mode (0 is greedy decoding)"))
         for name, off in (("top_k", 0), ("top_p", 1.0), ("typical_p", 1.0), ("min_p", 0.0)):
             if getattr(self, name) != off:
-                bad.append((name, f"must be {off} with mirostat_mode: Mirostat chooses the candidates itself"))
+                bad.append((name, f"must be {off} with mirostat_mode: Mirostat picks the candidates itself"))
         return bad
 
     @property

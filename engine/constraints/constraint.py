@@ -72,7 +72,8 @@ class Constraint:
         try:
             kind = ConstraintKind(self.kind)
         except ValueError:
-            return [("constraint", f"unknown kind {self.kind!r}; one of {', '.join(k.value for k in ConstraintKind)}")]
+            kinds = ", ".join(k.value for k in ConstraintKind)
+            return [("constraint", f"unknown kind {self.kind!r}; one of {kinds}")]
         field = f"constraint.{kind.value}"
         if kind == ConstraintKind.CHOICE:
             if self.text:

@@ -64,7 +64,8 @@ def transcribed_step(row: list[float], mode: int, mu: float, tau: float, eta: fl
 
 def make_seq(sp: SamplingParams, seed: int) -> Sequence:
     return Sequence(seq_id=0, request_id="m", index=0, token_ids=[1], num_prompt_tokens=1, max_len=10_000,
-                    sampling=sp, generator=torch.Generator().manual_seed(seed), mirostat_mu=2 * sp.mirostat_tau)
+                    sampling=sp, generator=torch.Generator().manual_seed(seed),
+                    mirostat_mu=2 * sp.mirostat_tau)
 
 
 @pytest.mark.parametrize("mode", [1, 2])
