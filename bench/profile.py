@@ -56,6 +56,12 @@ class Profile:
     serving_variant: Variant
     server_variants: tuple[Variant, ...]  # other servers: single-stream decode and one load level
     server_variant_concurrency: int
+    # Isolation: streams decoding while one huge prompt arrives (issue 21); each round is one run
+    # without the prompt and one with it, in turn.
+    isolation_streams: int = 4
+    isolation_max_tokens: int = 64
+    isolation_rounds: int = 3
+    isolation_prompt_bytes: int = 20_000_000
 
     def level_requests(self, concurrency: int) -> int:
         return max(self.min_requests, concurrency * self.requests_per_worker)
@@ -157,6 +163,8 @@ SMOKE = Profile(
     serving_variant=FP32,
     server_variants=(),
     server_variant_concurrency=4,
+    isolation_max_tokens=16,
+    isolation_rounds=1,
 )
 
 PROFILES = {p.name: p for p in (DEFAULT, FULL, SMOKE)}

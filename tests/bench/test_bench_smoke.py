@@ -21,7 +21,7 @@ from bench.load_result import LoadResult
 from bench.profile import PROFILES
 from bench.report import format_table, json_lines
 from bench.resources import EngineModel, Server, TransformersModel, Variant
-from bench.run import finish, selected_sections
+from bench.run import SECTIONS, finish, selected_sections
 from bench.stats import LatencySummary, median, percentile, significant
 from bench.targets import targets_for
 from bench.timeline import RequestTimeline
@@ -260,7 +260,8 @@ def test_table_and_json_lines() -> None:
 
 
 def test_selected_sections() -> None:
-    assert selected_sections([]) == ["offline", "prefill", "decode", "serving"]
+    assert selected_sections([]) == list(SECTIONS)
+    assert list(SECTIONS)[:5] == ["offline", "prefill", "decode", "serving", "isolation"]
     assert selected_sections(["serving,decode"]) == ["decode", "serving"]
     with pytest.raises(SystemExit):
         selected_sections(["nope"])
@@ -456,3 +457,31 @@ def test_serving_paths_take_each_level_in_turn() -> None:
     engine, grpc, sse = (prompts[p] for p in ("engine", "grpc", "sse"))
     assert [len(x) for x in engine] == [len(x) for x in grpc] == [len(x) for x in sse]
     assert not set(engine) & set(grpc) and not set(grpc) & set(sse)
+
+
+def test_isolation_figures_hold_itl_p99_beside_huge_prompts_to_without() -> None:
+    from bench.huge_prompt import text_of
+    from bench.sections.isolation import HugeOutcome, huge_loads, isolation_figures
+
+    huge, in_handler = huge_loads(20_000_000)
+    alone = [[_timeline(0.0, 0.1, 20, 0.02), _timeline(0.0, 0.1, 20, 0.02)]]
+    beside = [[_timeline(0.0, 0.1, 20, 0.02), _timeline(0.0, 0.1, 20, 0.03)]]
+    slow = [[_timeline(0.0, 0.1, 20, 0.02), _timeline(0.0, 0.1, 20, 0.05)]]
+    figures = isolation_figures(
+        alone,
+        [
+            (huge, beside, [HugeOutcome("RESOURCE_EXHAUSTED", 0.25, overlapped=True)]),
+            (in_handler, slow, [HugeOutcome("INVALID_ARGUMENT", 9.0, overlapped=False)]),
+        ],
+    )
+    by = {f.name: f for f in finish(figures)}
+    assert by["isolation.itl_p99.baseline"].value == pytest.approx(0.02)
+    assert by["isolation.itl_p99.huge_prompt"].value == pytest.approx(0.03)
+    ratio = by["isolation.itl_p99_ratio"]
+    assert ratio.value == pytest.approx(1.5) and ratio.met is True and ratio.target == Target(2.0, "lower")
+    assert ratio.details["prompt_status"] == "RESOURCE_EXHAUSTED" and ratio.details["overlapped_rounds"] == "1/1"
+    assert ratio.details["prompt_bytes"] == 20_000_000 and ratio.note == ""
+    late = by["isolation.itl_p99_ratio.in_handler"]
+    assert late.value == pytest.approx(2.5) and late.met is False and late.target == Target(2.0, "lower")
+    assert "after a stream ended" in late.note and late.details["overlapped_rounds"] == "0/1"
+    assert len(text_of(20_000_000)) == 20_000_000 and text_of(20_000_000).isascii()
