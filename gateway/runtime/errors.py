@@ -140,7 +140,11 @@ def from_rpc_error(error: grpc.RpcError) -> HttpError:
             if status.code == number:
                 return HttpError(status)
             break
-    return HttpError(status_pb2.Status(code=number, message=message or code.name))
+    # Our server explains every RESOURCE_EXHAUSTED it sends (queue, rate limit) in a rich status;
+    # a bare one comes from grpc itself, whose only such refusal is a message over
+    # --max-message-bytes: the body was too large, not the caller too fast.
+    http_status = 413 if number == code_pb2.RESOURCE_EXHAUSTED else None
+    return HttpError(status_pb2.Status(code=number, message=message or code.name), http_status)
 
 
 def status_to_json(status: status_pb2.Status) -> dict[str, Any]:

@@ -235,6 +235,20 @@ def test_max_message_bytes_flag(spawn_server):
     assert asyncio.run(main()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
 
 
+def test_a_body_over_max_message_bytes_is_413_at_the_gateway_not_a_rate_limit(spawn_server):
+    """grpc's own size refusal is a bare RESOURCE_EXHAUSTED; through the gateway it is the body's size
+    (413, invalid_request_error), never a 429 telling the caller to slow down."""
+    server = spawn_server("--max-message-bytes", str(MiB))
+    response = httpx.post(
+        f"http://127.0.0.1:{server.http_port}/v1/completions",
+        json={"model": "SmolLM2-135M-Instruct", "prompt": "x" * (2 * MiB), "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "retry-after" not in response.headers
+
+
 # -- item 3: echoes cut short, text fields capped -----------------------------------------------
 
 
