@@ -92,10 +92,6 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, block_table: Seq[int], num_tokens: int, prefix_hits: Seq[int] = ()) -> bool:
-        """Whether ``allocate`` would succeed."""
-        return self._blocks_to_take(block_table, num_tokens, prefix_hits) <= len(self.free_queue)
-
     # -- mutations -----------------------------------------------------------
 
     def allocate(self, block_table: list[int], num_tokens: int, prefix_hits: Seq[int] = ()) -> bool:
@@ -151,12 +147,6 @@ class BlockManager:
             return
         block.hash = h
         self.cached[h] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached name (blocks in use keep their contents)."""
-        for block in self.blocks:
-            block.hash = None
-        self.cached.clear()
 
     # -- internals -----------------------------------------------------------
 

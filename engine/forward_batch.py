@@ -35,7 +35,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_list)

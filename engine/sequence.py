@@ -74,10 +74,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

@@ -155,7 +155,6 @@ class ServerApp:
         self._owns_engine = False
         self._stop_http: Callable[[], Awaitable[None]] | None = None
         self._server: grpc.aio.Server | None = None
-        self._stopped = asyncio.Event()
 
     @property
     def grpc_target(self) -> str:
@@ -296,10 +295,6 @@ class ServerApp:
             self._server = None
         if self.engine is not None and self._owns_engine:
             await self.engine.shutdown()
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
 
 def _free_port(host: str) -> int:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from forward_batches import forward_batch, scheduled
 
-from engine.models.batch_builder import SequenceChunk, build_forward_batch
 from engine.models.kv_cache import PagedKVCache
 from kernels.cpu import extension
 from kernels.cpu import paged_attention as pa
@@ -302,15 +302,15 @@ def test_paged_cache_kernel_path_matches_pytorch_fallbacks(window: int | None) -
     assert caches["kernel"].use_kernel
     # Two steps: prompts (one chunked), then a mix of a chunk and decodes over what is cached.
     steps = [
-        [SequenceChunk([0] * 30, 0, range(0, 10)), SequenceChunk([0] * 12, 0, range(10, 20))],
+        [scheduled([0] * 30, 0, range(0, 10)), scheduled([0] * 12, 0, range(10, 20))],
         [
-            SequenceChunk([0], 30, range(0, 10)),
-            SequenceChunk([0] * 9, 12, range(10, 20)),
-            SequenceChunk([0] * 5, 0, range(20, 22)),
+            scheduled([0] * 31, 30, range(0, 10)),
+            scheduled([0] * 21, 12, range(10, 20)),
+            scheduled([0] * 5, 0, range(20, 22)),
         ],
     ]
-    for chunks in steps:
-        batch = build_forward_batch(chunks, bs)
+    for seqs in steps:
+        batch = forward_batch(seqs, bs)
         t = batch.num_tokens
         q = torch.randn(t, heads, head_dim, generator=g)
         k = torch.randn(t, kv_heads, head_dim, generator=g)

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+from forward_batches import forward_batch, scheduled
 from torch import nn
 
-from engine.models.batch_builder import SequenceChunk, build_forward_batch
 from engine.models.decoder import Decoder
 from engine.models.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 
@@ -103,8 +103,9 @@ class Driver:
             assert next_block <= self.cache.num_blocks, "cache too small for the test"
         out: list[list[torch.Tensor | None]] = [[None] * len(s) for s in seqs]
         for step in schedule(seqs):
-            chunks = [SequenceChunk(seqs[i][a:b], a, tables[i], all_logits=True) for i, a, b in step]
-            logits = self.model(build_forward_batch(chunks, bs), self.cache)
+            scheduled_now = [scheduled(seqs[i][:b], a, tables[i]) for i, a, b in step]
+            batch = forward_batch(scheduled_now, bs, every_position=True)
+            logits = self.model(batch, self.cache)
             row = 0
             for i, a, b in step:
                 for pos in range(a, b):
@@ -196,15 +197,10 @@ def greedy_generate(
         c.num_layers, per_seq * len(prompts), block_size, c.num_kv_heads, c.head_dim, model.dtype
     )
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
-    chunks = [SequenceChunk(list(p), 0, tables[i]) for i, p in enumerate(prompts)]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    lengths = [len(p) for p in prompts]
+    seqs = [scheduled(list(p), 0, tables[i]) for i, p in enumerate(prompts)]
     for _ in range(max_new_tokens):
-        logits = model(build_forward_batch(chunks, block_size), cache)
-        next_ids = logits.argmax(dim=-1).tolist()
-        chunks = []
-        for i, tok in enumerate(next_ids):
-            outputs[i].append(tok)
-            chunks.append(SequenceChunk([tok], lengths[i], tables[i]))
-            lengths[i] += 1
-    return outputs
+        logits = model(forward_batch(seqs, block_size), cache)
+        for seq, tok in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.append_token(tok)
+    return [s.token_ids[len(p) :] for s, p in zip(seqs, prompts, strict=True)]

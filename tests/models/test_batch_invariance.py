@@ -28,9 +28,9 @@ from decoder_test_helpers import (
     random_mix,
     token_by_token,
 )
+from forward_batches import forward_batch, scheduled
 
 from engine.loader.load import load_model
-from engine.models.batch_builder import SequenceChunk, build_forward_batch
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder
 from engine.models.kv_cache import PagedKVCache
@@ -188,11 +188,11 @@ def measure_throughput(config: ModelConfig, num_tokens: int, deterministic: bool
     model.set_deterministic(deterministic)
     bs = 16
     if num_tokens <= 32:
-        chunks = [SequenceChunk([3], 128, list(range(9 * i, 9 * i + 9))) for i in range(num_tokens)]
+        seqs = [scheduled([3] * 129, 128, list(range(9 * i, 9 * i + 9))) for i in range(num_tokens)]
     else:
-        chunks = [SequenceChunk(list(range(num_tokens)), 0, list(range(-(-num_tokens // bs))))]
+        seqs = [scheduled(list(range(num_tokens)), 0, list(range(-(-num_tokens // bs))))]
     cache = PagedKVCache(config.num_layers, 9 * 32 + 32, bs, config.num_kv_heads, config.head_dim)
-    batch = build_forward_batch(chunks, bs)
+    batch = forward_batch(seqs, bs)
     model(batch, cache)  # warm-up
     start = time.perf_counter()
     for _ in range(reps):

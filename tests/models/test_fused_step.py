@@ -30,9 +30,9 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 from decoder_test_helpers import Driver, Step, contiguous_cache, paged_cache
+from forward_batches import forward_batch, scheduled
 
 from engine.loader.load import load_model
-from engine.models.batch_builder import SequenceChunk, build_forward_batch
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder, DecoderLayer, rope_cos_sin
 from engine.models.fused_step import FusedStep
@@ -413,7 +413,7 @@ def test_fused_step_releases_the_gil(monkeypatch) -> None:
     assert model.fused_step is not None
     tokens, bs = 384, 16
     blocks = tokens // bs
-    batch = build_forward_batch([SequenceChunk([i % 256 for i in range(tokens)], 0, list(range(blocks)))], bs)
+    batch = forward_batch([scheduled([i % 256 for i in range(tokens)], 0, list(range(blocks)))], bs)
     cache = PagedKVCache(4, blocks, bs, 2, 64)
     model(batch, cache)  # warm-up
 
@@ -439,7 +439,7 @@ def test_bad_arguments_raise_clear_errors(tiny_checkpoint) -> None:
     model = load_model(tiny_checkpoint("mistral")[0], progress=False).model
     step = model.fused_step._step
     bs = 4
-    batch = build_forward_batch([SequenceChunk(list(range(5)), 0, [0, 1]), SequenceChunk([7], 3, [2])], bs)
+    batch = forward_batch([scheduled(list(range(5)), 0, [0, 1]), scheduled([0, 0, 0, 7], 3, [2])], bs)
     cache = paged_cache(model, num_blocks=8, block_size=bs)
     x = model.embed_tokens(batch.input_ids)
     cos, sin = rope_cos_sin(batch.positions, model.inv_freq, torch.float32)

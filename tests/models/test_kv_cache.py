@@ -14,10 +14,10 @@ from decoder_test_helpers import (
     random_mix,
     token_by_token,
 )
+from forward_batches import forward_batch, scheduled
 
 from engine.loader.load import load_model
 from engine.models.attention import visible_mask
-from engine.models.batch_builder import SequenceChunk, build_forward_batch
 from engine.models.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,7 +89,7 @@ def test_stale_blocks_do_not_leak(mistral, seqs) -> None:
 def test_written_slots_hold_the_new_keys(mistral) -> None:
     c = mistral.config
     cache = PagedKVCache(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim)
-    batch = build_forward_batch([SequenceChunk([1, 2, 3, 4, 5, 6], 0, [5, 2])], 4)
+    batch = forward_batch([scheduled([1, 2, 3, 4, 5, 6], 0, [5, 2])], 4)
     mistral(batch, cache)
     written = cache.k[0].view(-1, c.num_kv_heads, c.head_dim)
     touched = written.abs().sum(dim=(1, 2)) > 0
