@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
@@ -41,6 +40,7 @@ from server.model_registry import ModelRegistry
 from server.openai_service import OpenAIService
 from server.ports import PortUnavailable, check_can_listen
 from server.rate_limit import RateLimiter
+from server.reflection import enable_reflection
 from server.request_decoding import RequestDecodingInterceptor
 from server.request_scope import RequestScopeInterceptor
 from server.telemetry import Telemetry, installed_tracer_provider
@@ -175,7 +175,7 @@ class ServerApp:
         return interceptors
 
     async def start(self) -> int:
-        """Bind and start serving health (NOT_SERVING) and reflection; returns the bound port."""
+        """Bind and serve health (NOT_SERVING) and reflection (v1 and v1alpha); returns the bound port."""
         server = grpc.aio.server(
             interceptors=self._interceptors(),
             options=[
@@ -192,14 +192,7 @@ class ServerApp:
             MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
-        reflection.enable_server_reflection(
-            (
-                *SERVICE_NAMES,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        enable_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
         host = self.config.host
         check_can_listen(host, self.config.port, "gRPC")
         try:

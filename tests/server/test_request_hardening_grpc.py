@@ -38,6 +38,7 @@ METHODS = [
     ("/grpc.health.v1.Health/Check", False, False),
     ("/grpc.health.v1.Health/Watch", False, True),
     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True, True),
+    ("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", True, True),
 ]
 
 
