@@ -72,6 +72,15 @@ def test_forced_token_has_logprob_zero_of_the_masked_distribution(make_engine):
         assert [t.logprob for t in position.top[1:]] == [-9999.0, -9999.0]
 
 
+def test_greedy_under_a_mask_takes_the_same_token_on_the_batched_and_per_row_paths(make_engine):
+    """Plain greedy rows are masked and reduced together; logprobs send a row down the per-row path."""
+    reqs = [request(f"g{i}-{lp}", Constraint.regex(REGEXES[i % 4]), i, temperature=0.0, logprobs=lp)
+            for i in range(8) for lp in (False, True)]
+    done = LLM(engine=make_engine()).run(reqs)
+    for fast, per_row in zip(done[::2], done[1::2], strict=True):
+        assert tokens(fast) == tokens(per_row) and per_row.choices[0].logprobs
+
+
 def test_min_tokens_holds_eos_until_reached_but_never_past_a_complete_grammar(make_engine):
     llm = LLM(engine=make_engine())
     [c] = llm.run([request("digits", Constraint.regex(r"[0-9]{1,12}"), min_tokens=7, seed=0)])
