@@ -35,6 +35,12 @@ class Constraint:
     text: str = ""
     choices: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # A plain string names the kind too ("regex"); an unknown one is left for validate() to report.
+        if not isinstance(self.kind, ConstraintKind) and self.kind in {k.value for k in ConstraintKind}:
+            object.__setattr__(self, "kind", ConstraintKind(self.kind))
+        object.__setattr__(self, "choices", tuple(self.choices))
+
     @classmethod
     def json_object(cls) -> Constraint:
         return cls(ConstraintKind.JSON_OBJECT)
@@ -59,13 +65,13 @@ class Constraint:
     @property
     def field(self) -> str:
         """The request field problems with this constraint are reported on."""
-        return f"constraint.{self.kind.value}"
+        return f"constraint.{self.kind}"
 
     @property
     def cache_key(self) -> str:
         """Hash of kind and text: equal constraints compile once."""
         body = json.dumps(list(self.choices)) if self.kind == ConstraintKind.CHOICE else self.text
-        return hashlib.sha256(f"{self.kind.value}\0{body}".encode("utf-8", "surrogatepass")).hexdigest()
+        return hashlib.sha256(f"{self.kind}\0{body}".encode("utf-8", "surrogatepass")).hexdigest()
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for a malformed constraint; empty when its shape is right."""

@@ -9,6 +9,7 @@ own threads with the GIL released while the forward runs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,25 +47,36 @@ def _unpack(words: np.ndarray, vocab_size: int) -> np.ndarray:
     return bits[..., :vocab_size].view(np.bool_)
 
 
+_executor: LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def shared_executor() -> LLExecutor:
+    """llguidance's thread pool, one per process (each engine's masks are filled on it)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = LLExecutor()
+        return _executor
+
+
 class MaskFiller:
     """Fills a step's bitmasks on llguidance's thread pool, from one worker thread of our own."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._executor: LLExecutor | None = None
         self._worker: ThreadPoolExecutor | None = None
 
     def start(self, matchers: Sequence[LLMatcher | None]) -> Future[torch.Tensor]:
         """Begin filling one bitmask row per entry (rows of ``None`` stay all-allowed and unused)."""
         if self._worker is None:
-            self._executor = LLExecutor()
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         return self._worker.submit(self._fill, list(matchers))
 
     def _fill(self, matchers: list[LLMatcher | None]) -> torch.Tensor:
         bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
         jobs = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        fill_next_token_bitmask_par(self._executor, jobs, bitmask)
+        fill_next_token_bitmask_par(shared_executor(), jobs, bitmask)
         return bitmask
 
     def close(self) -> None:

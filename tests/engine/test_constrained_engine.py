@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import threading
 
 import pytest
 from test_engine_batching import clone, fresh_rng, logprobs, tokens
@@ -199,6 +200,7 @@ def test_the_cache_is_bounded(tiny_loaded):
         (Constraint.choice(["a", ""]), "constraint.choice", "non-empty"),
         (Constraint(ConstraintKind.JSON_OBJECT, "x"), "constraint.json_object", "takes no text"),
         (Constraint("xml", "<a/>"), "constraint", "unknown kind"),  # type: ignore[arg-type]
+        (Constraint("regex", "(("), "constraint.regex", "unclosed group"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(make_engine, constraint, field, message):
@@ -233,11 +235,24 @@ def test_json_object_and_gbnf_on_bytes(make_engine):
 
 
 def test_async_engine_compiles_off_the_loop_and_refuses_at_first_anext(make_engine):
+    llm_engine = make_engine()
+    prepared_on = []
+    prepare = llm_engine.prepare
+
+    def recording_prepare(req):
+        prepared_on.append((req.sampling.constraint is not None, threading.get_ident()))
+        return prepare(req)
+
+    llm_engine.prepare = recording_prepare
+
     async def main():
-        engine = AsyncEngine(make_engine(), model_name="tiny")
+        engine = AsyncEngine(llm_engine, model_name="tiny")
         try:
             outs = [o async for o in engine.generate(request("a", Constraint.regex(r"[0-9]{4}"), seed=1))]
             assert re.fullmatch(r"[0-9]{4}", "".join(d.text for o in outs for d in o.deltas))
+            [_ async for _ in engine.generate(request("plain", None, max_tokens=2))]
+            loop_thread = threading.get_ident()
+            assert [(c, t == loop_thread) for c, t in prepared_on] == [(True, False), (False, True)]
             with pytest.raises(InvalidRequestError) as e:
                 async for _ in engine.generate(request("b", Constraint.regex("(("))):
                     pass
