@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -94,12 +94,16 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: GenerationRequest, *, on_abandoned: Callable[[RequestOutput], None] | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has ``finished=True`` and stats.
 
         Refusals (invalid, too long, queue full, stopped) raise at the first
         ``__anext__``. Leaving the iteration early (aclose, task cancelled) aborts
-        the request, which frees its KV blocks within one step.
+        the request, which frees its KV blocks within one step. The abort's own final
+        output (its stats: time to first token, decode time, tokens) then goes to
+        ``on_abandoned`` when given, which the cleanup waits for (one step at most).
         """
         self.start()
         if request.sampling.constraint is not None:
@@ -134,6 +138,10 @@ class AsyncEngine:
         finally:
             if not done:
                 self.abort(rid)
+                if on_abandoned is not None:
+                    final = await _final_output(stream.queue)
+                    if final is not None:
+                        on_abandoned(final)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request from any thread; True if it was waiting or running."""
@@ -218,6 +226,16 @@ class AsyncEngine:
         with self._lock:
             self._live.difference_update(failed)
         self._stats = self.engine.stats()
+
+
+async def _final_output(queue: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput | None:
+    """The finished output an aborted request still gets from the step thread (None if it failed)."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            return None
+        if item.finished:
+            return item
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -171,8 +171,16 @@ class InflightRequests:
         generated = 0
         reasons: dict[int, FinishReason] = {}
         stats: RequestStats | None = None
+
+        def abandoned(final: RequestOutput) -> None:
+            # The caller left (hung up, cancelled) before the end: the abort's final output still
+            # carries what the request did, for its log line and metrics.
+            nonlocal stats
+            reasons.update((d.index, d.finish_reason) for d in final.deltas if d.finish_reason)
+            stats = final.stats
+
         try:
-            async with contextlib.aclosing(engine.generate(request)) as outputs:
+            async with contextlib.aclosing(engine.generate(request, on_abandoned=abandoned)) as outputs:
                 if call.cancelled:
                     # Cancel arrived between opening the call and submitting this request.
                     engine.abort(rid)

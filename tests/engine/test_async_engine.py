@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -90,6 +91,38 @@ async def test_cancelled_task_aborts(engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_for(lambda: engine.stats().running == 0 and engine.stats().kv_usage == 0.0)
+
+
+@pytest.mark.parametrize("leave", ["aclose", "cancel"])
+async def test_a_caller_that_leaves_gets_the_aborts_final_stats(engine, leave):
+    """The final output of a request aborted after 3 outputs reaches on_abandoned with its real timings."""
+    finals = []
+    received = 0
+
+    async def consume():
+        nonlocal received
+        async with contextlib.aclosing(engine.generate(long_request(leave, 500), on_abandoned=finals.append)) as gen:
+            async for out in gen:
+                received += sum(len(d.token_ids) for d in out.deltas)
+                if received >= 3:
+                    if leave == "aclose":
+                        return
+                    await asyncio.Event().wait()  # until cancelled
+
+    task = asyncio.create_task(consume())
+    if leave == "cancel":
+        await wait_for(lambda: received >= 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        await task
+    [final] = finals
+    assert final.finished and final.deltas[0].finish_reason == FinishReason.CANCELLED
+    stats = final.stats
+    assert stats.generated_tokens >= received >= 3
+    assert stats.time_to_first_token_s > 0 and stats.decode_time_s > 0 and stats.prefill_time_s > 0
+    assert stats.e2e_time_s >= stats.time_to_first_token_s + stats.decode_time_s
 
 
 async def test_abort_by_id_ends_the_stream_cancelled(engine):

@@ -123,3 +123,23 @@ def test_operation_names():
         "text_completion"
     )
     assert operation_of("/protoserve.v1.InferenceService/Batch", pb.BatchRequest(requests=[chat])) == "chat"
+
+
+def test_a_hang_up_after_tokens_logs_their_real_timings(obs, stub, request_log):
+    """A client that leaves after 5 tokens: the line has the first token's time and the decode time."""
+    request = pb.GenerateRequest(prompt="hang up", sampling=pb.SamplingParams(max_tokens=100_000, ignore_eos=True))
+    stream = stub.GenerateStream(pb.GenerateStreamRequest(request=request), metadata=grpc_metadata(), timeout=60)
+    tokens = 0
+    for response in stream:
+        tokens += len(response.delta.token_ids)
+        if tokens >= 5:
+            break
+    stream.cancel()
+    [record] = request_log.records(1)
+    assert (record["status"], record["finish_reason"]) == ("CANCELLED", "cancelled")
+    assert record["output_tokens"] >= 5
+    assert record["time_to_first_token_s"] > 0 and record["decode_time_s"] > 0
+    # The server's e2e spans the engine's arrival-to-abort (first token + decode) and more.
+    assert record["e2e_time_s"] >= record["time_to_first_token_s"] + record["decode_time_s"]
+    assert record["prefill_time_s"] > 0 and record["queue_time_s"] >= 0
+    assert record["choice_finish_reasons"] == ["cancelled"]

@@ -1,7 +1,7 @@
 """A tiny in-memory stand-in for AsyncEngine, for server edge cases the real model cannot produce on demand.
 
 It follows the AsyncEngine contract (errors at the first ``__anext__``, closing
-the generator aborts, ``abort()`` finishes the request with CANCELLED within one
+the generator aborts (its final output going to ``on_abandoned``), ``abort()`` finishes the request with CANCELLED within one
 step, KV blocks held per running request) with a byte-level tokenizer and a
 "model" that echoes the prompt's bytes back. Tests of the real behaviour use the
 real engine; this one exists for faults such as an unexpected exception.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
 from engine.models.config import ModelConfig
@@ -104,7 +104,9 @@ class EngineDouble:
             return True
         return False
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: GenerationRequest, *, on_abandoned: Callable[[RequestOutput], None] | None = None
+    ) -> AsyncIterator[RequestOutput]:
         rid = request.request_id
         if self._stopped:
             raise EngineStoppedError("stopped")
@@ -122,19 +124,20 @@ class EngineDouble:
         self.submitted.append(request)
         self._waiting.append(rid)
         n = request.sampling.n
+        produced, ended = 0, False
         try:
             while len(self._running) >= self.max_running and rid not in self._aborted:
                 await asyncio.sleep(self.step_s)
             self._waiting.remove(rid)
             self._running.add(rid)
             limit = request.sampling.max_tokens or self.max_model_len - len(request.prompt_token_ids)
-            produced = 0
             while True:
                 await asyncio.sleep(self.step_s)
                 if rid in self._aborted:
                     deltas = [
                         CompletionDelta(i, "", [], finish_reason=FinishReason.CANCELLED) for i in range(n)
                     ]
+                    ended = True
                     yield self._final(request, deltas, produced)
                     return
                 token = request.prompt_token_ids[produced % len(request.prompt_token_ids)]
@@ -150,10 +153,14 @@ class EngineDouble:
                     for i in range(n)
                 ]
                 if done:
+                    ended = True
                     yield self._final(request, deltas, produced)
                     return
                 yield RequestOutput(rid, deltas, num_prompt_tokens=len(request.prompt_token_ids))
         finally:
+            if not ended and on_abandoned is not None:  # the caller left: the abort's final output
+                cancelled = [CompletionDelta(i, "", [], finish_reason=FinishReason.CANCELLED) for i in range(n)]
+                on_abandoned(self._final(request, cancelled, produced))
             self._running.discard(rid)
             if rid in self._waiting:
                 self._waiting.remove(rid)
