@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
-from tqdm.auto import tqdm
 
 from engine.loader.errors import ModelLoadError
 from engine.loader.gguf_dequant import dequantize
+from engine.loader.progress import tensor_progress
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Architectures whose attn_q/attn_k rows llama.cpp's converter permutes.
@@ -155,9 +155,7 @@ class GGUFCheckpoint:
         self, *, dtype: torch.dtype = torch.float32, progress: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one dequantized tensor at a time (peak memory: one tensor)."""
-        for hf_name, tensor in tqdm(
-            self._plan, desc=f"Loading {self.path.name}", unit="tensor", disable=not progress
-        ):
+        for hf_name, tensor in tensor_progress(self._plan, desc=f"Loading {self.path.name}", enabled=progress):
             shape = _torch_shape(tensor)
             weight = dequantize(
                 tensor.data, tensor.tensor_type, shape, tensor_name=tensor.name, source=self.path

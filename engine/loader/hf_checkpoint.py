@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from engine.loader.errors import ModelLoadError
+from engine.loader.progress import tensor_progress
 from engine.models.config import ModelConfig
 from engine.models.decoder import ROPE_TYPES, rope_inv_freq
 
@@ -220,9 +220,7 @@ def load_hf_tensors(
                     )
 
     out: dict[str, torch.Tensor] = {}
-    with tqdm(
-        total=len(expected), desc=f"Loading {ckpt.path.name}", unit="tensor", disable=not progress
-    ) as bar:
+    with tensor_progress(total=len(expected), desc=f"Loading {ckpt.path.name}", enabled=progress) as bar:
         for file, names in by_file.items():
             with _open(file) as f:
                 for name in names:
