@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
+GrammarState = Literal["open", "complete", "refused"]  # a constrained choice after its latest token
 
 
 @dataclass
@@ -111,13 +112,14 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """Validate, compile the constraint and apply the context policy.
+        """Validate (the parameters only when the caller has not: ``sampling_checked``), compile the
+        constraint and apply the context policy.
 
         Touches no engine state but the thread-safe grammar cache, so any thread may call it; a
         constraint seen for the first time compiles here, on the caller's thread, not the step's.
         """
         sp = request.sampling
-        bad = sp.validate(self.vocab_size)
+        bad = [] if request.sampling_checked else sp.validate(self.vocab_size)
         prompt = list(request.prompt_token_ids)
         if not prompt:
             bad.append(("prompt_token_ids", "must not be empty"))
@@ -280,28 +282,32 @@ class LLMEngine:
             self.counters.generation_tokens += 1
             self._touched.add(seq.request_id)
             token_stop = check_token_stop(token, seq.num_generated, seq.sampling, self.eos_token_ids)
-            complete = token_stop is None and seq.matcher is not None and self._advance_grammar(seq, token)
-            stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
+            grammar: GrammarState = "open"
+            if token_stop is None and seq.matcher is not None:
+                grammar = self._advance_grammar(seq, token)
+            render = token_stop is None and grammar != "refused"
+            stop_string = choice.add_token(token, sample.logprobs, render=render)
             if token_stop is not None:
                 self._finish(seq, *token_stop)
             elif stop_string is not None:
                 self._finish(seq, FinishReason.STOP, stop_string)
-            elif complete:
+            elif grammar != "open":
                 self._finish(seq, FinishReason.STOP)
             elif seq.num_tokens >= seq.max_len:
                 self._finish(seq, FinishReason.LENGTH)
 
-    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
-        """Feed the sequence's matcher the token; True when the grammar is complete (only EOS may follow)."""
+    def _advance_grammar(self, seq: Sequence, token: int) -> GrammarState:
+        """Feed the sequence's matcher the token: "open", "complete" (only EOS may follow) or "refused"."""
         matcher = seq.matcher
         assert matcher is not None
         if not matcher.consume_token(token):
-            # The mask allowed only tokens the grammar takes, so this is a bug, not the request's fault:
-            # end the choice rather than the step (and everyone else's requests with it).
+            # Only a failure inside the grammar engine (a resource limit hit mid-output, leaving no token
+            # allowed) gets here, as the mask allowed nothing else: end this choice, without the token's
+            # text, rather than the step and everyone else's requests with it.
             log.error("request %s: token %d was refused by its grammar (%s); ending the choice",
                       seq.request_id, token, matcher.get_error())
-            return True
-        return matcher.is_stopped()
+            return "refused"
+        return "complete" if matcher.is_stopped() else "open"
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.scheduler.finish(seq)

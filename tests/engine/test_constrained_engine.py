@@ -82,6 +82,27 @@ def test_greedy_under_a_mask_takes_the_same_token_on_the_batched_and_per_row_pat
         assert tokens(fast) == tokens(per_row) and per_row.choices[0].logprobs
 
 
+def test_a_token_the_grammar_refuses_ends_only_its_choice(make_engine, caplog):
+    """Should the grammar engine fail mid-output, the refused token's text is dropped and the choice
+    ends; the step and the other requests go on."""
+    from engine.sampler import SampleResult
+
+    engine = make_engine()
+    sample = engine.sampler.__call__
+
+    def sampler(logits, seqs, bitmask=None):
+        results = sample(logits, seqs, bitmask)
+        return [SampleResult(ord("!")) if s.request_id == "broken" and s.num_generated == 2 else r
+                for s, r in zip(seqs, results, strict=True)]
+
+    engine.sampler = sampler
+    six = Constraint.regex(r"[a-z]{6}")
+    done = LLM(engine=engine).run([request("broken", six, 1), request("fine", six, 2)])
+    assert len(done[0].choices[0].text) == 2 and done[0].choices[0].finish_reason == FinishReason.STOP
+    assert re.fullmatch(r"[a-z]{6}", done[1].choices[0].text)
+    assert "refused by its grammar" in caplog.text
+
+
 def test_min_tokens_holds_eos_until_reached_but_never_past_a_complete_grammar(make_engine):
     llm = LLM(engine=make_engine())
     [c] = llm.run([request("digits", Constraint.regex(r"[0-9]{1,12}"), min_tokens=7, seed=0)])
