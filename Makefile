@@ -93,7 +93,7 @@ test: install proto-check lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 run: install
-	@echo "protoserve: loading SmolLM2-135M-Instruct; once it says 'listening', try from another shell:"
+	@echo "protoserve: loading SmolLM2-135M-Instruct; once it says 'ready', try from another shell:"
 	@echo ""
 	@echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\"
 	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'"

@@ -363,6 +363,10 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
         await app.stop()
         load.cancel()
         return 0
+    # Health is SERVING now: "listening" came first (probes get answers while the model
+    # loads), so this is the line that says requests will be answered.
+    assert app.engine is not None
+    print(f"protoserve ready: serving {app.engine.model_name} on {app.grpc_target} (grpc){http}", flush=True)
     await stopping
     await app.drain()
     log.info("stopped")

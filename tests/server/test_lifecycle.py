@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -14,6 +15,7 @@ from protoserve.v1 import inference_pb2_grpc
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
+LOAD_TIMEOUT_S = 180
 
 
 async def test_health_through_load_and_graceful_drain(spawn_server):
@@ -57,3 +59,24 @@ async def test_health_through_load_and_graceful_drain(spawn_server):
         assert final.usage.completion_tokens == 32
 
     assert await asyncio.to_thread(server.process.wait, 30) == 0
+
+
+def test_ready_line_comes_once_health_is_serving(spawn_server):
+    """'listening' comes while the model loads; 'ready' only once health says SERVING."""
+    server = spawn_server(wait_ready=False)
+    ready = None
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while ready is None:
+        assert time.monotonic() < deadline and server.process.poll() is None, server.log()
+        printed = list(server.stdout_lines)  # before asking: a ready line here was printed before the answer
+        status = server.health()
+        ready = next((line for line in printed if line.startswith("protoserve ready:")), None)
+        if ready is None:
+            time.sleep(0.02)
+        else:
+            assert status == SERVING, (status, printed)
+    assert printed[0].startswith("protoserve listening on ") and printed.index(ready) > 0
+    assert ready.strip() == f"protoserve ready: serving SmolLM2-135M-Instruct on {server.grpc_target} (grpc), " \
+        f"http on 127.0.0.1:{server.http_port}"
+    server.stop()
+    assert len([line for line in server.stdout_lines if line.startswith("protoserve ready:")]) == 1
