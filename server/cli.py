@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -21,7 +22,7 @@ from server import exit_codes
 from server.app import HttpGatewayStarter, ServerConfig, serve
 from server.errors import ServiceError, invalid_argument, to_service_error
 from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
-from server.frontend import ChatTurn, Frontend, ModelCard, new_request_id
+from server.frontend import CHAT_ROLES, ChatTurn, Frontend, ModelCard, new_request_id
 from server.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("protoserve")
@@ -138,9 +139,20 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's, through the package metadata)."""
+    try:
+        return importlib.metadata.version("protoserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed as a package)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="protoserve", description="gRPC-first LLM inference server.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version", action="version", version=f"protoserve {_version()}", help="print the version and exit"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="serve or generate")
 
     s = sub.add_parser("serve", help="run the gRPC server (and the REST gateway when available)")
     _add_model_flags(s)
@@ -235,25 +247,51 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate from one prompt without a server, streaming to stdout")
     _add_model_flags(g)
     g.add_argument(
-        "--prompt", help="the prompt (read from stdin when neither --prompt nor --message is given)"
+        "--prompt",
+        help="the prompt: a user message through the model's chat template when it has one, else text to "
+        "complete (read from stdin when neither --prompt nor --message is given)",
     )
-    g.add_argument(
-        "--chat", action="store_true", help="send --prompt as a user message through the chat template"
+    form = g.add_mutually_exclusive_group()
+    form.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the chat template; an error on a model without one "
+        "[the default when the model has a template]",
+    )
+    form.add_argument(
+        "--raw", action="store_true", help="complete the prompt as plain text, without the chat template"
     )
     g.add_argument(
         "--message",
         action="append",
         default=[],
         metavar="ROLE:CONTENT",
-        help="a chat message (repeatable, implies --chat)",
+        help=f"a chat message; ROLE is one of {', '.join(CHAT_ROLES)} (repeatable, implies --chat)",
     )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed, for the same output again at temperature > 0 [random]")
     g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy [1.0]")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=256, help="[256]")
-    g.add_argument("--context-policy", choices=[p.value for p in ContextPolicy], default="allow_context_stop")
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the smallest set of tokens this likely; 1 is off [1.0]"
+    )
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 is off [0]")
+    g.add_argument(
+        "--max-tokens",
+        "--max-new-tokens",
+        dest="max_tokens",
+        type=int,
+        default=256,
+        help="most tokens to generate (--max-new-tokens is an alias) [256]",
+    )
+    g.add_argument(
+        "--context-policy",
+        choices=[p.value for p in ContextPolicy],
+        default=ContextPolicy.ALLOW_CONTEXT_STOP.value,
+        help="when prompt + --max-tokens exceeds the context window: generate until it is full "
+        "(allow_context_stop), refuse (reject), drop the prompt's start (truncate_left) or end "
+        "(truncate_right), or drop its start so --max-tokens always fits (reserve_generation) "
+        "[allow_context_stop]",
+    )
     g.add_argument("--show-stats", action="store_true", help="print request stats to stderr")
     return parser
 
@@ -320,21 +358,23 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         return runner.run(serve(config, http_gateway=gateway))
 
 
-def _chat_turns(args: argparse.Namespace, prompt: str | None) -> list[ChatTurn]:
+def _message_turns(messages: Sequence[str]) -> list[ChatTurn]:
+    """The --message flags as chat turns, refused as the API refuses a message with an unknown role."""
     turns = []
-    for message in args.message:
+    for message in messages:
         role, sep, content = message.partition(":")
         if not sep:
             raise CliError(f"generate: --message must be ROLE:CONTENT, got {message!r}")
-        turns.append(ChatTurn(role.strip(), content))
-    if prompt is not None:
-        turns.append(ChatTurn("user", prompt))
+        role = role.strip()
+        if role not in CHAT_ROLES:
+            raise CliError(f"generate: --message {message!r}: the role must be one of {', '.join(CHAT_ROLES)}")
+        turns.append(ChatTurn(role, content))
     return turns
 
 
 def _flag(field_name: str) -> str:
     """The command-line flag of a SamplingParams field."""
-    return {"max_tokens": "--max-new-tokens"}.get(field_name, "--" + field_name.replace("_", "-"))
+    return "--" + field_name.replace("_", "-")
 
 
 def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
@@ -364,13 +404,16 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     from engine.async_engine import AsyncEngine
     from engine.loader.default_model import default_model_path
 
+    if args.raw and args.message:
+        raise CliError("generate: --raw completes plain text and takes no --message")
+    turns = _message_turns(args.message)  # before the slow model load, as the sampling flags below
     prompt = args.prompt
     if prompt is None and not args.message:
         if sys.stdin.isatty():
             raise CliError("generate: give --prompt, --message or a prompt on stdin")
         prompt = sys.stdin.read()
     sampling = SamplingParams(
-        max_tokens=args.max_new_tokens,
+        max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -400,8 +443,11 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     try:
         frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
         frontend.check_sampling(sampling, _flag)
-        if args.chat or args.message:
-            prompt_ids = frontend.render_chat(_chat_turns(args, prompt))
+        # An instruct model answers a prompt through its template; completing the raw text is asked for.
+        if args.chat or turns or (not args.raw and frontend.tokenizer.has_chat_template):
+            if prompt is not None:
+                turns.append(ChatTurn("user", prompt))
+            prompt_ids = frontend.render_chat(turns)
         else:
             prompt_ids = frontend.encode_text(prompt)
         request = GenerationRequest(
