@@ -1,7 +1,7 @@
 """LLM: the small synchronous API: prompts in, finished completions out.
 
     llm = LLM()                                          # SmolLM2 shipped with the package
-    [c] = llm.generate("The capital of France is", max_new_tokens=8, temperature=0.0)
+    [c] = llm.generate("The capital of France is", max_tokens=8, temperature=0.0)
     print(c.choices[0].text)
 """
 
@@ -62,15 +62,14 @@ class LLM:
         prompts: str | list[str] | None = None,
         *,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
-        max_new_tokens: int | None = 16,
         sampling: SamplingParams | None = None,
         **sampling_fields,
     ) -> list[Completion]:
         """Generate for every prompt (text, or token ids) at once, batched; results in prompt order.
 
         Sampling comes from ``sampling`` or from SamplingParams fields given as
-        keywords (``temperature=0.0, seed=1, stop=["\\n"]``); ``max_new_tokens``
-        sets ``max_tokens``.
+        keywords (``max_tokens=8, temperature=0.0, seed=1, stop=["\\n"]``), not both;
+        fields not given take SamplingParams' defaults.
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give either prompts or prompt_token_ids")
@@ -81,7 +80,9 @@ class LLM:
             assert prompt_token_ids is not None
             token_lists = [prompt_token_ids] if prompt_token_ids and isinstance(prompt_token_ids[0], int) \
                 else prompt_token_ids  # type: ignore[assignment]
-        params = replace(sampling or SamplingParams(**sampling_fields), max_tokens=max_new_tokens)
+        if sampling is not None and sampling_fields:
+            raise ValueError(f"give sampling or SamplingParams fields, not both (got {', '.join(sampling_fields)})")
+        params = sampling if sampling is not None else SamplingParams(**sampling_fields)
         requests = [GenerationRequest(f"llm-{next(self._ids)}", list(ids), replace(params)) for ids in token_lists]
         return self.run(requests)
 

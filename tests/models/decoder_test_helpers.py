@@ -187,18 +187,18 @@ def prefill_then_decode_batched(prompt_lens: Sequence[int]) -> Schedule:
 
 
 def greedy_generate(
-    model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int = 16
+    model: Decoder, prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int = 16
 ) -> list[list[int]]:
     """Greedy continuation of every prompt, all sequences batched in each step."""
     c = model.config
-    max_len = max(len(p) for p in prompts) + max_new_tokens
+    max_len = max(len(p) for p in prompts) + max_tokens
     per_seq = -(-max_len // block_size)
     cache = PagedKVCache(
         c.num_layers, per_seq * len(prompts), block_size, c.num_kv_heads, c.head_dim, model.dtype
     )
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     seqs = [scheduled(list(p), 0, tables[i]) for i, p in enumerate(prompts)]
-    for _ in range(max_new_tokens):
+    for _ in range(max_tokens):
         logits = model(forward_batch(seqs, block_size), cache)
         for seq, tok in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
             seq.num_computed_tokens = seq.num_tokens

@@ -153,8 +153,8 @@ def test_32_sequences_batched_equal_each_alone(tiny_model) -> None:
         torch.randint(0, 256, (int(n),), generator=g).tolist()
         for n in torch.randint(1, 40, (32,), generator=g)
     ]
-    batched = greedy_generate(tiny_model, prompts, max_new_tokens=12)
-    alone = [greedy_generate(tiny_model, [p], max_new_tokens=12)[0] for p in prompts]
+    batched = greedy_generate(tiny_model, prompts, max_tokens=12)
+    alone = [greedy_generate(tiny_model, [p], max_tokens=12)[0] for p in prompts]
     assert batched == alone
     # Same logits too: all prompts prefilled together then decoded together, vs each alone.
     seqs = [p + t for p, t in zip(prompts, batched, strict=True)]
