@@ -21,6 +21,9 @@ class GenerationRequest:
     authenticated identity so two identities never share cached KV blocks.
     ``trace``, when set, makes the engine record a span for the request under
     the caller's span (the step thread cannot see the caller's context).
+    ``sampling_checked`` says the caller has run ``sampling.validate`` against
+    this model's vocabulary and refused the request on any problem (the server
+    does, to name the request's own fields), so the engine does not run it again.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class GenerationRequest:
     cache_salt: bytes = b""
     arrival_time: float = field(default_factory=time.monotonic)
     trace: RequestTrace | None = None
+    sampling_checked: bool = False
 
 
 class FinishReason(StrEnum):

@@ -63,7 +63,8 @@ class SamplingParams:
             bad.append(("max_tokens", "must be at least 1"))
         if self.min_tokens < 0:
             bad.append(("min_tokens", "must be non-negative"))
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        # Against a valid max_tokens only: a refused one is the problem, not the min_tokens it was compared with.
+        if self.max_tokens is not None and self.max_tokens >= 1 and self.min_tokens > self.max_tokens:
             bad.append(("min_tokens", "must not exceed max_tokens"))
         if not 0.0 <= self.temperature <= 100.0:
             bad.append(("temperature", "must be in [0, 100]"))

@@ -442,7 +442,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     engine.start()
     try:
         frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
-        frontend.check_sampling(sampling, _flag)
+        frontend.sampling.check(sampling, _flag)
         # An instruct model answers a prompt through its template; completing the raw text is asked for.
         if args.chat or turns or (not args.raw and frontend.tokenizer.has_chat_template):
             if prompt is not None:

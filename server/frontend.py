@@ -18,7 +18,7 @@ import functools
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,18 +32,17 @@ from engine.request import (
     RequestOutput,
     RequestStats,
 )
-from engine.sampling_params import ContextPolicy, SamplingParams
+from engine.sampling_params import ContextPolicy
 from protoserve.v1 import inference_pb2 as pb
 from server import errors
 from server.limits import (
     MAX_CHAT_MESSAGES,
     MAX_CHAT_NAME_CHARS,
-    MAX_LOGIT_BIAS_ENTRIES,
     MAX_PROMPT_BYTES,
     MAX_REQUEST_ID_CHARS,
-    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
+from server.sampling_mapping import SamplingMapping
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -206,6 +205,7 @@ class Frontend:
         self.tokenizer = engine.tokenizer
         # Ids must be both embeddable and decodable; a padded embedding table can exceed the tokenizer.
         self.vocab_size: int = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
+        self.sampling = SamplingMapping(self.vocab_size)
         # Decoding one id is pure; logprob-heavy streams ask for the same ids over and over.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(self._token_text)
         # Text beyond this many bytes is not tokenized at all; where the context's byte bound is
@@ -241,27 +241,6 @@ class Frontend:
         )
 
     # ---- input ---------------------------------------------------------------------
-
-    def check_sampling(
-        self,
-        params: SamplingParams,
-        rename: Mapping[str, str] | Callable[[str], str],
-        extra: Iterable[tuple[str, str]] = (),
-    ) -> None:
-        """Raise INVALID_ARGUMENT naming every bad field of ``params`` (plus ``extra``).
-
-        ``rename`` maps the engine's field names to the request's field paths.
-        """
-        to_path = rename if callable(rename) else (lambda f: rename.get(f, f))
-        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            # Alone: a problem per entry of a huge map would bury this one.
-            raise errors.invalid_argument([(to_path("logit_bias"), f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")])
-        violations = list(extra)
-        violations += [(to_path(f), problem) for f, problem in params.validate(self.vocab_size)]
-        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in params.stop):
-            violations.append((to_path("stop"), f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters"))
-        if violations:
-            raise errors.invalid_argument(violations)
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of plain text (with the GIL released for long text, so it suits worker threads)."""
@@ -401,30 +380,6 @@ class Frontend:
         shown = ", ".join(str(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
         return [(path, f"token ids {shown} are outside the vocabulary [0, {self.vocab_size})")]
 
-    def sampling_from_proto(self, sp: pb.SamplingParams) -> SamplingParams:
-        """InferenceService SamplingParams → engine SamplingParams (proto defaults applied, unvalidated)."""
-        return SamplingParams(
-            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
-            min_tokens=sp.min_tokens,
-            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-            top_k=sp.top_k,
-            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-            min_p=sp.min_p,
-            typical_p=sp.typical_p if sp.HasField("typical_p") else 1.0,
-            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-            frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty,
-            logit_bias=dict(sp.logit_bias),
-            seed=sp.seed if sp.HasField("seed") else None,
-            stop=list(sp.stop),
-            stop_token_ids=list(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos,
-            n=sp.n if sp.HasField("n") else 1,
-            logprobs=sp.logprobs,
-            top_logprobs=sp.top_logprobs,
-            skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
-        )
-
     async def prompt_from_proto(
         self, req: pb.GenerateRequest | pb.TokenizeRequest, policy: ContextPolicy | None = None
     ) -> tuple[list[int], str]:
@@ -491,14 +446,15 @@ class Frontend:
             violations.append(("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters"))
         if req.context_policy not in CONTEXT_POLICIES:
             violations.append(("context_policy", f"unknown value {req.context_policy}"))
-        params = self.sampling_from_proto(req.sampling)
+        # Unset, max_tokens is "until the context is full".
+        params = self.sampling.params(req.sampling, api_defaults={"max_tokens": None})
         if params.top_logprobs and not params.logprobs:
             violations.append(("sampling.top_logprobs", "requires sampling.logprobs"))
         if len(params.stop) > MAX_STOP_STRINGS:
             violations.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
         policy = CONTEXT_POLICIES.get(req.context_policy)
         try:
-            self.check_sampling(params, lambda f: f"sampling.{f}", violations)
+            self.sampling.check(params, lambda f: f"sampling.{f}", violations)
             prompt_ids, source = await self.prompt_from_proto(req, policy)
         except errors.ServiceError as exc:
             if path_prefix and exc.violations:
@@ -513,6 +469,7 @@ class Frontend:
             context_policy=CONTEXT_POLICIES[req.context_policy],
             priority=req.priority,
             cache_salt=cache_salt,
+            sampling_checked=True,
         )
 
     # ---- output ----------------------------------------------------------------------

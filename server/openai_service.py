@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -82,8 +82,8 @@ def _as_token_ids(items: list[Any]) -> list[int] | None:
     return [int(x) for x in items]
 
 
-def _stop_strings(req: Any, has_stop: bool, violations: list[tuple[str, str]]) -> list[str]:
-    if not has_stop:
+def _stop_strings(req: Any, violations: list[tuple[str, str]]) -> list[str]:
+    if not req.HasField("stop"):
         return []
     stop = _python_value(req.stop)
     if stop is None:
@@ -123,10 +123,18 @@ def _stream_field_violations(req: Any, streaming: bool) -> list[tuple[str, str]]
     return violations
 
 
-def _top_k(top_k: int, violations: list[tuple[str, str]]) -> int:
-    if top_k < -1:
-        violations.append(("top_k", "must be -1, 0 (disabled) or positive"))
-    return max(top_k, 0)
+def _converted_sampling(
+    req: oa.CreateCompletionRequest | oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """The sampling fields whose OpenAI form is not the engine's, converted; the rest map by name."""
+    converted: dict[str, Any] = {}
+    if req.HasField("top_k"):
+        if req.top_k < -1:
+            violations.append(("top_k", "must be -1, 0 (disabled) or positive"))
+        converted["top_k"] = max(req.top_k, 0)  # vLLM's -1 is the engine's 0: disabled
+    converted["logit_bias"] = _logit_bias(req.logit_bias, violations)
+    converted["stop"] = _stop_strings(req, violations)
+    return converted
 
 
 async def _merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -184,6 +192,19 @@ class _Prepared:
     echo: bool = False
 
 
+@dataclass(frozen=True)
+class _Api:
+    """What tells the completions and the chat completions responses apart around their choices."""
+
+    id_prefix: str  # of the response id
+    chunk_object: str  # the ``object`` of a streamed chunk
+    chunk_type: type[oa.CreateCompletionStreamResponse] | type[oa.CreateChatCompletionStreamResponse]
+
+
+COMPLETIONS = _Api("cmpl", "text_completion", oa.CreateCompletionStreamResponse)
+CHAT_COMPLETIONS = _Api("chatcmpl", "chat.completion.chunk", oa.CreateChatCompletionStreamResponse)
+
+
 class _OffsetTracker:
     """Character offsets of completion tokens (OpenAI's ``text_offset``), per choice."""
 
@@ -214,26 +235,15 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         if req.echo and req.HasField("logprobs"):
             # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
             violations.append(("echo", "cannot be combined with logprobs"))
-        sampling = SamplingParams(
-            max_tokens=req.max_tokens if req.HasField("max_tokens") else DEFAULT_COMPLETION_MAX_TOKENS,
-            min_tokens=req.min_tokens,
-            temperature=req.temperature if req.HasField("temperature") else 1.0,
-            top_k=_top_k(req.top_k, violations),
-            top_p=req.top_p if req.HasField("top_p") else 1.0,
-            min_p=req.min_p,
-            typical_p=req.typical_p if req.HasField("typical_p") else 1.0,
-            repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
-            frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty,
-            logit_bias=_logit_bias(req.logit_bias, violations),
-            seed=req.seed if req.HasField("seed") else None,
-            stop=_stop_strings(req, req.HasField("stop"), violations),
-            ignore_eos=req.ignore_eos,
-            n=req.n if req.HasField("n") else 1,
+        sampling = frontend.sampling.params(
+            req,
+            api_defaults={"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS},
+            **_converted_sampling(req, violations),
+            # This API's logprobs is the number of alternatives: set at all, it asks for logprobs.
             logprobs=req.HasField("logprobs"),
             top_logprobs=min(max(req.logprobs, 0), MAX_COMPLETION_LOGPROBS),
         )
-        frontend.check_sampling(sampling, {"top_logprobs": "logprobs"}, violations)
+        frontend.sampling.check(sampling, {"top_logprobs": "logprobs"}, violations)
         return _Prepared(frontend, prompts, sampling, echo=req.echo)
 
     async def _completion_prompts(
@@ -281,33 +291,14 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         if both and req.max_tokens != req.max_completion_tokens:
             # One of them would be ignored.
             violations.append(("max_tokens", "differs from max_completion_tokens; set one of them"))
+        converted = _converted_sampling(req, violations)
+        max_field = "max_tokens" if req.HasField("max_tokens") else "max_completion_tokens"
         if req.HasField("max_completion_tokens"):
-            max_tokens: int | None = req.max_completion_tokens
+            converted["max_tokens"] = req.max_completion_tokens
             max_field = "max_completion_tokens"
-        elif req.HasField("max_tokens"):
-            max_tokens, max_field = req.max_tokens, "max_tokens"
-        else:
-            max_tokens, max_field = None, "max_completion_tokens"  # until EOS or the context is full
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            temperature=req.temperature if req.HasField("temperature") else 1.0,
-            top_k=_top_k(req.top_k, violations),
-            top_p=req.top_p if req.HasField("top_p") else 1.0,
-            min_p=req.min_p,
-            typical_p=req.typical_p if req.HasField("typical_p") else 1.0,
-            repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
-            frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty,
-            logit_bias=_logit_bias(req.logit_bias, violations),
-            seed=req.seed if req.HasField("seed") else None,
-            stop=_stop_strings(req, req.HasField("stop"), violations),
-            ignore_eos=req.ignore_eos,
-            n=req.n if req.HasField("n") else 1,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else 0,
-        )
-        frontend.check_sampling(sampling, {"max_tokens": max_field}, violations)
+        # Unset, max_tokens is "until EOS or the context is full".
+        sampling = frontend.sampling.params(req, api_defaults={"max_tokens": None}, **converted)
+        frontend.sampling.check(sampling, {"max_tokens": max_field}, violations)
         prompt_ids = await frontend.chat_ids(turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP)
         return _Prepared(frontend, [_Prompt(prompt_ids, "")], sampling)
 
@@ -351,6 +342,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 sampling=dataclasses.replace(prepared.sampling),
                 context_policy=ContextPolicy.ALLOW_CONTEXT_STOP,
                 cache_salt=identity.cache_salt,
+                sampling_checked=True,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]
@@ -407,6 +399,70 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         completion = sum(r.completion_tokens for r in results)
         return oa.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    # ---- the two response skeletons ------------------------------------------------------------
+
+    async def _complete(
+        self, context: grpc.aio.ServicerContext, identity: Identity, prepared: _Prepared, api: _Api
+    ) -> tuple[str, int, list[RequestResult]]:
+        """Run every prompt to its end: the response id, its ``created`` and each prompt's result."""
+        public_id = new_request_id(api.id_prefix)
+        created = int(time.time())
+        requests = self._engine_requests(public_id, prepared, identity)
+        results = [RequestResult(n=prepared.sampling.n) for _ in requests]
+        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
+            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
+                async for index, output in outputs:
+                    results[index].add(output)
+        return public_id, created, results
+
+    async def _stream(
+        self,
+        context: grpc.aio.ServicerContext,
+        identity: Identity,
+        prepared: _Prepared,
+        api: _Api,
+        include_usage: bool,
+        opening: Callable[[], Iterable[Any]],
+        chunk_choices: Callable[[int, CompletionDelta], Iterable[Any]],
+    ) -> None:
+        """Write one chunk per choice ``opening`` gives once the engine has taken the request, then one
+        per choice ``chunk_choices`` makes of each delta (with its prompt's index), then the usage.
+        """
+        public_id = new_request_id(api.id_prefix)
+        created = int(time.time())
+        frontend = prepared.frontend
+        fingerprint = system_fingerprint(frontend)
+
+        def chunk(choices: list[Any], usage: oa.Usage | None = None) -> Any:
+            return api.chunk_type(
+                id=public_id,
+                object=api.chunk_object,
+                created=created,
+                model=frontend.name,
+                choices=choices,
+                usage=usage,
+                system_fingerprint=fingerprint,
+            )
+
+        requests = self._engine_requests(public_id, prepared, identity)
+        results = [RequestResult(n=prepared.sampling.n) for _ in requests]
+        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
+            started = False
+            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
+                async for p, output in outputs:
+                    if not started:
+                        # The engine has accepted the request (its refusals come before any
+                        # output, as a plain error status), so the opening chunks go out now.
+                        started = True
+                        for choice in opening():
+                            await context.write(chunk([choice]))
+                    results[p].add(output)
+                    for delta in output.deltas:
+                        for choice in chunk_choices(p, delta):
+                            await context.write(chunk([choice]))
+        if include_usage:
+            await context.write(chunk([], self._usage(results)))
+
     # ---- completions ------------------------------------------------------------------------
 
     @errors.reports_errors
@@ -417,14 +473,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         identity = self._admit(context)
         prepared = await self._prepare_completion(request, streaming=False)
         frontend, n = prepared.frontend, prepared.sampling.n
-        public_id = new_request_id("cmpl")
-        created = int(time.time())
-        requests = self._engine_requests(public_id, prepared, identity)
-        results = [RequestResult(n=n) for _ in requests]
-        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
-                async for index, output in outputs:
-                    results[index].add(output)
+        public_id, created, results = await self._complete(context, identity, prepared, COMPLETIONS)
         choices = []
         for p, (prompt, result) in enumerate(zip(prepared.prompts, results, strict=True)):
             for choice in result.choices:
@@ -460,44 +509,26 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         identity = self._admit(context)
         inner = request.request
         prepared = await self._prepare_completion(inner, streaming=True)
-        frontend, n = prepared.frontend, prepared.sampling.n
-        public_id = new_request_id("cmpl")
-        created = int(time.time())
-        fingerprint = system_fingerprint(frontend)
-
-        def chunk(choices: list[oa.CompletionChoice], usage: oa.Usage | None = None):
-            return oa.CreateCompletionStreamResponse(
-                id=public_id,
-                object="text_completion",
-                created=created,
-                model=frontend.name,
-                choices=choices,
-                usage=usage,
-                system_fingerprint=fingerprint,
-            )
-
-        requests = self._engine_requests(public_id, prepared, identity)
-        results = [RequestResult(n=n) for _ in requests]
+        n = prepared.sampling.n
         offsets = _OffsetTracker()
-        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            started = False
-            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
-                async for p, output in outputs:
-                    if not started and prepared.echo:
-                        # After the first output, so an engine refusal is a plain error status.
-                        for q, prompt in enumerate(prepared.prompts):
-                            for j in range(n):
-                                await context.write(
-                                    chunk([oa.CompletionChoice(text=prompt.text, index=q * n + j)])
-                                )
-                    started = True
-                    results[p].add(output)
-                    for delta in output.deltas:
-                        choice = self._completion_chunk_choice(frontend, prepared, p, delta, offsets)
-                        if choice is not None:
-                            await context.write(chunk([choice]))
-        if inner.stream_options.include_usage:
-            await context.write(chunk([], self._usage(results)))
+
+        def echoes() -> list[oa.CompletionChoice]:
+            # After the first output, so an engine refusal is a plain error status.
+            if not prepared.echo:
+                return []
+            return [
+                oa.CompletionChoice(text=prompt.text, index=q * n + j)
+                for q, prompt in enumerate(prepared.prompts)
+                for j in range(n)
+            ]
+
+        def chunk_choices(p: int, delta: CompletionDelta) -> list[oa.CompletionChoice]:
+            choice = self._completion_chunk_choice(prepared.frontend, prepared, p, delta, offsets)
+            return [] if choice is None else [choice]
+
+        await self._stream(
+            context, identity, prepared, COMPLETIONS, inner.stream_options.include_usage, echoes, chunk_choices
+        )
 
     def _completion_chunk_choice(
         self,
@@ -531,14 +562,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         identity = self._admit(context)
         prepared = await self._prepare_chat(request, streaming=False)
         frontend = prepared.frontend
-        public_id = new_request_id("chatcmpl")
-        created = int(time.time())
-        requests = self._engine_requests(public_id, prepared, identity)
-        result = RequestResult(n=prepared.sampling.n)
-        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
-                async for _, output in outputs:
-                    result.add(output)
+        public_id, created, results = await self._complete(context, identity, prepared, CHAT_COMPLETIONS)
         choices = [
             oa.ChatCompletionChoice(
                 index=c.index,
@@ -546,7 +570,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 logprobs=self._chat_logprobs(frontend, c.logprobs) if prepared.sampling.logprobs else None,
                 finish_reason=finish_reason_text(c.finish_reason),
             )
-            for c in result.choices
+            for c in results[0].choices
         ]
         return oa.CreateChatCompletionResponse(
             id=public_id,
@@ -554,7 +578,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             created=created,
             model=frontend.name,
             choices=choices,
-            usage=self._usage([result]),
+            usage=self._usage(results),
             system_fingerprint=system_fingerprint(frontend),
         )
 
@@ -567,52 +591,31 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         inner = request.request
         prepared = await self._prepare_chat(inner, streaming=True)
         frontend = prepared.frontend
-        public_id = new_request_id("chatcmpl")
-        created = int(time.time())
-        fingerprint = system_fingerprint(frontend)
 
-        def chunk(choices: list[oa.ChatCompletionChunkChoice], usage: oa.Usage | None = None):
-            return oa.CreateChatCompletionStreamResponse(
-                id=public_id,
-                object="chat.completion.chunk",
-                created=created,
-                model=frontend.name,
-                choices=choices,
-                usage=usage,
-                system_fingerprint=fingerprint,
-            )
+        def roles() -> list[oa.ChatCompletionChunkChoice]:
+            delta = oa.ChatCompletionDelta(role="assistant", content="")
+            return [oa.ChatCompletionChunkChoice(index=i, delta=delta) for i in range(prepared.sampling.n)]
 
-        requests = self._engine_requests(public_id, prepared, identity)
-        result = RequestResult(n=prepared.sampling.n)
-        async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
-            started = False
-            async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
-                async for _, output in outputs:
-                    if not started:
-                        # The engine has accepted the request (its refusals come before any
-                        # output, as a plain error status), so the role chunks go out now.
-                        started = True
-                        for i in range(prepared.sampling.n):
-                            delta = oa.ChatCompletionDelta(role="assistant", content="")
-                            await context.write(chunk([oa.ChatCompletionChunkChoice(index=i, delta=delta)]))
-                    result.add(output)
-                    for d in output.deltas:
-                        if d.text or d.logprobs:
-                            choice = oa.ChatCompletionChunkChoice(
-                                index=d.index, delta=oa.ChatCompletionDelta(content=d.text)
-                            )
-                            if prepared.sampling.logprobs:
-                                choice.logprobs.CopyFrom(self._chat_logprobs(frontend, d.logprobs))
-                            await context.write(chunk([choice]))
-                        if d.finish_reason is not None:
-                            finish = oa.ChatCompletionChunkChoice(
-                                index=d.index,
-                                delta=oa.ChatCompletionDelta(),
-                                finish_reason=finish_reason_text(d.finish_reason),
-                            )
-                            await context.write(chunk([finish]))
-        if inner.stream_options.include_usage:
-            await context.write(chunk([], self._usage([result])))
+        def chunk_choices(_: int, d: CompletionDelta) -> list[oa.ChatCompletionChunkChoice]:
+            choices = []
+            if d.text or d.logprobs:
+                choice = oa.ChatCompletionChunkChoice(index=d.index, delta=oa.ChatCompletionDelta(content=d.text))
+                if prepared.sampling.logprobs:
+                    choice.logprobs.CopyFrom(self._chat_logprobs(frontend, d.logprobs))
+                choices.append(choice)
+            if d.finish_reason is not None:
+                choices.append(
+                    oa.ChatCompletionChunkChoice(
+                        index=d.index,
+                        delta=oa.ChatCompletionDelta(),
+                        finish_reason=finish_reason_text(d.finish_reason),
+                    )
+                )
+            return choices
+
+        await self._stream(
+            context, identity, prepared, CHAT_COMPLETIONS, inner.stream_options.include_usage, roles, chunk_choices
+        )
 
     # ---- models ---------------------------------------------------------------------------------
 

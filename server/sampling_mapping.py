@@ -1,0 +1,144 @@
+"""SamplingMapping: a request's sampling fields -> engine SamplingParams, with their defaults and checks.
+
+The one place where a request's parameters become the engine's. ``protoserve.v1.SamplingParams`` and
+the OpenAI requests name their sampling fields as ``engine.sampling_params.SamplingParams`` does, so
+the fields a message shares with it are copied by name: a field the request sets is taken as it is;
+one it leaves unset gets the served model's default (the ``--default-*`` flags over the model's own
+recommendation), else its API's default, else SamplingParams' own. A new sampling parameter is
+therefore a proto field, a SamplingParams field and the sampler's use of it. Only fields whose form
+differs per API (OpenAI's string-or-list ``stop``, its string-keyed ``logit_bias``, the completions
+API's integer ``logprobs``) are converted by their service and handed in.
+
+"Unset" is protobuf presence: HasField for ``optional`` fields, empty for lists and maps, zero for
+the rest. A field without presence cannot be set to zero, so its SamplingParams default must be zero,
+and a parameter a model may give a default to needs ``optional`` (tests/server/test_sampling_mapping.py
+holds both).
+
+Validation is the engine's own (``SamplingParams.validate``) with its field names renamed to the
+request's paths, plus the server's caps on input size (server/limits.py). A request the server has
+checked goes to the engine marked so (``GenerationRequest.sampling_checked``), which then does not
+check its parameters a second time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from engine.sampling_params import SamplingParams
+from server import errors
+from server.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS
+
+# The parameters a served model may give defaults to, as vLLM's --generation-config does: a
+# request that leaves one unset gets the model's recommended value.
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+Violation = tuple[str, str]
+PathMap = Mapping[str, str] | Callable[[str], str]
+
+
+def _is_map(fd: FieldDescriptor) -> bool:
+    return fd.message_type is not None and fd.message_type.GetOptions().map_entry
+
+
+@functools.cache
+def shared_fields(descriptor: Descriptor) -> tuple[FieldDescriptor, ...]:
+    """The fields of a message type that SamplingParams has too, by name: scalars, lists and maps.
+
+    A message-typed field (say, a ``google.protobuf.Value``) never fits an engine field as it is;
+    its service converts it.
+    """
+    return tuple(
+        fd
+        for fd in descriptor.fields
+        if fd.name in ENGINE_FIELDS and (fd.message_type is None or _is_map(fd))
+    )
+
+
+def is_set(message: Message, fd: FieldDescriptor) -> bool:
+    """Whether the request set the field (see the module docstring for what unset means)."""
+    if fd.is_repeated:  # maps too
+        return len(getattr(message, fd.name)) > 0
+    if fd.has_presence:
+        return message.HasField(fd.name)
+    return getattr(message, fd.name) != fd.default_value
+
+
+def set_values(message: Message, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """The shared fields ``message`` sets, as plain Python values, leaving out ``skip``."""
+    skipped = frozenset(skip)
+    values: dict[str, Any] = {}
+    for fd in shared_fields(message.DESCRIPTOR):
+        if fd.name in skipped or not is_set(message, fd):
+            continue
+        value = getattr(message, fd.name)
+        if _is_map(fd):
+            value = dict(value)
+        elif fd.is_repeated:
+            value = list(value)
+        values[fd.name] = value
+    return values
+
+
+def path_function(paths: PathMap) -> Callable[[str], str]:
+    """An engine field name -> the request's field path."""
+    return paths if callable(paths) else (lambda name: paths.get(name, name))
+
+
+@dataclass(frozen=True)
+class SamplingMapping:
+    """Requests' sampling fields -> engine SamplingParams for one served model.
+
+    ``defaults`` are the values requests that leave a field unset get (the server's flags over
+    the model's own; keys from DEFAULTABLE); ``vocab_size`` bounds token ids in the parameters.
+    """
+
+    vocab_size: int
+    defaults: Mapping[str, float | int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.defaults) - set(DEFAULTABLE)
+        if unknown:
+            raise ValueError(f"no server default can be set for {', '.join(sorted(unknown))}")
+
+    def params(
+        self, message: Message, *, api_defaults: Mapping[str, Any] | None = None, **converted: Any
+    ) -> SamplingParams:
+        """Engine parameters of ``message`` (unvalidated: see :meth:`check`).
+
+        ``api_defaults`` are the API's own defaults for fields it leaves unset (the completions
+        API's 16 ``max_tokens``); ``converted`` are fields the service converted itself, which win.
+        """
+        values = {**(api_defaults or {}), **self.defaults, **set_values(message, converted), **converted}
+        return SamplingParams(**values)
+
+    def effective_defaults(self) -> dict[str, float | int]:
+        """What each DEFAULTABLE field is for a request that leaves it unset."""
+        builtin = SamplingParams()
+        return {name: self.defaults.get(name, getattr(builtin, name)) for name in DEFAULTABLE}
+
+    def check(self, params: SamplingParams, paths: PathMap, extra: Iterable[Violation] = ()) -> None:
+        """Raise INVALID_ARGUMENT naming every bad field of ``params``, after the ``extra`` ones.
+
+        ``paths`` maps the engine's field names to the request's field paths.
+        """
+        to_path = path_function(paths)
+        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            # Alone: a problem per entry of a huge map would bury this one.
+            raise errors.invalid_argument([(to_path("logit_bias"), f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")])
+        violations = list(extra)
+        violations += [(to_path(name), problem) for name, problem in params.validate(self.vocab_size)]
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in params.stop):
+            violations.append(
+                (to_path("stop"), f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters")
+            )
+        if violations:
+            raise errors.invalid_argument(violations)
