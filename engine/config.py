@@ -27,9 +27,8 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
     # New tokens per step (decode tokens included): the chunked-prefill budget. A burst of short
     # prompts gets its first tokens a chunk at a time, so smaller steps bring the median first token
-    # forward; on the CPU kernels prefill runs as fast in 256-token chunks as in 512 (SmolLM2 int4,
-    # 2 threads: 16 concurrent clients' TTFT p50 0.51 -> 0.35 s, 64 clients' ITL p99 0.39 -> 0.21 s,
-    # throughput and prefill tokens/s unchanged).
+    # forward; on the CPU kernels prefill runs as fast in 256-token chunks as in 512
+    # (docs/performance.md has the measurement).
     max_num_batched_tokens: int = 256
     max_queue: int = 1024  # waiting requests beyond this are shed with QueueFullError
     max_model_len: int | None = None  # prompt + generated tokens of one sequence

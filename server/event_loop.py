@@ -3,10 +3,9 @@
 Why: every streamed token costs the loop a wakeup, a queue hand-off and a gRPC
 write, and through the gateway a second gRPC read and an HTTP chunk. On a
 2-core machine the loop shares the cores with the engine's compute team, so its
-cost per token comes out of throughput. Measured here with servers alternated
-(SmolLM2 int4, 16 concurrent streams): uvloop cut the main thread's CPU per
-token by ~20% and raised gateway SSE from ~435 to ~475 tokens/s; gRPC alone
-stayed within noise. ``--event-loop asyncio`` keeps the standard loop.
+cost per token comes out of throughput, and uvloop's is smaller (the measured
+difference is in docs/performance.md). ``--event-loop asyncio`` keeps the
+standard loop.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The decoder's forward as one C++ call (``kernels/cpu/decoder_step.cpp``).
 
 Once every linear layer of a float32 ``Decoder`` sits on the CPU kernel, the
-module-by-module forward is mostly Python: ~30 layers x a dozen small calls a
-step, ~0.4 ms a layer. ``FusedStep`` hands the same weights to a C++ loop that
+module-by-module forward is mostly Python: a dozen small calls per layer per
+step. ``FusedStep`` hands the same weights to a C++ loop that
 calls the same kernels in the same order, so its logits are bit-identical to
 the module path and the step loses that overhead. The Decoder keeps its module
 path for everything this cannot take (the ContiguousKVCache, a machine without
@@ -12,11 +12,9 @@ A bfloat16 model runs here too, on its bf16 weights with float32 activations
 between operations (the module path rounds them to bfloat16 after each one):
 embeddings and norms widen exactly, and each linear layer either rounds its
 input rows to bf16 and multiplies in bf16 (AVX512-BF16: vdpbf16ps, as a bf16
-matmul does) or widens the weights in registers. On a 2-core Zen 4, SmolLM2 in
-bf16 decodes one sequence at ~120 tokens/s (float32 53; the module path gave
-36, slower than float32) and 16 at ~580 (float32 ~290), and agrees with the
-float32 model 0.969 with mean logit error 0.043 (the bf16 module path: 0.969 /
-0.147).
+matmul does) or widens the weights in registers, which keeps it closer to the
+float32 model than the module path's per-operation rounding (figures in
+docs/performance.md).
 """
 
 from __future__ import annotations

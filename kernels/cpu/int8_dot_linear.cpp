@@ -2,8 +2,8 @@
 // W in 4- or 8-bit codes and x quantized on the fly to int8, as llama.cpp does
 // for its Q4/Q8 matmuls.
 //
-// Why: widening int4 weights to float32 costs ~5 vector instructions per 16
-// weights, which made the int4 decode step compute-bound at a quarter of the
+// Why: widening int4 weights to float32 costs several vector instructions per
+// 16 weights, which made the int4 decode step compute-bound well below the
 // memory bandwidth. AVX-512 VNNI's vpdpbusd multiplies 64 unsigned 8-bit codes
 // by 64 signed 8-bit activations and adds them into 16 int32 lanes in one
 // instruction; unpacking two nibbles per byte is two more. Without VNNI (AVX2
@@ -18,16 +18,15 @@
 // with its own scale sx = max|x| / 127 and codes round(x / sx) in -127..127,
 // plus fine codes of what that rounding lost (step sx / 256), multiplied by the
 // same unpacked weights. Coarse codes alone (llama.cpp's Q8 activations) cost
-// SmolLM2 int4 greedy agreement with float32 0.78 -> with fine codes 0.91, the
-// float-activation figure (both measured when int4 weights still had bfloat16
-// scales; in Q4_1's own form served int4 agrees 1.000 with fine codes); fine
-// codes double the dot products, which costs
-// nothing at decode (memory-bound) and ~1.6x on large batches.
+// greedy agreement with the float32 model; with fine codes it matches the
+// float-activation figure (docs/performance.md). Fine codes double the dot
+// products, which costs nothing at decode (memory-bound) and shows on large
+// batches.
 // Weights are w = q * s + m per (output channel, group along K) with unsigned
 // codes q (int4: 0..15, s and m per group; int8: the signed code + 128, s per
 // channel and m = -128 s), s and m stored as float16, as GGUF's Q4_1 does: at
 // decode the step streams every weight from memory once, and float32 metadata
-// made a 32-value int4 group 24 bytes instead of 20. One 32-value block of the dot product is then
+// would make a 32-value int4 group a fifth larger. One 32-value block of the dot product is then
 //     sum_k w_k x_k  ~  s * (sx / 256) * (256 * sum_k q_k xq_k + sum_k q_k xf_k)  +  m * sum_k x_k,
 // the first sum exact in int32, the second the block's exact float32 sum (so
 // the offset term carries no activation rounding). The fine step is a power of two so that the
