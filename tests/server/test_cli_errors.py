@@ -144,7 +144,7 @@ def test_the_same_port_for_grpc_and_http_is_refused() -> None:
         (["serve", "--no-such-flag"], "--no-such-flag"),
         (["generate", "--top-p", "3", "--prompt", "x", "--no-progress"], "--top-p"),
         (["generate", "--message", "no-role", "--no-progress"], "ROLE:CONTENT"),
-        ([], "command"),
+        ([], "required"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args: list[str], needle: str) -> None:

@@ -1,0 +1,136 @@
+"""Schemathesis over the gateway's own /openapi.json: no input, valid or mangled, gets a 5xx.
+
+Every route the gateway serves is driven with the three phases schemathesis has
+for a single call: the schema's examples, coverage (boundary values and, in
+negative mode, each constraint broken in turn: wrong types, missing required
+fields, out-of-range numbers, extra properties) and fuzzing (Hypothesis-built
+bodies, positive and negative). The document is the gateway's own, with what
+the protos cannot say about a valid request added (valid_requests.py), so
+positive cases reach the engine and negative ones break one rule at a time. Each response must be no 5xx, carry a status
+and content type the schema declares, and match the schema's body for it (an
+error is an OpenAI error body under /v1 OpenAI routes, a google.rpc.Status
+elsewhere). Afterwards the server still answers and its KV pool is free.
+
+``GET /v1/metrics:watch`` never ends by itself, so it is fuzzed in
+test_watch_metrics_fuzz below, reading the first event only. Bodies no schema
+describes (any JSON, JSON nested 1,200 levels deep, bytes that are not JSON)
+go to every POST route in test_any_body_gets_a_client_error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import schemathesis
+from fuzz_support import FUZZ_EXAMPLES, assert_idle_and_healthy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from proto_strategies import json_values
+from schemathesis.checks import not_a_server_error
+from schemathesis.config import SchemathesisConfig
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from valid_requests import tightened
+
+from gateway.app import generated_openapi_path
+
+WATCH_PATH = "/v1/metrics:watch"
+REQUEST_TIMEOUT_S = 60.0
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+def fuzz_config() -> SchemathesisConfig:
+    return SchemathesisConfig.from_dict(
+        {
+            "generation": {
+                "mode": "all",  # schema-valid inputs and inputs that break it
+                "max-examples": FUZZ_EXAMPLES,
+                "deterministic": True,  # the same inputs every run: a failure reproduces
+            },
+            "phases": {
+                "examples": {"enabled": True},
+                "coverage": {"enabled": True},
+                "fuzzing": {"enabled": True},
+                "stateful": {"enabled": False},
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def gateway_url(fuzz_server) -> str:
+    return f"http://127.0.0.1:{fuzz_server.http_port}"
+
+
+# The document the gateway serves (test_the_gateway_serves_the_fuzzed_document), tightened to say
+# what a valid request is (tests/fuzz/valid_requests.py), read when the module loads: schemathesis
+# names each operation's test from it. Requests name the default model ("").
+SCHEMA = schemathesis.openapi.from_dict(
+    tightened(json.loads(generated_openapi_path().read_text()), model=""), config=fuzz_config()
+).exclude(path=WATCH_PATH)
+
+
+def test_the_gateway_serves_the_fuzzed_document(gateway_url: str) -> None:
+    served = httpx.get(f"{gateway_url}/openapi.json", timeout=30).raise_for_status().json()
+    assert served == json.loads(generated_openapi_path().read_text())
+
+
+@SCHEMA.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_input_gets_a_server_error(case, gateway_url: str) -> None:
+    response = case.call(base_url=gateway_url, timeout=REQUEST_TIMEOUT_S)
+    case.validate_response(response, checks=CHECKS)
+
+
+@given(interval_ms=st.one_of(st.integers(-(2**31), 2**31 - 1), st.text(max_size=12)))
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_watch_metrics_fuzz(gateway_url: str, interval_ms: int | str) -> None:
+    """The first event of the watch stream, or a 4xx for an interval it does not take."""
+    with httpx.stream(
+        "GET", f"{gateway_url}{WATCH_PATH}", params={"interval_ms": interval_ms}, timeout=REQUEST_TIMEOUT_S
+    ) as response:
+        assert response.status_code < 500, response.read()
+        if response.status_code == 200:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            first = next(line for line in response.iter_lines() if line.strip())
+            assert first.startswith("data: {\"snapshot\""), first
+        else:
+            body = response.read()
+            assert response.status_code >= 400 and b'"message"' in body, body
+
+
+POST_PATHS = sorted(
+    path for path, operations in json.loads(generated_openapi_path().read_text())["paths"].items() if "post" in operations
+)
+
+
+def any_body() -> st.SearchStrategy[bytes]:
+    """Any JSON (nested up to 1,200 levels deep included), and bytes that are not JSON or not UTF-8."""
+    as_json = json_values().map(lambda value: json.dumps(value).encode())
+    return st.one_of(as_json, st.binary(max_size=64), st.text(max_size=64).map(str.encode))
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_any_body_gets_a_client_error(gateway_url: str, path: str) -> None:
+    """A 4xx with an error body (or, when the body happens to be a valid request, a 200)."""
+
+    @given(body=any_body())
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    def check(body: bytes) -> None:
+        url = f"{gateway_url}{path.replace('{request_id}', 'fuzz')}"
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=REQUEST_TIMEOUT_S)
+        assert response.status_code < 500, (response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            error = response.json()
+            assert isinstance(error.get("error"), dict) or "message" in error, error
+
+    check()
+
+
+def test_server_is_healthy_and_idle_after_the_http_fuzz(fuzz_server) -> None:
+    assert_idle_and_healthy(fuzz_server)
