@@ -45,6 +45,8 @@ class AsyncEngine:
         self.quantization = engine.quantization
         self.kv_cache_dtype = engine.kv_cache_dtype
         self.max_model_len = engine.max_model_len
+        self.num_parameters = engine.num_parameters
+        self.sampling_defaults = engine.sampling_defaults
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inbox: list[tuple[PreparedRequest, _Stream]] = []

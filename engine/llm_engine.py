@@ -70,6 +70,8 @@ class LLMEngine:
         self.config.validate()
         self.model_config = loaded.config
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
+        self.num_parameters = loaded.num_parameters
+        self.sampling_defaults = loaded.sampling_defaults  # the checkpoint's recommendation; the server applies it
         self.tokenizer = loaded.tokenizer
         loaded.model.set_deterministic(self.config.deterministic)
         self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization)

@@ -43,6 +43,7 @@ from server.rate_limit import RateLimiter
 from server.reflection import enable_reflection
 from server.request_decoding import RequestDecodingInterceptor
 from server.request_scope import RequestScopeInterceptor
+from server.sampling_mapping import served_defaults
 from server.telemetry import Telemetry, installed_tracer_provider
 from server.usage import UsageLedger
 
@@ -111,6 +112,9 @@ class ServerConfig:
     metrics_identity_usage: bool = False  # per-identity series on /metrics (one series per identity)
     trace_content: bool = False  # prompt and completion text in spans (opt-in)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger gRPC requests get RESOURCE_EXHAUSTED
+    # --default-* flags by SamplingParams field (server/sampling_mapping.DEFAULTABLE); they win over the
+    # model's own recommendation for requests that leave the field unset.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class ServerApp:
@@ -249,13 +253,15 @@ class ServerApp:
             quantization=engine.quantization,
             source=os.fspath(path),
             kv_cache_dtype=engine.kv_cache_dtype,
+            sampling_defaults=engine.sampling_defaults,
         )
         await self.attach_engine(engine, card)
 
     async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
-        self.models.add(Frontend(engine, card))
+        defaults = served_defaults(card.sampling_defaults, self.config.sampling_defaults, engine.model_name)
+        self.models.add(Frontend(engine, card, defaults))
         self.metrics.add_model(engine.model_name)
         await self.readiness.set_serving()
         log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)

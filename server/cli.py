@@ -24,6 +24,7 @@ from server.errors import ServiceError, invalid_argument, to_service_error
 from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
 from server.frontend import CHAT_ROLES, ChatTurn, Frontend, ModelCard, new_request_id
 from server.limits import DEFAULT_MAX_MESSAGE_BYTES
+from server.sampling_mapping import default_problems
 
 log = logging.getLogger("protoserve")
 
@@ -41,6 +42,15 @@ ENGINE_FLAGS = (
     ("max_queue", "max_queue"),
     ("max_model_len", "max_model_len"),
     ("kv_cache_dtype", "kv_cache_dtype"),
+)
+
+# serve's --default-<field> flags: (SamplingParams field, type, what it does, its built-in default).
+SAMPLING_DEFAULT_FLAGS = (
+    ("temperature", float, "softmax temperature (0 is greedy)", "1.0"),
+    ("top_p", float, "nucleus sampling mass (1 is off)", "1.0"),
+    ("top_k", int, "keep the k most likely tokens (0 is off)", "0"),
+    ("min_p", float, "drop tokens less likely than this times the most likely one (0 is off)", "0"),
+    ("repetition_penalty", float, "penalty on tokens already in prompt or output (1 is off)", "1.0"),
 )
 
 
@@ -169,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help=f"largest gRPC request; larger ones get RESOURCE_EXHAUSTED [{DEFAULT_MAX_MESSAGE_BYTES}]",
     )
+    for name, kind, what, builtin in SAMPLING_DEFAULT_FLAGS:
+        s.add_argument(
+            "--default-" + name.replace("_", "-"),
+            type=kind,
+            metavar="X",
+            help=f"{what} for requests that leave {name} unset, over the model's own recommendation "
+            f"[the model's (generation_config.json, GGUF general.sampling.*), else {builtin}]",
+        )
     s.add_argument(
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
     )
@@ -304,6 +322,19 @@ def _http_gateway() -> HttpGatewayStarter | None:
     return getattr(module, "start_gateway", None)
 
 
+def _sampling_defaults(args: argparse.Namespace) -> dict[str, float | int]:
+    """The --default-* flags given, by SamplingParams field; checked as the engine checks a request's."""
+    defaults = {
+        name: value
+        for name, *_ in SAMPLING_DEFAULT_FLAGS
+        if (value := getattr(args, "default_" + name)) is not None
+    }
+    problems = default_problems(defaults)
+    if problems:
+        raise CliError("; ".join(f"--default-{name.replace('_', '-')} {problem}" for name, problem in problems))
+    return defaults
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     try:
         loop = loop_factory(args.event_loop)
@@ -332,6 +363,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         metrics_identity_usage=args.metrics_identity_usage,
         trace_content=args.trace_content,
         max_message_bytes=args.max_message_bytes,
+        sampling_defaults=_sampling_defaults(args),
     )
     from server.request_log import use_json_lines
     from server.tracing_setup import configure_tracing

@@ -18,7 +18,7 @@ import functools
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -85,6 +85,8 @@ class ModelCard:
     source: str  # file or directory name of the weights
     kv_cache_dtype: str = ""  # the K/V pools' dtype as served ("auto" resolved); "" when unknown
     loaded_at: float = field(default_factory=time.time)  # unix seconds
+    # The checkpoint's recommended sampling values (engine/loader/sampling_defaults.py).
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -199,13 +201,16 @@ class RequestResult:
 class Frontend:
     """One loaded model as the API sees it: request validation, tokenization, output protos."""
 
-    def __init__(self, engine: AsyncEngine, card: ModelCard) -> None:
+    def __init__(
+        self, engine: AsyncEngine, card: ModelCard, sampling_defaults: Mapping[str, float | int] | None = None
+    ) -> None:
+        """``sampling_defaults``: what requests that leave those fields unset get (server/sampling_mapping.py)."""
         self.engine = engine
         self.card = card
         self.tokenizer = engine.tokenizer
         # Ids must be both embeddable and decodable; a padded embedding table can exceed the tokenizer.
         self.vocab_size: int = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
-        self.sampling = SamplingMapping(self.vocab_size)
+        self.sampling = SamplingMapping(self.vocab_size, sampling_defaults or {})
         # Decoding one id is pure; logprob-heavy streams ask for the same ids over and over.
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(self._token_text)
         # Text beyond this many bytes is not tokenized at all; where the context's byte bound is
@@ -234,10 +239,11 @@ class Frontend:
             vocab_size=config.vocab_size,
             dtype=self.card.dtype,
             quantization=self.card.quantization,
-            num_parameters=int(getattr(self.engine, "num_parameters", 0) or 0),
+            num_parameters=self.engine.num_parameters,
             has_chat_template=bool(self.tokenizer.has_chat_template),
             source=self.card.source,
             kv_cache_dtype=self.card.kv_cache_dtype,
+            sampling_defaults=pb.SamplingParams(**self.sampling.effective_defaults()),
         )
 
     # ---- input ---------------------------------------------------------------------

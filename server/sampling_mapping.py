@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from google.protobuf.message import Message
 from engine.sampling_params import SamplingParams
 from server import errors
 from server.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS
+
+log = logging.getLogger(__name__)
 
 # The parameters a served model may give defaults to, as vLLM's --generation-config does: a
 # request that leaves one unset gets the model's recommended value.
@@ -88,6 +91,33 @@ def set_values(message: Message, skip: Iterable[str] = ()) -> dict[str, Any]:
     return values
 
 
+def default_problems(defaults: Mapping[str, float | int]) -> list[Violation]:
+    """(field, problem) for every default that is not a DEFAULTABLE field or not a valid value of it."""
+    unknown = [(name, "no server default can be set for it") for name in defaults if name not in DEFAULTABLE]
+    if unknown:
+        return unknown
+    return SamplingParams(**defaults).validate()
+
+
+def served_defaults(
+    model: Mapping[str, float | int], flags: Mapping[str, float | int], model_name: str
+) -> dict[str, float | int]:
+    """The defaults a served model applies: the server's flags over the model's own recommendation.
+
+    A recommendation the engine would refuse is left out (and logged): every request that left the
+    field unset would be refused for a value its caller never sent.
+    """
+    usable = dict(model)
+    for name, problem in default_problems(model):
+        log.warning("model %s: its recommended %s %r is not used: %s", model_name, name, model[name], problem)
+        usable.pop(name, None)
+    merged = {**usable, **flags}
+    if merged:
+        log.info("model %s: requests that leave them unset get %s", model_name,
+                 ", ".join(f"{name}={value}" for name, value in sorted(merged.items())))
+    return merged
+
+
 def path_function(paths: PathMap) -> Callable[[str], str]:
     """An engine field name -> the request's field path."""
     return paths if callable(paths) else (lambda name: paths.get(name, name))
@@ -105,9 +135,9 @@ class SamplingMapping:
     defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = set(self.defaults) - set(DEFAULTABLE)
-        if unknown:
-            raise ValueError(f"no server default can be set for {', '.join(sorted(unknown))}")
+        problems = default_problems(self.defaults)
+        if problems:
+            raise ValueError("; ".join(f"default {name}: {problem}" for name, problem in problems))
 
     def params(
         self, message: Message, *, api_defaults: Mapping[str, Any] | None = None, **converted: Any

@@ -155,6 +155,11 @@ def read_hf_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     return parse_hf_config(raw, generation, d / CONFIG_FILE)
 
 
+def read_generation_config(model_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The directory's ``generation_config.json``, or None when it has none."""
+    return _read_json(Path(model_dir) / GENERATION_CONFIG_FILE, required=False)
+
+
 def open_hf_checkpoint(model_dir: str | os.PathLike[str]) -> HFCheckpoint:
     """Parse the config and map every tensor name to its safetensors file (headers only)."""
     d = Path(model_dir)

@@ -9,10 +9,11 @@ the weights), then applies weight-only quantization if asked.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,13 @@ import torch
 from engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
 from engine.loader.errors import ModelLoadError
 from engine.loader.heap import release_freed_memory
-from engine.loader.hf_checkpoint import load_hf_tensors, open_hf_checkpoint
+from engine.loader.hf_checkpoint import (
+    GENERATION_CONFIG_FILE,
+    load_hf_tensors,
+    open_hf_checkpoint,
+    read_generation_config,
+)
+from engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder, expected_hf_shapes
 from engine.models.linear import (
@@ -54,6 +61,10 @@ class LoadedModel:
     linear_bytes_before: int  # the quantizable linear layers only (not embeddings, norms, lm_head)
     linear_bytes_after: int
     load_seconds: float
+    # Parameters by their logical (Hugging Face) shapes, however they are stored; a tied embedding once.
+    num_parameters: int = 0
+    # The checkpoint's recommended sampling values, by SamplingParams field (engine/loader/sampling_defaults.py).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def load_model(
@@ -104,6 +115,7 @@ def load_model(
             if load_tokenizer and (source / "tokenizer.json").is_file()
             else None
         )
+        sampling_defaults = hf_sampling_defaults(read_generation_config(source), source / GENERATION_CONFIG_FILE)
     elif source.is_file():
         from engine.loader.gguf_checkpoint import GGUFCheckpoint
 
@@ -114,6 +126,7 @@ def load_model(
         weights = dict(gguf.iter_weights(dtype=torch_dtype, progress=progress))
         check_weights(weights, expected_hf_shapes(config), source)
         tokenizer = Tokenizer.from_gguf(gguf.reader, source) if load_tokenizer else None
+        sampling_defaults = gguf_sampling_defaults(gguf.reader, source)
     else:
         raise ModelLoadError(source, "no such file or directory")
 
@@ -149,6 +162,8 @@ def load_model(
         linear_bytes_before=report.linear_bytes_before,
         linear_bytes_after=report.linear_bytes_after,
         load_seconds=time.perf_counter() - started,
+        num_parameters=sum(math.prod(shape) for shape in expected_hf_shapes(config).values()),
+        sampling_defaults=sampling_defaults,
     )
 
 
