@@ -8,8 +8,9 @@ touches that row only, so its neighbours' tokens are bit-for-bit what they would
 be without it.
 
 Order, per row: logit bias -> grammar mask -> min_tokens masking -> repetition /
-frequency / presence penalties -> (greedy: argmax) temperature -> top-k -> top-p
--> typical-p -> min-p -> draw; with Mirostat, temperature -> Mirostat's own cut
+frequency / presence penalties -> (greedy: argmax) temperature -> top-n-sigma ->
+top-k -> top-p -> typical-p -> min-p -> draw (llama.cpp's chain puts top-n-sigma
+first among the filters too); with Mirostat, temperature -> Mirostat's own cut
 -> draw. min_tokens never holds back the only tokens a grammar allows.
 
 Logprobs are the log-softmax of the row after bias, masking (the grammar's
@@ -39,6 +40,22 @@ LOGPROB_FLOOR = -9999.0
 class SampleResult:
     token_id: int
     logprobs: PositionLogprobs | None = None
+
+
+def apply_top_n_sigma(logits: torch.Tensor, n: float) -> torch.Tensor:
+    """Top-nσ, as llama.cpp's top-n-sigma sampler: keep the tokens whose logit is at least the largest
+    minus n population standard deviations, both taken over the tokens still possible; 0 disables.
+
+    Scaling every logit by 1/temperature scales the largest and the deviation alike, so the kept set
+    is the same before or after temperature.
+    """
+    if n <= 0.0 or logits.shape[0] <= 1:
+        return logits
+    possible = logits[logits != NEG_INF].double()
+    if possible.numel() == 0:
+        return logits
+    threshold = float(possible.max()) - n * float(possible.std(correction=0))
+    return logits.masked_fill(logits < threshold, NEG_INF)
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -175,7 +192,8 @@ class Sampler:
             token_id = self.mirostat_draw(dist, seq)
         else:
             dist = row / sp.temperature
-            cut = apply_top_k(dist, sp.top_k)
+            cut = apply_top_n_sigma(dist, sp.top_n_sigma)
+            cut = apply_top_k(cut, sp.top_k)
             cut = apply_top_p(cut, sp.top_p)
             cut = apply_typical_p(cut, sp.typical_p)
             cut = apply_min_p(cut, sp.min_p)

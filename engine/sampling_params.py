@@ -28,7 +28,7 @@ class SamplingParams:
 
     ``constraint`` holds the output to a JSON Schema, regex, GBNF grammar or
     choice (whether it compiles is checked by ``LLMEngine.prepare``).
-    ``mirostat_mode`` 1 or 2 replaces top-k/top-p/typical-p/min-p with llama.cpp's
+    ``mirostat_mode`` 1 or 2 replaces top-n-sigma/top-k/top-p/typical-p/min-p with llama.cpp's
     Mirostat v1/v2 (target surprise ``mirostat_tau`` bits, learning rate ``mirostat_eta``).
     """
 
@@ -39,6 +39,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     typical_p: float = 1.0
+    top_n_sigma: float = 0.0  # keep logits within n standard deviations of the largest; 0 disables
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -76,6 +77,8 @@ class SamplingParams:
             bad.append(("min_p", "must be in [0, 1]"))
         if not 0.0 < self.typical_p <= 1.0:
             bad.append(("typical_p", "must be in (0, 1]"))
+        if not 0.0 <= self.top_n_sigma <= 100.0:
+            bad.append(("top_n_sigma", "must be in [0, 100] (0 disables)"))
         if not 0.0 < self.repetition_penalty <= 100.0:
             bad.append(("repetition_penalty", "must be in (0, 100]"))
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -120,7 +123,7 @@ class SamplingParams:
             return bad
         if self.greedy:
             bad.append(("temperature", "must be above 0 with mirostat_mode (0 is greedy decoding)"))
-        for name, off in (("top_k", 0), ("top_p", 1.0), ("typical_p", 1.0), ("min_p", 0.0)):
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("typical_p", 1.0), ("min_p", 0.0), ("top_n_sigma", 0.0)):
             if getattr(self, name) != off:
                 bad.append((name, f"must be {off} with mirostat_mode: Mirostat picks the candidates itself"))
         return bad

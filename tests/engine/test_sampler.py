@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from engine.sampler import Sampler, apply_min_p, apply_top_p, apply_typical_p, draw
+from engine.sampler import Sampler, apply_min_p, apply_top_n_sigma, apply_top_p, apply_typical_p, draw
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -193,3 +193,63 @@ def test_batched_greedy_rows_choose_what_each_row_alone_would():
     assert [r.token_id for r in got] == [r.token_id for r in expected]
     assert got[0].token_id == 7 and got[7].token_id == EOS
     assert got[5].logprobs is not None and got[0].logprobs is None
+
+
+def llama_cpp_top_n_sigma(logits: list[float], n: float) -> list[float]:
+    """llama.cpp's llama_sampler_top_n_sigma_apply (src/llama-sampling.cpp), step by step, on a list."""
+    out = list(logits)
+    if n <= 0.0 or len(out) <= 1:
+        return out
+    largest, total, count = out[0], 0.0, 0  # the largest starts at the first logit, as there
+    for x in out:
+        if x != -math.inf:  # tokens already cut take no part
+            largest = max(largest, x)
+            total += x
+            count += 1
+    mean = total / count if count > 0 else 0.0
+    acc = sum((x - mean) ** 2 for x in out if x != -math.inf)
+    std = math.sqrt(acc / count) if count > 0 else 0.0
+    return [-math.inf if x < largest - n * std else x for x in out]
+
+
+def cut_some(logits: torch.Tensor, seed: int) -> torch.Tensor:
+    """The row with a third of its tokens already impossible (as a grammar mask or a filter leaves it)."""
+    g = torch.Generator().manual_seed(seed)
+    return logits.index_fill(0, torch.randperm(V, generator=g)[: V // 3], float("-inf"))
+
+
+@pytest.mark.parametrize("n", [0.25, 1.0, 2.0, 3.5])
+def test_top_n_sigma_keeps_what_llama_cpp_keeps(n):
+    for s in range(40):
+        logits = rand_logits(s) if s % 2 else cut_some(rand_logits(s), s)
+        got = apply_top_n_sigma(logits, n)
+        want = llama_cpp_top_n_sigma(logits.tolist(), n)
+        assert kept(got) == {i for i, x in enumerate(want) if x != -math.inf}, (n, s)
+        assert kept(got) and (n > 1.0 or len(kept(got)) < len(kept(logits)))  # small n does cut
+        survivors = torch.isfinite(got)
+        assert torch.equal(got[survivors], logits[survivors])  # kept logits are untouched
+        # Temperature scales the largest logit and the deviation alike: the same tokens survive it.
+        assert kept(apply_top_n_sigma(logits / 0.7, n)) == kept(got)
+
+
+def test_top_n_sigma_zero_is_off_and_the_sampler_draws_only_what_it_keeps():
+    logits = rand_logits(3)
+    assert torch.equal(apply_top_n_sigma(logits, 0.0), logits)
+    allowed = kept(apply_top_n_sigma(logits / 2.0, 0.5))
+    assert 1 < len(allowed) < V
+    draws = {sampler.sample_row(logits, make_seq(SamplingParams(temperature=2.0, top_n_sigma=0.5), seed=s)).token_id
+             for s in range(300)}
+    assert draws <= allowed and len(draws) > 1
+    # Before top-k, as in llama.cpp's chain: the deviation is the whole row's, not the k survivors'.
+    both = {sampler.sample_row(logits, make_seq(SamplingParams(temperature=2.0, top_n_sigma=0.5, top_k=2),
+                                                seed=s)).token_id for s in range(100)}
+    assert both <= allowed & set(torch.topk(logits, 2).indices.tolist())
+
+
+def test_top_n_sigma_is_validated_and_off_under_mirostat():
+    assert SamplingParams(top_n_sigma=1.5).validate() == []
+    assert SamplingParams(top_n_sigma=-1.0).validate() == [("top_n_sigma", "must be in [0, 100] (0 disables)")]
+    assert ("top_n_sigma", "must be 0.0 with mirostat_mode: Mirostat picks the candidates itself") in SamplingParams(
+        mirostat_mode=2, top_n_sigma=1.0
+    ).validate()
+
