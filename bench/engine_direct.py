@@ -37,11 +37,11 @@ def run_requests(engine: LLMEngine, specs: Sequence[RequestSpec]) -> list[Reques
     All requests are "sent" at the same instant, so the aggregate tokens/s of
     the timelines is the offline throughput (nano-vllm's figure).
     """
-    from engine.request import GenerationRequest
+    from engine.request import TokenizedRequest
     from engine.sampling_params import SamplingParams
 
     requests = [
-        GenerationRequest(
+        TokenizedRequest(
             request_id=f"bench-{next(_ids)}",
             prompt_token_ids=list(s.prompt_token_ids),
             sampling=SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True),

@@ -53,10 +53,10 @@ class EngineTransport:
         self.engine = engine
 
     async def stream(self, spec: RequestSpec) -> RequestTimeline:
-        from engine.request import GenerationRequest
+        from engine.request import TokenizedRequest
         from engine.sampling_params import SamplingParams
 
-        request = GenerationRequest(
+        request = TokenizedRequest(
             request_id=f"bench-{next(_ids)}",
             prompt_token_ids=list(spec.prompt_token_ids),
             sampling=SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),

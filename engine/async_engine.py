@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineStoppedError, InvalidRequestError, QueueFullError
-from engine.llm_engine import LLMEngine, PreparedRequest
-from engine.request import GenerationRequest, RequestOutput
+from engine.llm_engine import AdmittedRequest, LLMEngine
+from engine.request import RequestOutput, TokenizedRequest
 from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class AsyncEngine:
         self.sampling_defaults = engine.sampling_defaults
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._inbox: list[tuple[PreparedRequest, _Stream]] = []
+        self._inbox: list[tuple[AdmittedRequest, _Stream]] = []
         self._aborts: list[str] = []
         self._live: set[str] = set()  # accepted and not yet finished (guarded by _lock)
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -97,7 +97,7 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------
 
     async def generate(
-        self, request: GenerationRequest, *, on_abandoned: Callable[[RequestOutput], None] | None = None
+        self, request: TokenizedRequest, *, on_abandoned: Callable[[RequestOutput], None] | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has ``finished=True`` and stats.
 
@@ -190,7 +190,7 @@ class AsyncEngine:
             self._stats = engine.stats()
             self._deliver(outputs)
 
-    def _admit(self, prepared: PreparedRequest, stream: _Stream) -> None:
+    def _admit(self, prepared: AdmittedRequest, stream: _Stream) -> None:
         rid = prepared.request.request_id
         try:
             self.engine.add_request(prepared)

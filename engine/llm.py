@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, GenerationRequest, PositionLogprobs, RequestStats
+from engine.request import FinishReason, PositionLogprobs, RequestStats, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 
@@ -83,10 +83,10 @@ class LLM:
         if sampling is not None and sampling_fields:
             raise ValueError(f"give sampling or SamplingParams fields, not both (got {', '.join(sampling_fields)})")
         params = sampling if sampling is not None else SamplingParams(**sampling_fields)
-        requests = [GenerationRequest(f"llm-{next(self._ids)}", list(ids), replace(params)) for ids in token_lists]
+        requests = [TokenizedRequest(f"llm-{next(self._ids)}", list(ids), replace(params)) for ids in token_lists]
         return self.run(requests)
 
-    def run(self, requests: list[GenerationRequest]) -> list[Completion]:
+    def run(self, requests: list[TokenizedRequest]) -> list[Completion]:
         """Add the requests (validation errors raise here), step until all finish; results in request order."""
         for r in requests:
             self.engine.add_request(r)

@@ -1,7 +1,7 @@
 """LLMEngine: continuous batching, one ``step()`` at a time: schedule -> forward -> sample -> postprocess.
 
 Single-threaded by design; AsyncEngine drives it from its own thread. It knows
-nothing about gRPC: requests come in as GenerationRequest, results go out as
+nothing about gRPC: requests come in as TokenizedRequest, results go out as
 RequestOutput, refusals as the exceptions in engine.errors.
 """
 
@@ -23,8 +23,8 @@ from engine.constraints.masks import MaskFiller
 from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
 from engine.loader.load import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, GenerationRequest, RequestOutput
-from engine.request_state import RequestState
+from engine.request import FinishReason, RequestOutput, TokenizedRequest
+from engine.running_request import RunningRequest
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import ContextPolicy
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -52,10 +52,11 @@ class RequestCounters:
 
 
 @dataclass
-class PreparedRequest:
-    """A validated request with the prompt its context policy leaves."""
+class AdmittedRequest:
+    """A TokenizedRequest admitted to the queue: validated, its prompt as its context policy leaves it,
+    its constraint compiled."""
 
-    request: GenerationRequest
+    request: TokenizedRequest
     prompt_token_ids: list[int]
     truncated: int
     max_len: int  # total tokens (prompt + generated) at which each choice stops with "length"
@@ -86,7 +87,7 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler(self.eos_token_ids)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RunningRequest] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._touched: set[str] = set()  # requests with something to report after this step
@@ -113,7 +114,7 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
 
-    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+    def prepare(self, request: TokenizedRequest) -> AdmittedRequest:
         """Validate (the parameters only when the caller has not: ``sampling_checked``), compile the
         constraint and apply the context policy.
 
@@ -151,9 +152,9 @@ class LLMEngine:
             keep = min(length, limit - reserve)
         prompt = prompt[:keep] if policy == ContextPolicy.TRUNCATE_RIGHT else prompt[length - keep :]
         max_len = limit if max_tokens is None else min(limit, keep + max_tokens)
-        return PreparedRequest(request, prompt, length - keep, max_len, self._compile(request))
+        return AdmittedRequest(request, prompt, length - keep, max_len, self._compile(request))
 
-    def _compile(self, request: GenerationRequest) -> CompiledGrammar | None:
+    def _compile(self, request: TokenizedRequest) -> CompiledGrammar | None:
         constraint = request.sampling.constraint
         if constraint is None:
             return None
@@ -164,15 +165,15 @@ class LLMEngine:
         except ConstraintCompileError as exc:
             raise InvalidRequestError([(exc.field, exc.message)]) from None
 
-    def add_request(self, request: GenerationRequest | PreparedRequest) -> None:
+    def add_request(self, request: TokenizedRequest | AdmittedRequest) -> None:
         """Queue a request; raises InvalidRequestError, ContextLengthError or QueueFullError."""
-        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        prepared = request if isinstance(request, AdmittedRequest) else self.prepare(request)
         req = prepared.request
         if req.request_id in self.requests:
             raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFullError(len(self.scheduler.waiting))
-        state = RequestState(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
+        state = RunningRequest(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
                              self._special_ids)
         if req.trace is not None:
             state.span = RequestSpan(req.trace, req, len(prepared.prompt_token_ids),
@@ -189,7 +190,7 @@ class LLMEngine:
         """The prompt as text, for traces that opted in to content capture."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
-    def _new_seq(self, state: RequestState, index: int, max_len: int, arrival: int | None = None,
+    def _new_seq(self, state: RunningRequest, index: int, max_len: int, arrival: int | None = None,
                  matcher: LLMatcher | None = None) -> Sequence:
         req = state.request
         seq = Sequence(

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class GenerationRequest:
-    """One prompt to generate from, already tokenized.
+class TokenizedRequest:
+    """One prompt to generate from, already tokenized: what any caller hands the engine.
 
     ``cache_salt`` keys the prefix cache: the server derives it from the
     authenticated identity so two identities never share cached KV blocks.

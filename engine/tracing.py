@@ -1,7 +1,7 @@
 """Request spans: one OpenTelemetry span per engine request, from queueing to its final output.
 
 The caller (the server) decides whether a request is traced: it puts a
-:class:`RequestTrace` on ``GenerationRequest.trace`` holding the tracer and the
+:class:`RequestTrace` on ``TokenizedRequest.trace`` holding the tracer and the
 parent context (its gRPC server span). The context travels inside the request
 because the step loop runs on its own thread, where the caller's contextvars
 are not current. Untraced requests (``trace=None``) cost nothing here.
@@ -27,7 +27,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 if TYPE_CHECKING:
-    from engine.request import FinishReason, GenerationRequest, RequestOutput, RequestStats
+    from engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
 
 # GenAI semantic-convention attribute names (kept here rather than imported from
 # the incubating semconv module, whose layout changes between releases).
@@ -71,7 +71,7 @@ class RequestTrace:
     capture_content: bool = False  # prompt and completion text as span attributes (opt-in)
 
 
-def _request_attributes(trace_info: RequestTrace, request: GenerationRequest) -> dict:
+def _request_attributes(trace_info: RequestTrace, request: TokenizedRequest) -> dict:
     sp = request.sampling
     attrs: dict = {
         OPERATION_NAME: trace_info.operation,
@@ -107,7 +107,7 @@ class RequestSpan:
     def __init__(
         self,
         trace_info: RequestTrace,
-        request: GenerationRequest,
+        request: TokenizedRequest,
         num_prompt_tokens: int,
         prompt_text: Callable[[], str] | None = None,
     ) -> None:

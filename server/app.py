@@ -28,7 +28,6 @@ from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metric
 from server import exit_codes
 from server.auth import Authenticator
 from server.event_loop import loop_name
-from server.frontend import Frontend, ModelCard
 from server.health import Readiness
 from server.inference_service import InferenceService
 from server.inflight import InflightRequests
@@ -44,6 +43,7 @@ from server.reflection import enable_reflection
 from server.request_decoding import RequestDecodingInterceptor
 from server.request_scope import RequestScopeInterceptor
 from server.sampling_mapping import served_defaults
+from server.served_model import ModelCard, ServedModel
 from server.telemetry import Telemetry, installed_tracer_provider
 from server.usage import UsageLedger
 
@@ -261,7 +261,7 @@ class ServerApp:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
         defaults = served_defaults(card.sampling_defaults, self.config.sampling_defaults, engine.model_name)
-        self.models.add(Frontend(engine, card, defaults))
+        self.models.add(ServedModel(engine, card, defaults))
         self.metrics.add_model(engine.model_name)
         await self.readiness.set_serving()
         log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)

@@ -16,15 +16,15 @@ from typing import NoReturn
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import EngineError
 from engine.loader.errors import ModelLoadError
-from engine.request import GenerationRequest, RequestStats
+from engine.request import RequestStats, TokenizedRequest
 from engine.sampling_params import ContextPolicy, SamplingParams
 from server import exit_codes
 from server.app import HttpGatewayStarter, ServerConfig, serve
 from server.errors import ServiceError, invalid_argument, to_service_error
 from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
-from server.frontend import CHAT_ROLES, ChatTurn, Frontend, ModelCard, new_request_id
 from server.limits import DEFAULT_MAX_MESSAGE_BYTES
 from server.sampling_mapping import default_problems
+from server.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
 
 log = logging.getLogger("protoserve")
 
@@ -473,16 +473,16 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
         raise CliError(f"could not load the model: {_flag_names(str(exc))}", exit_codes.MODEL_LOAD) from exc
     engine.start()
     try:
-        frontend = Frontend(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
-        frontend.sampling.check(sampling, _flag)
+        served = ServedModel(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
+        served.sampling.check(sampling, _flag)
         # An instruct model answers a prompt through its template; completing the raw text is asked for.
-        if args.chat or turns or (not args.raw and frontend.tokenizer.has_chat_template):
+        if args.chat or turns or (not args.raw and served.tokenizer.has_chat_template):
             if prompt is not None:
                 turns.append(ChatTurn("user", prompt))
-            prompt_ids = frontend.render_chat(turns)
+            prompt_ids = served.render_chat(turns)
         else:
-            prompt_ids = frontend.encode_text(prompt)
-        request = GenerationRequest(
+            prompt_ids = served.encode_text(prompt)
+        request = TokenizedRequest(
             request_id=new_request_id("cli"),
             prompt_token_ids=prompt_ids,
             sampling=sampling,

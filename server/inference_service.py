@@ -1,4 +1,4 @@
-"""InferenceService: protoserve's own gRPC API on top of the frontend and the engine."""
+"""InferenceService: protoserve's own gRPC API on top of the served model and the engine."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 from server import errors
 from server.admission import AdmittingServicer
-from server.frontend import RequestResult, new_request_id
 from server.inflight import Call
 from server.limits import MAX_BATCH_REQUESTS, MAX_REQUEST_ID_CHARS
+from server.served_model import CollectedOutput, new_request_id
 
 
 def check_request_id(request_id: str, path: str = "request_id") -> None:
@@ -33,18 +33,18 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
     """Generate, stream, batch, cancel, tokenize and describe models over gRPC."""
 
     async def _run(self, call: Call, request: pb.GenerateRequest, request_id: str, path_prefix: str = ""):
-        """Validate and run one GenerateRequest inside ``call``; returns its RequestResult."""
-        frontend = self.models.get(request.model)
-        gen_request = await frontend.generation_request(
+        """Validate and run one GenerateRequest inside ``call``; returns its CollectedOutput."""
+        served = self.models.get(request.model)
+        tokenized = await served.tokenized_request(
             request,
             request_id=f"{request_id}.{new_request_id('e')}",
             cache_salt=call.identity.cache_salt,
             path_prefix=path_prefix,
         )
-        result = RequestResult(n=gen_request.sampling.n)
-        async for output in self.inflight.generate(call, frontend.engine, gen_request):
+        result = CollectedOutput(n=tokenized.sampling.n)
+        async for output in self.inflight.generate(call, served.engine, tokenized):
             result.add(output)
-        return frontend, result
+        return served, result
 
     @errors.reports_errors
     async def Generate(
@@ -55,8 +55,8 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
         check_request_id(request.request_id)
         request_id = request.request_id or new_request_id()
         async with self.inflight.call(identity, request_id, call_deadline(context)) as call:
-            frontend, result = await self._run(call, request, request_id)
-        return frontend.response_to_proto(request_id, result)
+            served, result = await self._run(call, request, request_id)
+        return served.response_to_proto(request_id, result)
 
     @errors.reports_errors
     async def GenerateStream(
@@ -70,23 +70,23 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
         check_request_id(inner.request_id)
         request_id = inner.request_id or new_request_id()
         async with self.inflight.call(identity, request_id, call_deadline(context)) as call:
-            frontend = self.models.get(inner.model)
-            gen_request = await frontend.generation_request(
+            served = self.models.get(inner.model)
+            tokenized = await served.tokenized_request(
                 inner, request_id=f"{request_id}.{new_request_id('e')}", cache_salt=identity.cache_salt
             )
-            result = RequestResult(n=gen_request.sampling.n)
-            async for output in self.inflight.generate(call, frontend.engine, gen_request):
+            result = CollectedOutput(n=tokenized.sampling.n)
+            async for output in self.inflight.generate(call, served.engine, tokenized):
                 result.add(output)
                 for delta in output.deltas:
                     # A delta may only carry a finish reason; that goes in the final message.
                     if delta.text or delta.token_ids or delta.logprobs:
                         await context.write(
                             pb.GenerateStreamResponse(
-                                request_id=request_id, delta=frontend.delta_to_proto(delta)
+                                request_id=request_id, delta=served.delta_to_proto(delta)
                             )
                         )
         await context.write(
-            pb.GenerateStreamResponse(request_id=request_id, final=frontend.final_to_proto(result))
+            pb.GenerateStreamResponse(request_id=request_id, final=served.final_to_proto(result))
         )
 
     @errors.reports_errors
@@ -117,10 +117,10 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
         async def one(index: int) -> pb.BatchResult:
             try:
                 async with self.inflight.call(identity, ids[index], deadline) as call:
-                    frontend, result = await self._run(
+                    served, result = await self._run(
                         call, request.requests[index], ids[index], path_prefix=f"requests[{index}]."
                     )
-                return pb.BatchResult(response=frontend.response_to_proto(ids[index], result))
+                return pb.BatchResult(response=served.response_to_proto(ids[index], result))
             except Exception as exc:  # noqa: BLE001 - reported in this item's result, as the unary RPC would
                 return pb.BatchResult(error=errors.to_rpc_status(exc))
 

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import FinishReason, GenerationRequest, RequestOutput, RequestStats
+from engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
 from server import errors
 from server.auth import Identity
 from server.rate_limit import RateLimiter, reserved_tokens
@@ -137,7 +137,7 @@ class InflightRequests:
             self.telemetry.request_finished(record)
 
     def generate(
-        self, call: Call, engine: AsyncEngine, request: GenerationRequest
+        self, call: Call, engine: AsyncEngine, request: TokenizedRequest
     ) -> AsyncIterator[RequestOutput]:
         """Run ``request`` for ``call``: the engine's outputs, with deadline and usage handled."""
         gen = self._generate(call, engine, request)
@@ -145,7 +145,7 @@ class InflightRequests:
         return gen
 
     async def _generate(
-        self, call: Call, engine: AsyncEngine, request: GenerationRequest
+        self, call: Call, engine: AsyncEngine, request: TokenizedRequest
     ) -> AsyncIterator[RequestOutput]:
         reservation = None
         if self.limiter is not None:

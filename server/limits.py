@@ -2,7 +2,7 @@
 
 A field with no natural bound gets a cap here, and a request over it is refused
 with INVALID_ARGUMENT naming the field and the cap (the servicers and the
-frontend check them; the README's Errors section lists them). Text caps count
+served model check them; the README's Errors section lists them). Text caps count
 characters (Unicode code points), byte caps count UTF-8 bytes.
 """
 

@@ -142,11 +142,11 @@ class EngineCollector(Collector):
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         preemptions = counter("num_preemptions", "Preemptions.")
-        for frontend in self.models.all():
-            stats, label = frontend.engine.stats(), [frontend.name]
+        for served in self.models.all():
+            stats, label = served.engine.stats(), [served.name]
             running.add_metric(label, stats.running)
             waiting.add_metric(label, stats.waiting)
-            capacity.add_metric(label, frontend.engine.engine.config.max_queue)
+            capacity.add_metric(label, served.engine.engine.config.max_queue)
             kv.add_metric(label, stats.kv_usage)
             prompt.add_metric(label, stats.prompt_tokens_total)
             generation.add_metric(label, stats.generation_tokens_total)

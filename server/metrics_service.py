@@ -64,10 +64,10 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
     def snapshot(self, identity: Identity) -> pb.MetricsSnapshot:
         """The metrics of the default model and of the server, now, as ``identity`` may see them."""
         snap = pb.MetricsSnapshot(timestamp=time.time())
-        frontends = self.models.all()
-        if frontends:
-            frontend = frontends[0]
-            name, stats = frontend.name, frontend.engine.stats()
+        served_models = self.models.all()
+        if served_models:
+            served = served_models[0]
+            name, stats = served.name, served.engine.stats()
             snap.model = name
             snap.num_requests_running = stats.running
             snap.num_requests_waiting = stats.waiting

@@ -3,42 +3,42 @@
 from __future__ import annotations
 
 from server import errors
-from server.frontend import Frontend
 from server.limits import MAX_MODEL_NAME_CHARS
+from server.served_model import ServedModel
 
 
 class ModelRegistry:
-    """Name → Frontend. Empty while the model loads, which callers see as NOT_READY."""
+    """Name → ServedModel. Empty while the model loads, which callers see as NOT_READY."""
 
     def __init__(self) -> None:
-        self._frontends: dict[str, Frontend] = {}
+        self._models: dict[str, ServedModel] = {}
 
-    def add(self, frontend: Frontend) -> None:
-        """Serve ``frontend`` under its name; a name over the cap could never be asked for."""
-        if len(frontend.name) > MAX_MODEL_NAME_CHARS:
+    def add(self, served: ServedModel) -> None:
+        """Serve ``served`` under its name; a name over the cap could never be asked for."""
+        if len(served.name) > MAX_MODEL_NAME_CHARS:
             raise ValueError(
-                f"model name {errors.echo(frontend.name)} is longer than {MAX_MODEL_NAME_CHARS} characters"
+                f"model name {errors.echo(served.name)} is longer than {MAX_MODEL_NAME_CHARS} characters"
             )
-        self._frontends[frontend.name] = frontend
+        self._models[served.name] = served
 
     @property
     def names(self) -> list[str]:
-        return list(self._frontends)
+        return list(self._models)
 
-    def all(self) -> list[Frontend]:
-        return list(self._frontends.values())
+    def all(self) -> list[ServedModel]:
+        return list(self._models.values())
 
-    def get(self, name: str) -> Frontend:
+    def get(self, name: str) -> ServedModel:
         """The named model, or the default for ""; NOT_FOUND for a model not loaded.
 
         The message quotes the name cut short (:func:`errors.echo`): the whole of a long one
         would overflow the status's trailers.
         """
-        if not self._frontends:
+        if not self._models:
             raise errors.not_ready()
         if not name:
-            return next(iter(self._frontends.values()))
+            return next(iter(self._models.values()))
         try:
-            return self._frontends[name]
+            return self._models[name]
         except KeyError:
-            raise errors.model_not_found(name, self._frontends) from None
+            raise errors.model_not_found(name, self._models) from None

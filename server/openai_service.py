@@ -1,6 +1,6 @@
 """OpenAIService: OpenAI's completions and chat completions over gRPC.
 
-Built on the same frontend (validation, tokenization, chat template) and
+Built on the same served model (validation, tokenization, chat template) and
 in-flight registry (cancel, deadline, abort on disconnect) as InferenceService,
 so only the shapes differ: ids ``cmpl-…``/``chatcmpl-…``, ``created`` unix
 seconds, ``object`` strings, ``system_fingerprint``, OpenAI's logprob layouts
@@ -22,14 +22,13 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import json_format, struct_pb2
 
-from engine.request import CompletionDelta, FinishReason, GenerationRequest, PositionLogprobs, RequestOutput
+from engine.request import CompletionDelta, FinishReason, PositionLogprobs, RequestOutput, TokenizedRequest
 from engine.sampling_params import ContextPolicy, SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
 from server import errors
 from server.admission import AdmittingServicer
 from server.auth import Identity
-from server.frontend import ChatTurn, Frontend, RequestResult, new_request_id
 from server.inference_service import call_deadline
 from server.inflight import Call
 from server.limits import (
@@ -38,6 +37,7 @@ from server.limits import (
     MAX_LOGIT_BIAS_ENTRIES,
     OPENAI_MAX_STOP_STRINGS,
 )
+from server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
 
 SERVER_VERSION = "protoserve-0.1.0"
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` range is 0-5
@@ -58,10 +58,10 @@ FINISH_REASONS = {
 T = TypeVar("T")
 
 
-def system_fingerprint(frontend: Frontend) -> str:
+def system_fingerprint(served: ServedModel) -> str:
     """Identifies the server build and how the model was loaded, as OpenAI's fingerprint does."""
-    card = frontend.card
-    key = f"{SERVER_VERSION}|{frontend.name}|{card.dtype}|{card.quantization}|{card.source}"
+    card = served.card
+    key = f"{SERVER_VERSION}|{served.name}|{card.dtype}|{card.quantization}|{card.source}"
     return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -186,7 +186,7 @@ class _Prompt:
 class _Prepared:
     """A validated OpenAI request, ready for the engine."""
 
-    frontend: Frontend
+    served: ServedModel
     prompts: list[_Prompt]
     sampling: SamplingParams
     echo: bool = False
@@ -227,15 +227,15 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     # ---- request preparation -----------------------------------------------------------
 
     async def _prepare_completion(self, req: oa.CreateCompletionRequest, *, streaming: bool) -> _Prepared:
-        frontend = self.models.get(req.model)
+        served = self.models.get(req.model)
         violations = _stream_field_violations(req, streaming)
-        prompts = await self._completion_prompts(frontend, req, violations)
+        prompts = await self._completion_prompts(served, req, violations)
         if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             violations.append(("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}]"))
         if req.echo and req.HasField("logprobs"):
             # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
             violations.append(("echo", "cannot be combined with logprobs"))
-        sampling = frontend.sampling.params(
+        sampling = served.sampling.params(
             req,
             api_defaults={"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS},
             **_converted_sampling(req, violations),
@@ -243,11 +243,11 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             logprobs=req.HasField("logprobs"),
             top_logprobs=min(max(req.logprobs, 0), MAX_COMPLETION_LOGPROBS),
         )
-        frontend.sampling.check(sampling, {"top_logprobs": "logprobs"}, violations)
-        return _Prepared(frontend, prompts, sampling, echo=req.echo)
+        served.sampling.check(sampling, {"top_logprobs": "logprobs"}, violations)
+        return _Prepared(served, prompts, sampling, echo=req.echo)
 
     async def _completion_prompts(
-        self, frontend: Frontend, req: oa.CreateCompletionRequest, violations: list[tuple[str, str]]
+        self, served: ServedModel, req: oa.CreateCompletionRequest, violations: list[tuple[str, str]]
     ) -> list[_Prompt]:
         """OpenAI's prompt forms: a string, strings, token ids, or lists of token ids."""
         value = _python_value(req.prompt) if req.HasField("prompt") else None
@@ -266,7 +266,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         for i, item in enumerate(value):
             path = "prompt" if len(value) == 1 else f"prompt[{i}]"
             if isinstance(item, str):
-                ids = await frontend.prompt_ids(item, path=path, policy=ContextPolicy.ALLOW_CONTEXT_STOP)
+                ids = await served.prompt_ids(item, path=path, policy=ContextPolicy.ALLOW_CONTEXT_STOP)
                 if not ids:
                     violations.append((path, "must produce at least one token"))
                 prompts.append(_Prompt(ids, item))
@@ -275,14 +275,14 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             if not ids:
                 violations.append((path, "must be a non-empty string or a non-empty list of token ids"))
                 continue
-            bad = frontend.token_id_violations(ids, path)
+            bad = served.token_id_violations(ids, path)
             violations.extend(bad)
             if not bad:
-                prompts.append(_Prompt(ids, frontend.tokenizer.decode(ids, skip_special_tokens=False)))
+                prompts.append(_Prompt(ids, served.tokenizer.decode(ids, skip_special_tokens=False)))
         return prompts
 
     async def _prepare_chat(self, req: oa.CreateChatCompletionRequest, *, streaming: bool) -> _Prepared:
-        frontend = self.models.get(req.model)
+        served = self.models.get(req.model)
         violations = _stream_field_violations(req, streaming)
         turns = self._chat_turns(req, violations)
         if req.HasField("top_logprobs") and req.top_logprobs and not req.logprobs:
@@ -297,10 +297,10 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             converted["max_tokens"] = req.max_completion_tokens
             max_field = "max_completion_tokens"
         # Unset, max_tokens is "until EOS or the context is full".
-        sampling = frontend.sampling.params(req, api_defaults={"max_tokens": None}, **converted)
-        frontend.sampling.check(sampling, {"max_tokens": max_field}, violations)
-        prompt_ids = await frontend.chat_ids(turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP)
-        return _Prepared(frontend, [_Prompt(prompt_ids, "")], sampling)
+        sampling = served.sampling.params(req, api_defaults={"max_tokens": None}, **converted)
+        served.sampling.check(sampling, {"max_tokens": max_field}, violations)
+        prompt_ids = await served.chat_ids(turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP)
+        return _Prepared(served, [_Prompt(prompt_ids, "")], sampling)
 
     def _chat_turns(
         self, req: oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]
@@ -334,9 +334,9 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
 
     def _engine_requests(
         self, public_id: str, prepared: _Prepared, identity: Identity
-    ) -> list[GenerationRequest]:
+    ) -> list[TokenizedRequest]:
         return [
-            GenerationRequest(
+            TokenizedRequest(
                 request_id=f"{public_id}.{i}",
                 prompt_token_ids=prompt.token_ids,
                 sampling=dataclasses.replace(prepared.sampling),
@@ -348,43 +348,43 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         ]
 
     def _outputs(
-        self, call: Call, prepared: _Prepared, requests: list[GenerationRequest]
+        self, call: Call, prepared: _Prepared, requests: list[TokenizedRequest]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every prompt's engine outputs, concurrently, tagged with the prompt index.
 
         Callers close it (``contextlib.aclosing``) before leaving the call, so the
         tasks reading several prompts are gone before the call closes their streams.
         """
-        return _merge([self.inflight.generate(call, prepared.frontend.engine, r) for r in requests])
+        return _merge([self.inflight.generate(call, prepared.served.engine, r) for r in requests])
 
     # ---- logprob shapes -------------------------------------------------------------------
 
     def _completion_logprobs(
-        self, frontend: Frontend, positions: list[PositionLogprobs], offsets: list[int]
+        self, served: ServedModel, positions: list[PositionLogprobs], offsets: list[int]
     ) -> oa.CompletionLogprobs:
         out = oa.CompletionLogprobs()
         for pos, offset in zip(positions, offsets, strict=True):
-            out.tokens.append(frontend.token_text(pos.chosen.token_id))
+            out.tokens.append(served.token_text(pos.chosen.token_id))
             out.token_logprobs.append(pos.chosen.logprob)
             top = struct_pb2.Struct()
             for alt in pos.top:
-                top[frontend.token_text(alt.token_id)] = alt.logprob
+                top[served.token_text(alt.token_id)] = alt.logprob
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
         return out
 
-    def _chat_logprobs(self, frontend: Frontend, positions: list[PositionLogprobs]) -> oa.ChatChoiceLogprobs:
+    def _chat_logprobs(self, served: ServedModel, positions: list[PositionLogprobs]) -> oa.ChatChoiceLogprobs:
         return oa.ChatChoiceLogprobs(
             content=[
                 oa.ChatCompletionTokenLogprob(
-                    token=frontend.token_text(pos.chosen.token_id),
+                    token=served.token_text(pos.chosen.token_id),
                     logprob=pos.chosen.logprob,
-                    bytes=list(frontend.token_bytes(pos.chosen.token_id)),
+                    bytes=list(served.token_bytes(pos.chosen.token_id)),
                     top_logprobs=[
                         oa.TopLogprob(
-                            token=frontend.token_text(alt.token_id),
+                            token=served.token_text(alt.token_id),
                             logprob=alt.logprob,
-                            bytes=list(frontend.token_bytes(alt.token_id)),
+                            bytes=list(served.token_bytes(alt.token_id)),
                         )
                         for alt in pos.top
                     ],
@@ -394,7 +394,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         )
 
     @staticmethod
-    def _usage(results: list[RequestResult]) -> oa.Usage:
+    def _usage(results: list[CollectedOutput]) -> oa.Usage:
         prompt = sum(r.prompt_tokens for r in results)
         completion = sum(r.completion_tokens for r in results)
         return oa.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -403,12 +403,12 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
 
     async def _complete(
         self, context: grpc.aio.ServicerContext, identity: Identity, prepared: _Prepared, api: _Api
-    ) -> tuple[str, int, list[RequestResult]]:
+    ) -> tuple[str, int, list[CollectedOutput]]:
         """Run every prompt to its end: the response id, its ``created`` and each prompt's result."""
         public_id = new_request_id(api.id_prefix)
         created = int(time.time())
         requests = self._engine_requests(public_id, prepared, identity)
-        results = [RequestResult(n=prepared.sampling.n) for _ in requests]
+        results = [CollectedOutput(n=prepared.sampling.n) for _ in requests]
         async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
             async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
                 async for index, output in outputs:
@@ -430,22 +430,22 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         """
         public_id = new_request_id(api.id_prefix)
         created = int(time.time())
-        frontend = prepared.frontend
-        fingerprint = system_fingerprint(frontend)
+        served = prepared.served
+        fingerprint = system_fingerprint(served)
 
         def chunk(choices: list[Any], usage: oa.Usage | None = None) -> Any:
             return api.chunk_type(
                 id=public_id,
                 object=api.chunk_object,
                 created=created,
-                model=frontend.name,
+                model=served.name,
                 choices=choices,
                 usage=usage,
                 system_fingerprint=fingerprint,
             )
 
         requests = self._engine_requests(public_id, prepared, identity)
-        results = [RequestResult(n=prepared.sampling.n) for _ in requests]
+        results = [CollectedOutput(n=prepared.sampling.n) for _ in requests]
         async with self.inflight.call(identity, public_id, call_deadline(context)) as call:
             started = False
             async with contextlib.aclosing(self._outputs(call, prepared, requests)) as outputs:
@@ -472,7 +472,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         """Complete one or more prompts; choice i*n+j is choice j of prompt i."""
         identity = self._admit(context)
         prepared = await self._prepare_completion(request, streaming=False)
-        frontend, n = prepared.frontend, prepared.sampling.n
+        served, n = prepared.served, prepared.sampling.n
         public_id, created, results = await self._complete(context, identity, prepared, COMPLETIONS)
         choices = []
         for p, (prompt, result) in enumerate(zip(prepared.prompts, results, strict=True)):
@@ -480,9 +480,9 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 prefix = prompt.text if prepared.echo else ""
                 logprobs = None
                 if prepared.sampling.logprobs:
-                    texts = [frontend.token_text(pos.chosen.token_id) for pos in choice.logprobs]
+                    texts = [served.token_text(pos.chosen.token_id) for pos in choice.logprobs]
                     offsets = _OffsetTracker().take(0, texts, start=len(prefix))
-                    logprobs = self._completion_logprobs(frontend, choice.logprobs, offsets)
+                    logprobs = self._completion_logprobs(served, choice.logprobs, offsets)
                 choices.append(
                     oa.CompletionChoice(
                         text=prefix + choice.text,
@@ -495,10 +495,10 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             id=public_id,
             object="text_completion",
             created=created,
-            model=frontend.name,
+            model=served.name,
             choices=choices,
             usage=self._usage(results),
-            system_fingerprint=system_fingerprint(frontend),
+            system_fingerprint=system_fingerprint(served),
         )
 
     @errors.reports_errors
@@ -523,7 +523,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             ]
 
         def chunk_choices(p: int, delta: CompletionDelta) -> list[oa.CompletionChoice]:
-            choice = self._completion_chunk_choice(prepared.frontend, prepared, p, delta, offsets)
+            choice = self._completion_chunk_choice(prepared.served, prepared, p, delta, offsets)
             return [] if choice is None else [choice]
 
         await self._stream(
@@ -532,7 +532,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
 
     def _completion_chunk_choice(
         self,
-        frontend: Frontend,
+        served: ServedModel,
         prepared: _Prepared,
         prompt_index: int,
         delta: CompletionDelta,
@@ -543,10 +543,10 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         index = prompt_index * prepared.sampling.n + delta.index
         choice = oa.CompletionChoice(text=delta.text, index=index)
         if prepared.sampling.logprobs and delta.logprobs:
-            texts = [frontend.token_text(pos.chosen.token_id) for pos in delta.logprobs]
+            texts = [served.token_text(pos.chosen.token_id) for pos in delta.logprobs]
             start = len(prepared.prompts[prompt_index].text) if prepared.echo else 0
             choice.logprobs.CopyFrom(
-                self._completion_logprobs(frontend, delta.logprobs, offsets.take(index, texts, start))
+                self._completion_logprobs(served, delta.logprobs, offsets.take(index, texts, start))
             )
         if delta.finish_reason is not None:
             choice.finish_reason = finish_reason_text(delta.finish_reason)
@@ -561,13 +561,13 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         """Answer a conversation with n choices."""
         identity = self._admit(context)
         prepared = await self._prepare_chat(request, streaming=False)
-        frontend = prepared.frontend
+        served = prepared.served
         public_id, created, results = await self._complete(context, identity, prepared, CHAT_COMPLETIONS)
         choices = [
             oa.ChatCompletionChoice(
                 index=c.index,
                 message=oa.ChatCompletionMessage(role="assistant", content=c.text),
-                logprobs=self._chat_logprobs(frontend, c.logprobs) if prepared.sampling.logprobs else None,
+                logprobs=self._chat_logprobs(served, c.logprobs) if prepared.sampling.logprobs else None,
                 finish_reason=finish_reason_text(c.finish_reason),
             )
             for c in results[0].choices
@@ -576,10 +576,10 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             id=public_id,
             object="chat.completion",
             created=created,
-            model=frontend.name,
+            model=served.name,
             choices=choices,
             usage=self._usage(results),
-            system_fingerprint=system_fingerprint(frontend),
+            system_fingerprint=system_fingerprint(served),
         )
 
     @errors.reports_errors
@@ -590,7 +590,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         identity = self._admit(context)
         inner = request.request
         prepared = await self._prepare_chat(inner, streaming=True)
-        frontend = prepared.frontend
+        served = prepared.served
 
         def roles() -> list[oa.ChatCompletionChunkChoice]:
             delta = oa.ChatCompletionDelta(role="assistant", content="")
@@ -601,7 +601,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             if d.text or d.logprobs:
                 choice = oa.ChatCompletionChunkChoice(index=d.index, delta=oa.ChatCompletionDelta(content=d.text))
                 if prepared.sampling.logprobs:
-                    choice.logprobs.CopyFrom(self._chat_logprobs(frontend, d.logprobs))
+                    choice.logprobs.CopyFrom(self._chat_logprobs(served, d.logprobs))
                 choices.append(choice)
             if d.finish_reason is not None:
                 choices.append(
@@ -620,9 +620,9 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     # ---- models ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _model(frontend: Frontend) -> oa.Model:
+    def _model(served: ServedModel) -> oa.Model:
         return oa.Model(
-            id=frontend.name, object="model", created=int(frontend.card.loaded_at), owned_by="protoserve"
+            id=served.name, object="model", created=int(served.card.loaded_at), owned_by="protoserve"
         )
 
     @errors.reports_errors

@@ -43,7 +43,7 @@ from protoserve.v1 import inference_pb2
 from server.errors import ServiceError
 
 if TYPE_CHECKING:
-    from engine.request import GenerationRequest
+    from engine.request import TokenizedRequest
     from server.auth import Authenticator, Identity
 
 # A bucket refills from empty in one minute, so one untouched that long is full:
@@ -95,7 +95,7 @@ class TokenBucket:
         self.level = min(self.capacity, self.level + amount)
 
 
-def reserved_tokens(request: GenerationRequest, max_model_len: int) -> int:
+def reserved_tokens(request: TokenizedRequest, max_model_len: int) -> int:
     """What an engine request may use: its prompt plus max_tokens (else the rest of the context) per choice."""
     prompt = len(request.prompt_token_ids)
     per_choice = request.sampling.max_tokens

@@ -16,7 +16,7 @@ holds both).
 
 Validation is the engine's own (``SamplingParams.validate``) with its field names renamed to the
 request's paths, plus the server's caps on input size (server/limits.py). A request the server has
-checked goes to the engine marked so (``GenerationRequest.sampling_checked``), which then does not
+checked goes to the engine marked so (``TokenizedRequest.sampling_checked``), which then does not
 check its parameters a second time.
 """
 

@@ -271,7 +271,7 @@ class InProcessServer:
         from engine.loader.default_model import default_model_path
         from server.app import ServerApp, ServerConfig
         from server.auth import Authenticator
-        from server.frontend import ModelCard
+        from server.served_model import ModelCard
 
         path = default_model_path()
         config = EngineConfig(max_num_seqs=2, max_queue=2)

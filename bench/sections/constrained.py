@@ -81,7 +81,7 @@ SIZES = {"smoke": Sizes(16, 2, 4, 1, 4), "default": Sizes(96, 4, 16, 4), "full":
 
 def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, constrained: bool) -> list[Any]:
     from engine.constraints.constraint import Constraint
-    from engine.request import GenerationRequest
+    from engine.request import TokenizedRequest
     from engine.sampling_params import SamplingParams
 
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -92,7 +92,7 @@ def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, const
             sp.constraint = Constraint.json_schema(BENCH_SCHEMAS[i % len(BENCH_SCHEMAS)])
         else:
             sp.ignore_eos = True
-        out.append(GenerationRequest(f"constrained-{next(_ids)}", list(prompt), sp))
+        out.append(TokenizedRequest(f"constrained-{next(_ids)}", list(prompt), sp))
     return out
 
 

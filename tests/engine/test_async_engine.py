@@ -10,12 +10,12 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
-from engine.request import FinishReason, GenerationRequest
+from engine.request import FinishReason, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 
-def long_request(rid: str, max_tokens: int = 200) -> GenerationRequest:
-    return GenerationRequest(rid, list(range(10, 90)), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+def long_request(rid: str, max_tokens: int = 200) -> TokenizedRequest:
+    return TokenizedRequest(rid, list(range(10, 90)), SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                       ignore_eos=True))
 
 
@@ -34,7 +34,7 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def collect(engine: AsyncEngine, request: GenerationRequest):
+async def collect(engine: AsyncEngine, request: TokenizedRequest):
     outs = [out async for out in engine.generate(request)]
     return outs
 
@@ -135,10 +135,10 @@ async def test_abort_by_id_ends_the_stream_cancelled(engine):
 
 
 async def test_refusals_raise_at_first_anext(engine):
-    bad = engine.generate(GenerationRequest("bad", [1], SamplingParams(temperature=-1)))
+    bad = engine.generate(TokenizedRequest("bad", [1], SamplingParams(temperature=-1)))
     with pytest.raises(InvalidRequestError):
         await bad.__anext__()
-    too_long = engine.generate(GenerationRequest("long", [1] * 1024, SamplingParams()))
+    too_long = engine.generate(TokenizedRequest("long", [1] * 1024, SamplingParams()))
     with pytest.raises(ContextLengthError):
         await too_long.__anext__()
 

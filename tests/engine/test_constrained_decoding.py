@@ -22,7 +22,7 @@ from engine.constraints.constraint import Constraint
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, GenerationRequest
+from engine.request import FinishReason, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -53,15 +53,15 @@ def chat(loaded, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def schema_request(loaded, i: int, seed: int, **sampling) -> GenerationRequest:
+def schema_request(loaded, i: int, seed: int, **sampling) -> TokenizedRequest:
     schema = SCHEMAS[i]
     prompt = chat(loaded, f"Give a JSON value for this JSON Schema: {json.dumps(schema)}")
     sp = SamplingParams(max_tokens=128, temperature=0.8, seed=seed, constraint=Constraint.json_schema(schema),
                         **sampling)
-    return GenerationRequest(f"schema{i}-seed{seed}", prompt, sp)
+    return TokenizedRequest(f"schema{i}-seed{seed}", prompt, sp)
 
 
-def assert_valid(r: GenerationRequest, text: str, finish: FinishReason | None) -> None:
+def assert_valid(r: TokenizedRequest, text: str, finish: FinishReason | None) -> None:
     schema = json.loads(r.sampling.constraint.text)
     assert finish == FinishReason.STOP, f"{r.request_id}: {finish} after {text!r}"
     jsonschema.validate(json.loads(text), schema, format_checker=FORMATS)
@@ -87,16 +87,16 @@ def test_regex_grammar_and_choice_outputs_match(smollm2):
     reqs, checks = [], []
     for name, (rx, question) in regexes.items():
         for seed in range(2):
-            reqs.append(GenerationRequest(f"{name}{seed}", chat(smollm2, question), SamplingParams(
+            reqs.append(TokenizedRequest(f"{name}{seed}", chat(smollm2, question), SamplingParams(
                 max_tokens=40, temperature=0.8, seed=seed, constraint=Constraint.regex(rx))))
             checks.append(lambda t, rx=rx: re.fullmatch(rx, t) is not None)
     for seed in range(3):
-        reqs.append(GenerationRequest(f"math{seed}", chat(smollm2, "Write an arithmetic expression."),
+        reqs.append(TokenizedRequest(f"math{seed}", chat(smollm2, "Write an arithmetic expression."),
                                       SamplingParams(max_tokens=60, temperature=0.8, seed=seed,
                                                      constraint=Constraint.grammar(ARITHMETIC))))
         checks.append(parses_as_arithmetic)
     answers = ["yes", "no", "not sure"]
-    reqs.append(GenerationRequest("choice", chat(smollm2, "Is Paris the capital of France?"), SamplingParams(
+    reqs.append(TokenizedRequest("choice", chat(smollm2, "Is Paris the capital of France?"), SamplingParams(
         max_tokens=10, temperature=0.8, seed=0, n=4, constraint=Constraint.choice(answers))))
     done = LLM(engine=engine_of(smollm2)).run(reqs)
     for r, c, check in zip(reqs, done, checks, strict=False):
@@ -116,9 +116,9 @@ def test_unconstrained_neighbours_n_and_preemption(smollm2):
     """One mixed batch: plain requests equal to themselves alone; n=3 schema choices valid; a tiny KV pool
     that preempts gives the constrained outputs of a big one, token for token."""
     plain = [
-        GenerationRequest("plain-greedy", chat(smollm2, "Name three colors."),
+        TokenizedRequest("plain-greedy", chat(smollm2, "Name three colors."),
                           SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2)),
-        GenerationRequest("plain-sampled", chat(smollm2, "Tell me about cats."),
+        TokenizedRequest("plain-sampled", chat(smollm2, "Tell me about cats."),
                           SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, logprobs=True,
                                          frequency_penalty=0.3)),
     ]
@@ -149,5 +149,5 @@ def test_a_bad_schema_is_refused_with_the_grammar_engines_message(smollm2):
     bad = Constraint.json_schema(
         {"type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}})
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request(GenerationRequest("bad", [1, 2, 3], SamplingParams(constraint=bad)))
+        engine.add_request(TokenizedRequest("bad", [1, 2, 3], SamplingParams(constraint=bad)))
     assert e.value.violations == [("constraint.json_schema", "Unknown format: bogus")]

@@ -21,19 +21,19 @@ from engine.constraints.constraint import Constraint, ConstraintKind
 from engine.constraints.masks import MaskFiller, allowed_tokens
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.request import FinishReason, GenerationRequest
+from engine.request import FinishReason, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 REGEXES = [r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", r"\d{4}-\d{2}-\d{2}", r"(yes|no|maybe)!?",
            r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){1,2}"]
 
 
-def request(rid: str, constraint: Constraint | None, prompt_seed: int = 0, **sampling) -> GenerationRequest:
+def request(rid: str, constraint: Constraint | None, prompt_seed: int = 0, **sampling) -> TokenizedRequest:
     sampling.setdefault("max_tokens", 48)
     sampling.setdefault("temperature", 1.0)
     rng = random.Random(prompt_seed)
     prompt = [rng.randrange(256) for _ in range(rng.randint(3, 30))]
-    return GenerationRequest(rid, prompt, SamplingParams(constraint=constraint, **sampling))
+    return TokenizedRequest(rid, prompt, SamplingParams(constraint=constraint, **sampling))
 
 
 def text(c) -> list[str]:
@@ -143,7 +143,7 @@ def test_unconstrained_rows_are_unchanged_by_constrained_neighbours(make_engine)
         sp = SamplingParams(max_tokens=rng.randint(4, 24), temperature=0.0 if i % 3 == 0 else 0.9,
                             logprobs=True, top_logprobs=2, seed=rng.randrange(2**31),
                             presence_penalty=0.5 if i % 4 == 1 else 0.0)
-        plain.append(GenerationRequest(f"u{i}", [rng.randrange(256) for _ in range(rng.randint(1, 50))], sp))
+        plain.append(TokenizedRequest(f"u{i}", [rng.randrange(256) for _ in range(rng.randint(1, 50))], sp))
     constrained = [request(f"c{i}", Constraint.regex(REGEXES[i % 4]), 100 + i, seed=i, n=2 if i % 3 else 1)
                    for i in range(10)]
     mixed = [clone(r) for pair in zip(plain, constrained, strict=False) for r in pair]
@@ -169,7 +169,7 @@ def test_preemption_keeps_constrained_outputs_valid_and_identical(make_engine):
 
 def test_prefix_cache_hits_do_not_disturb_the_matcher(make_engine):
     engine = make_engine()
-    first = GenerationRequest("a", list(range(40, 90)), SamplingParams(
+    first = TokenizedRequest("a", list(range(40, 90)), SamplingParams(
         constraint=Constraint.regex(r"[a-z]{8}"), seed=5, max_tokens=20))
     [a] = LLM(engine=engine).run([first])
     [b] = LLM(engine=engine).run([clone(first, "-again")])

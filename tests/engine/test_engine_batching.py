@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.llm import LLM, Completion
-from engine.request import FinishReason, GenerationRequest
+from engine.request import FinishReason, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 
@@ -19,7 +19,7 @@ def fresh_rng() -> random.Random:
     return random.Random(seed)
 
 
-def random_requests(rng: random.Random, count: int, max_prompt: int = 200) -> list[GenerationRequest]:
+def random_requests(rng: random.Random, count: int, max_prompt: int = 200) -> list[TokenizedRequest]:
     """Half greedy, half seeded sampling (interleaved), random prompt lengths and max_tokens."""
     reqs = []
     for i in range(count):
@@ -28,14 +28,14 @@ def random_requests(rng: random.Random, count: int, max_prompt: int = 200) -> li
         sp = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, logprobs=True, top_logprobs=2)
         if i % 2:
             sp.temperature, sp.top_p, sp.seed = 0.9, 0.95, rng.randrange(2**31)
-        reqs.append(GenerationRequest(f"req-{i}", prompt, sp))
+        reqs.append(TokenizedRequest(f"req-{i}", prompt, sp))
     return reqs
 
 
-def clone(r: GenerationRequest, suffix: str = "") -> GenerationRequest:
+def clone(r: TokenizedRequest, suffix: str = "") -> TokenizedRequest:
     sp = SamplingParams(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
                            for k, v in vars(r.sampling).items()})
-    return GenerationRequest(r.request_id + suffix, list(r.prompt_token_ids), sp, r.context_policy, r.priority,
+    return TokenizedRequest(r.request_id + suffix, list(r.prompt_token_ids), sp, r.context_policy, r.priority,
                              r.cache_salt)
 
 
@@ -68,7 +68,7 @@ def test_32_requests_batched_equal_alone(make_engine):
 
 def test_small_pool_preempts_and_matches_unconstrained(make_engine):
     rng = fresh_rng()
-    reqs = [GenerationRequest(f"p{i}", [rng.randrange(256) for _ in range(rng.randint(20, 60))],
+    reqs = [TokenizedRequest(f"p{i}", [rng.randrange(256) for _ in range(rng.randint(20, 60))],
                               SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True))
             for i in range(8)]
     big = make_engine(max_kv_blocks=256)
@@ -98,7 +98,7 @@ def test_chunked_prefill_gives_the_same_logits(make_engine):
             return out
 
         engine.runner.execute = capture
-        LLM(engine=engine).run([GenerationRequest("long", list(prompt), SamplingParams(max_tokens=1))])
+        LLM(engine=engine).run([TokenizedRequest("long", list(prompt), SamplingParams(max_tokens=1))])
         return captured[-1], len(captured)
 
     one_shot, steps_one = first_logits(2048)
@@ -110,8 +110,8 @@ def test_chunked_prefill_gives_the_same_logits(make_engine):
 def test_shared_prefix_skips_cached_blocks_and_salt_isolates(make_engine):
     rng = fresh_rng()
     prefix = [rng.randrange(256) for _ in range(512)]
-    first = GenerationRequest("a", prefix + [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
-    second = GenerationRequest("b", prefix + [9, 8, 7, 6], SamplingParams(max_tokens=8, temperature=0.0,
+    first = TokenizedRequest("a", prefix + [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+    second = TokenizedRequest("b", prefix + [9, 8, 7, 6], SamplingParams(max_tokens=8, temperature=0.0,
                                                                           logprobs=True))
     engine = make_engine()
     llm = LLM(engine=engine)
@@ -131,7 +131,7 @@ def test_shared_prefix_skips_cached_blocks_and_salt_isolates(make_engine):
 
 def test_abort_frees_blocks_at_once_and_others_are_unaffected(make_engine):
     rng = fresh_rng()
-    reqs = [GenerationRequest(f"x{i}", [rng.randrange(256) for _ in range(rng.randint(30, 90))],
+    reqs = [TokenizedRequest(f"x{i}", [rng.randrange(256) for _ in range(rng.randint(30, 90))],
                               SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for i in range(3)]
     expected = LLM(engine=make_engine()).run([clone(reqs[0]), clone(reqs[2])])
     engine = make_engine()
@@ -163,8 +163,8 @@ def test_abort_frees_blocks_at_once_and_others_are_unaffected(make_engine):
 
 def test_priority_request_runs_first(make_engine):
     engine = make_engine(max_num_seqs=1, priority_aging_steps=0)
-    low = GenerationRequest("low", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
-    high = GenerationRequest("high", [4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0), priority=10)
+    low = TokenizedRequest("low", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+    high = TokenizedRequest("high", [4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0), priority=10)
     engine.add_request(low)
     engine.add_request(high)
     order = []

@@ -6,17 +6,17 @@ import pytest
 
 from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
 from engine.llm import LLM
-from engine.request import FinishReason, GenerationRequest
+from engine.request import FinishReason, TokenizedRequest
 from engine.sampling_params import ContextPolicy, SamplingParams
 
 LIMIT = 64
 
 
-def req(rid: str, n_prompt: int, policy=ContextPolicy.ALLOW_CONTEXT_STOP, **sampling) -> GenerationRequest:
+def req(rid: str, n_prompt: int, policy=ContextPolicy.ALLOW_CONTEXT_STOP, **sampling) -> TokenizedRequest:
     sampling.setdefault("temperature", 0.0)
     sampling.setdefault("ignore_eos", True)
     prompt = [(7 * i) % 256 for i in range(n_prompt)]
-    return GenerationRequest(rid, prompt, SamplingParams(**sampling), context_policy=policy)
+    return TokenizedRequest(rid, prompt, SamplingParams(**sampling), context_policy=policy)
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_truncation_policies(engine, make_engine, policy, max_tokens, kept, slic
     expected_len = min(max_tokens, LIMIT - kept)
     assert len(c.choices[0].token_ids) == expected_len
     # Same as sending the kept part of the prompt yourself.
-    direct = GenerationRequest("d", r.prompt_token_ids[slice_], SamplingParams(max_tokens=max_tokens,
+    direct = TokenizedRequest("d", r.prompt_token_ids[slice_], SamplingParams(max_tokens=max_tokens,
                                                                                temperature=0.0, ignore_eos=True))
     [d] = LLM(engine=make_engine(max_model_len=LIMIT)).run([direct])
     assert d.choices[0].token_ids == c.choices[0].token_ids
@@ -73,11 +73,11 @@ def test_reserve_generation_without_room_is_refused(engine):
 
 def test_invalid_requests_list_every_violation(engine, make_engine):
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request(GenerationRequest("bad", [], SamplingParams(top_p=0.0, n=0)))
+        engine.add_request(TokenizedRequest("bad", [], SamplingParams(top_p=0.0, n=0)))
     fields = {f for f, _ in e.value.violations}
     assert fields == {"prompt_token_ids", "top_p", "n"}
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request(GenerationRequest("bad2", [1, 99999], SamplingParams(logit_bias={99999: 1.0})))
+        engine.add_request(TokenizedRequest("bad2", [1, 99999], SamplingParams(logit_bias={99999: 1.0})))
     assert {f for f, _ in e.value.violations} == {"prompt_token_ids", "logit_bias"}
     with pytest.raises(InvalidRequestError) as e:
         make_engine(max_num_seqs=2).add_request(req("wide", 5, n=3))

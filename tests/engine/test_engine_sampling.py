@@ -6,7 +6,7 @@ import torch
 from tiny_checkpoint_ids import TINY_EOS
 
 from engine.llm import LLM
-from engine.request import FinishReason, GenerationRequest
+from engine.request import FinishReason, TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 PROMPT = list(b"The quick brown fox jumps over the lazy dog. ")
@@ -14,7 +14,7 @@ PROMPT = list(b"The quick brown fox jumps over the lazy dog. ")
 
 def run_one(make_engine, prompt=PROMPT, **sampling):
     llm = LLM(engine=make_engine())
-    [c] = llm.run([GenerationRequest("r", list(prompt), SamplingParams(**sampling))])
+    [c] = llm.run([TokenizedRequest("r", list(prompt), SamplingParams(**sampling))])
     return c
 
 
@@ -108,7 +108,7 @@ def test_logprobs_match_log_softmax_of_model_logits(make_engine):
 
     engine.runner.execute = capture
     [c] = LLM(engine=engine).run(
-        [GenerationRequest("lp", PROMPT, SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=4))]
+        [TokenizedRequest("lp", PROMPT, SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=4))]
     )
     ch = c.choices[0]
     assert len(ch.logprobs) == 5 == len(rows)
@@ -123,7 +123,7 @@ def test_logprobs_match_log_softmax_of_model_logits(make_engine):
 def test_n_samples_share_prompt_blocks_and_reuse_the_seed(make_engine):
     engine = make_engine()
     prompt = PROMPT[:40]  # two full 16-token blocks and a partial one
-    engine.add_request(GenerationRequest("n3", prompt, SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=11,
+    engine.add_request(TokenizedRequest("n3", prompt, SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=11,
                                                                       ignore_eos=True)))
     outs: dict[int, list[int]] = {}
 
@@ -143,11 +143,11 @@ def test_n_samples_share_prompt_blocks_and_reuse_the_seed(make_engine):
     while engine.has_unfinished():
         collect(engine.step())
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    [n3] = LLM(engine=make_engine()).run([GenerationRequest("again", prompt, SamplingParams(
+    [n3] = LLM(engine=make_engine()).run([TokenizedRequest("again", prompt, SamplingParams(
         n=3, max_tokens=10, temperature=1.0, seed=11, ignore_eos=True))])
     choices = [ch.token_ids for ch in n3.choices]
     assert choices == [outs[0], outs[1], outs[2]]
     assert len({tuple(c) for c in choices}) == 3, "each choice has its own generator"
-    [n1] = LLM(engine=make_engine()).run([GenerationRequest("one", prompt, SamplingParams(
+    [n1] = LLM(engine=make_engine()).run([TokenizedRequest("one", prompt, SamplingParams(
         max_tokens=10, temperature=1.0, seed=11, ignore_eos=True))])
     assert choices[0] == n1.choices[0].token_ids, "choice 0 uses the request seed itself"

@@ -19,7 +19,7 @@ from tiny_checkpoint_ids import TINY_VOCAB
 
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
-from engine.request import GenerationRequest
+from engine.request import TokenizedRequest
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -123,7 +123,7 @@ def test_mirostat_in_the_engine_is_per_sequence_and_batch_invariant(make_engine)
         sp = SamplingParams(max_tokens=rng.randint(5, 30), temperature=1.0, seed=rng.randrange(2**31),
                             mirostat_mode=1 + i % 2, mirostat_tau=rng.choice([3.0, 5.0]), logprobs=True,
                             n=2 if i % 3 == 0 else 1)
-        reqs.append(GenerationRequest(f"m{i}", [rng.randrange(256) for _ in range(rng.randint(1, 40))], sp))
+        reqs.append(TokenizedRequest(f"m{i}", [rng.randrange(256) for _ in range(rng.randint(1, 40))], sp))
     batched = LLM(engine=make_engine(max_num_seqs=32)).run([clone(r) for r in reqs])
     alone = LLM(engine=make_engine())
     for r, b in zip(reqs, batched, strict=True):
@@ -149,4 +149,4 @@ def test_bad_mirostat_settings_are_refused_by_name(make_engine, fields, bad):
     sp = SamplingParams(**{"temperature": 1.0, **fields})
     assert [f for f, _ in sp.validate()] == bad
     with pytest.raises(InvalidRequestError):
-        make_engine().add_request(GenerationRequest("x", [1, 2, 3], sp))
+        make_engine().add_request(TokenizedRequest("x", [1, 2, 3], sp))

@@ -10,7 +10,7 @@ from test_engine_batching import clone, fresh_rng, logprobs, tokens
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest
+from engine.request import TokenizedRequest
 from engine.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ def test_smollm2_32_requests_batched_equal_alone(smollm2):
         sp = SamplingParams(max_tokens=rng.randint(1, 4), temperature=0.0, logprobs=True)
         if i % 2:
             sp.temperature, sp.top_k, sp.seed = 0.8, 50, rng.randrange(2**31)
-        reqs.append(GenerationRequest(f"s{i}", prompt, sp))
+        reqs.append(TokenizedRequest(f"s{i}", prompt, sp))
     config = dict(max_kv_blocks=128, max_num_batched_tokens=128, max_num_seqs=32)
     engine = LLMEngine(smollm2, EngineConfig(**config))
     start = time.perf_counter()

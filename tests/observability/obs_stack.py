@@ -153,7 +153,7 @@ class ObsStack:
         """Another ServerApp (auth on, traced) on the same engine; ``config`` overrides ServerConfig fields."""
         from server.app import ServerApp, ServerConfig
         from server.auth import Authenticator
-        from server.frontend import ModelCard
+        from server.served_model import ModelCard
 
         server_config = ServerConfig(port=0, http_port=None, grace_period_s=1.0, **config)
         app = ServerApp(server_config, auth=Authenticator(API_KEYS), tracer_provider=self.provider)

@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest
+from engine.request import TokenizedRequest
 from engine.sampling_params import SamplingParams
 from engine.tracing import RequestTrace
 
@@ -39,7 +39,7 @@ def test_preempted_requests_say_so_and_every_span_ends(loaded, tracing):
     with tracer.start_as_current_span("caller") as caller:
         parent = trace.set_span_in_context(caller)
         requests = [
-            GenerationRequest(
+            TokenizedRequest(
                 f"p{i}",
                 [(7 * i + j) % 256 for j in range(20 + 5 * i)],
                 SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
@@ -70,6 +70,6 @@ def test_preempted_requests_say_so_and_every_span_ends(loaded, tracing):
 def test_untraced_requests_make_no_spans(loaded, tracing):
     _, exporter = tracing
     engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=64))
-    [completion] = LLM(engine=engine).run([GenerationRequest("plain", [1, 2, 3], SamplingParams(max_tokens=3))])
+    [completion] = LLM(engine=engine).run([TokenizedRequest("plain", [1, 2, 3], SamplingParams(max_tokens=3))])
     assert completion.choices[0].token_ids
     assert exporter.get_finished_spans() == ()

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
 from engine.models.config import ModelConfig
-from engine.request import CompletionDelta, FinishReason, GenerationRequest, RequestOutput, RequestStats
+from engine.request import CompletionDelta, FinishReason, RequestOutput, RequestStats, TokenizedRequest
 from engine.sampling_params import ContextPolicy
 from engine.stats import EngineStats
 
@@ -80,7 +80,7 @@ class EngineDouble:
         self._waiting: list[str] = []
         self._aborted: set[str] = set()
         self._stopped = False
-        self.submitted: list[GenerationRequest] = []
+        self.submitted: list[TokenizedRequest] = []
 
     def start(self) -> None:
         pass
@@ -105,7 +105,7 @@ class EngineDouble:
         return False
 
     async def generate(
-        self, request: GenerationRequest, *, on_abandoned: Callable[[RequestOutput], None] | None = None
+        self, request: TokenizedRequest, *, on_abandoned: Callable[[RequestOutput], None] | None = None
     ) -> AsyncIterator[RequestOutput]:
         rid = request.request_id
         if self._stopped:
@@ -167,7 +167,7 @@ class EngineDouble:
             self._aborted.discard(rid)
 
     def _final(
-        self, request: GenerationRequest, deltas: list[CompletionDelta], produced: int
+        self, request: TokenizedRequest, deltas: list[CompletionDelta], produced: int
     ) -> RequestOutput:
         stats = RequestStats(
             prompt_tokens=len(request.prompt_token_ids), generated_tokens=produced * request.sampling.n

@@ -29,7 +29,6 @@ from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 from server.app import ServerApp, ServerConfig
 from server.errors import MAX_MESSAGE_BYTES, MAX_VIOLATIONS
-from server.frontend import Frontend, ModelCard
 from server.limits import (
     MAX_CHAT_NAME_CHARS,
     MAX_MODEL_NAME_CHARS,
@@ -38,6 +37,7 @@ from server.limits import (
     MAX_STOP_STRINGS,
 )
 from server.model_registry import ModelRegistry
+from server.served_model import ModelCard, ServedModel
 
 MiB = 1024 * 1024
 HUGE = 20_000_000  # the 20 MB prompt
@@ -410,4 +410,4 @@ def test_a_model_name_over_the_cap_cannot_be_served():
     engine = EngineDouble()
     engine.model_name = "n" * (MAX_MODEL_NAME_CHARS + 1)
     with pytest.raises(ValueError, match=str(MAX_MODEL_NAME_CHARS)):
-        ModelRegistry().add(Frontend(engine, ModelCard("float32", "none", "double")))
+        ModelRegistry().add(ServedModel(engine, ModelCard("float32", "none", "double")))

@@ -19,7 +19,7 @@ from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 from server.app import ServerApp, ServerConfig
 from server.auth import Authenticator
-from server.frontend import ModelCard
+from server.served_model import ModelCard
 
 
 @contextlib.asynccontextmanager
@@ -206,7 +206,7 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     """When the server's deadline timer stops a request, the call fails with DEADLINE_EXCEEDED. Returning the
     cut-short output as OK would reach a client whose own deadline timer runs late as a successful answer
     (seen in the suite: a 512-token Generate with a 0.3 s deadline "succeeded")."""
-    from engine.request import FinishReason, GenerationRequest
+    from engine.request import FinishReason, TokenizedRequest
     from engine.sampling_params import SamplingParams
     from server import errors
     from server.auth import Authenticator
@@ -216,7 +216,7 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     engine = EngineDouble(step_s=0.02, max_model_len=4096)
     inflight = InflightRequests(UsageLedger())
     caller = Authenticator().identity_for("", "")
-    request = GenerationRequest("e1", list(b"tell me everything"), SamplingParams(max_tokens=1000, ignore_eos=True))
+    request = TokenizedRequest("e1", list(b"tell me everything"), SamplingParams(max_tokens=1000, ignore_eos=True))
     deadline = asyncio.get_running_loop().time() + 0.15
     outputs = []
     with pytest.raises(errors.ServiceError) as info:
@@ -228,7 +228,7 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     assert outputs and not any(o.finished for o in outputs)  # tokens before the deadline, no cancelled final
     await wait_for(lambda: engine.stats().running == 0, timeout=1.0)
     # A request that finishes before its deadline still answers normally.
-    request = GenerationRequest("e2", list(b"hi"), SamplingParams(max_tokens=2, ignore_eos=True))
+    request = TokenizedRequest("e2", list(b"hi"), SamplingParams(max_tokens=2, ignore_eos=True))
     deadline = asyncio.get_running_loop().time() + 5.0
     async with inflight.call(caller, "r2", deadline) as call:
         last = [o async for o in inflight.generate(call, engine, request)][-1]

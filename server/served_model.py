@@ -1,14 +1,19 @@
-"""Frontend: the API's view of one loaded model.
+"""ServedModel: one loaded model as the API serves it, the per-model adapter between the services and
+its engine.
 
-It turns request messages into engine ``GenerationRequest``s (validation with
-field violations, tokenization, chat templating) and engine output into
-``protoserve.v1`` messages. Both gRPC servicers (InferenceService and
-OpenAIService) build on it, so every surface validates and tokenizes the same
+It turns request messages into engine ``TokenizedRequest``s (validation with field violations,
+tokenization, chat templating; the sampling fields through its SamplingMapping, the one place they
+become engine parameters) and engine output into ``protoserve.v1`` messages. Both gRPC servicers
+(InferenceService and OpenAIService) build on it, so every surface validates and tokenizes the same
 way. It knows the engine's plain-data API and nothing of tensors; it raises
 :class:`server.errors.ServiceError` and never touches a gRPC context.
 
-Field paths in violations are the request's own: ``sampling.temperature`` for
-InferenceService, ``temperature`` for OpenAIService (callers pass a rename map).
+Field paths in violations are the request's own: ``sampling.temperature`` for InferenceService,
+``temperature`` for OpenAIService (callers pass a rename map).
+
+A request passes these stages: the API's message; the ``TokenizedRequest`` built here; the engine's
+``AdmittedRequest`` (validated, fitted to the context) and ``RunningRequest`` (its ``Sequence`` per
+choice); its outputs collected back here into a ``CollectedOutput``.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from engine.errors import ContextLengthError
 from engine.request import (
     CompletionDelta,
     FinishReason,
-    GenerationRequest,
     PositionLogprobs,
     RequestOutput,
     RequestStats,
+    TokenizedRequest,
 )
 from engine.sampling_params import ContextPolicy
 from protoserve.v1 import inference_pb2 as pb
@@ -150,8 +155,8 @@ class ChoiceState:
 
 
 @dataclass
-class RequestResult:
-    """One engine request's outputs folded together: choices, prompt size and stats.
+class CollectedOutput:
+    """One engine request's outputs collected: choices, prompt size and stats.
 
     Streaming handlers feed it as they forward deltas, unary handlers read it at
     the end; either way usage comes from one place.
@@ -198,7 +203,7 @@ class RequestResult:
         )
 
 
-class Frontend:
+class ServedModel:
     """One loaded model as the API sees it: request validation, tokenization, output protos."""
 
     def __init__(
@@ -437,9 +442,9 @@ class Frontend:
         text = getattr(req, kind)  # "prompt" or "text"
         return await self.prompt_ids(text, path=kind, policy=policy, add_special_tokens=add_special), kind
 
-    async def generation_request(
+    async def tokenized_request(
         self, req: pb.GenerateRequest, *, request_id: str, cache_salt: bytes, path_prefix: str = ""
-    ) -> GenerationRequest:
+    ) -> TokenizedRequest:
         """Validate an InferenceService GenerateRequest and build the engine request.
 
         ``request_id`` is the engine's id (the caller keeps the public one);
@@ -468,7 +473,7 @@ class Frontend:
             raise
         if not prompt_ids:
             raise errors.invalid_argument([(path_prefix + source, "must produce at least one token")])
-        return GenerationRequest(
+        return TokenizedRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling=params,
@@ -511,7 +516,7 @@ class Frontend:
             logprobs=self.logprobs_to_proto(delta.logprobs),
         )
 
-    def final_to_proto(self, result: RequestResult) -> pb.GenerateFinal:
+    def final_to_proto(self, result: CollectedOutput) -> pb.GenerateFinal:
         """The last stream message: finish reasons, usage and stats."""
         return pb.GenerateFinal(
             choices=[
@@ -527,7 +532,7 @@ class Frontend:
             model=self.name,
         )
 
-    def response_to_proto(self, request_id: str, result: RequestResult) -> pb.GenerateResponse:
+    def response_to_proto(self, request_id: str, result: CollectedOutput) -> pb.GenerateResponse:
         """A finished request → proto GenerateResponse."""
         return pb.GenerateResponse(
             request_id=request_id,

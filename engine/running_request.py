@@ -1,4 +1,4 @@
-"""RequestState: a live request's choices, their text streams, timing and stats.
+"""RunningRequest: a live request's choices, their text streams, timing and stats.
 
 The engine feeds it sampled tokens; it turns them into CompletionDeltas
 (detokenized, stop strings held back and cut) and, once every choice has
@@ -16,10 +16,10 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (
     CompletionDelta,
     FinishReason,
-    GenerationRequest,
     PositionLogprobs,
     RequestOutput,
     RequestStats,
+    TokenizedRequest,
 )
 from engine.sequence import Sequence
 from engine.stop_checker import StopStringMatcher
@@ -99,12 +99,12 @@ class ChoiceStream:
         return delta
 
 
-class RequestState:
+class RunningRequest:
     """Everything the engine tracks for one request between add_request and its final output."""
 
     def __init__(
         self,
-        request: GenerationRequest,
+        request: TokenizedRequest,
         prompt_token_ids: list[int],
         truncated: int,
         token_bytes: Callable[[int], bytes],
