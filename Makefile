@@ -14,11 +14,13 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 
-.PHONY: help install prometheus kernels proto proto-check lint test run bench clean
+.PHONY: help install prometheus kernels proto proto-check lint test fuzz soak run bench clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
 	@echo "make test     install, check generated code, lint, run the test suite"
+	@echo "make fuzz     the fuzz suite (tests/fuzz) with $(FUZZ_EXAMPLES) examples per property"
+	@echo "make soak     $(SOAK_DURATION_S) s of mixed hostile load on a fresh server (bench/soak.py)"
 	@echo "make install  create .venv and node_modules, generate code from proto/"
 	@echo "make proto    regenerate gen/ from proto/"
 	@echo "make lint     buf lint, buf breaking against main's previous commit, ruff"
@@ -91,6 +93,17 @@ lint: install
 
 test: install proto-check lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# `make test` runs tests/fuzz with a few examples per property; this is the long run.
+FUZZ_EXAMPLES ?= 150
+fuzz: install
+	PROTOSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest tests/fuzz $(PYTEST_ARGS)
+
+# Not in CI: a bounded run of mixed gRPC/SSE load with disconnects, cancels, deadlines and bad
+# requests; fails on a lost or corrupted stream, a KV block left in use, or RSS growth over 5%.
+SOAK_DURATION_S ?= 600
+soak: install
+	$(PY) -m bench.soak --duration-s $(SOAK_DURATION_S)
 
 run: install
 	@echo "protoserve: loading SmolLM2-135M-Instruct; once it says 'ready', try from another shell:"
