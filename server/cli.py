@@ -44,13 +44,13 @@ ENGINE_FLAGS = (
     ("kv_cache_dtype", "kv_cache_dtype"),
 )
 
-# serve's --default-<field> flags: (SamplingParams field, type, what it does, its built-in default).
+# serve's --default-<field> flags: (SamplingParams field, type, what it does).
 SAMPLING_DEFAULT_FLAGS = (
-    ("temperature", float, "softmax temperature (0 is greedy)", "1.0"),
-    ("top_p", float, "nucleus sampling mass (1 is off)", "1.0"),
-    ("top_k", int, "keep the k most likely tokens (0 is off)", "0"),
-    ("min_p", float, "drop tokens less likely than this times the most likely one (0 is off)", "0"),
-    ("repetition_penalty", float, "penalty on tokens already in prompt or output (1 is off)", "1.0"),
+    ("temperature", float, "softmax temperature (0 is greedy)"),
+    ("top_p", float, "nucleus sampling mass (1 is off)"),
+    ("top_k", int, "keep the k most likely tokens (0 is off)"),
+    ("min_p", float, "drop tokens less likely than this times the most likely one (0 is off)"),
+    ("repetition_penalty", float, "penalty on tokens already in prompt or output (1 is off)"),
 )
 
 
@@ -179,13 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help=f"largest gRPC request; larger ones get RESOURCE_EXHAUSTED [{DEFAULT_MAX_MESSAGE_BYTES}]",
     )
-    for name, kind, what, builtin in SAMPLING_DEFAULT_FLAGS:
+    builtin = SamplingParams()
+    for name, kind, what in SAMPLING_DEFAULT_FLAGS:
         s.add_argument(
             "--default-" + name.replace("_", "-"),
             type=kind,
             metavar="X",
             help=f"{what} for requests that leave {name} unset, over the model's own recommendation "
-            f"[the model's (generation_config.json, GGUF general.sampling.*), else {builtin}]",
+            f"[the model's (generation_config.json, GGUF general.sampling.*), else {getattr(builtin, name)}]",
         )
     s.add_argument(
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
