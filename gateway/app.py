@@ -132,6 +132,9 @@ def create_app(
         if cors_origins
         else [],
     )
+    # Starlette's `{path:path}` stops at a newline, so a path variable holding one (`/v1/models/a%0Ab`)
+    # matches no route; the handler answers those too, in the route's error style.
+    app.router.default = handler
     app.state.channel = channel
     return app
 

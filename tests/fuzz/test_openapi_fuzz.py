@@ -142,11 +142,6 @@ PATH_VARIABLE_ROUTES = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway/app.py's catch-all StarletteRoute('/{path:path}') does not match a path with a newline "
-    "inside (the path convertor's `.*`), so Starlette answers a text/plain 404 'Not Found'",
-)
 @pytest.mark.parametrize(("method", "template", "style"), PATH_VARIABLE_ROUTES)
 def test_any_path_value_gets_a_json_error(gateway_url: str, method: str, template: str, style: str) -> None:
     """Whatever a path variable holds, the answer is the route's JSON (an error in its API's shape)."""
