@@ -57,20 +57,16 @@ prometheus:
 # The C++ CPU kernels (kernels/cpu/*.cpp), compiled for this CPU ahead of the
 # first request; a no-op when the cached build is current.
 kernels: $(VENV)/.installed
-	$(PY) -m kernels.cpu.extension
+	$(PY) -m protoserve.kernels.cpu.extension
 
-# Generated code lives in gen/ (not committed): Python messages, .pyi stubs,
-# gRPC stubs, the descriptor set Envoy reads, and the REST gateway's route
-# table (python/protoserve_gateway/routes.py) and openapi.json, written by our
-# protoc plugin (gateway/protoc_gen_gateway.py) in the same protoc run.
+# Generated code lives in gen/ (not committed): Python messages, .pyi stubs and
+# gRPC stubs under gen/python/protoserve/, and in gen/python/protoserve/generated/
+# the REST gateway's route table and openapi.json (our protoc plugin) and the
+# descriptor set Envoy reads, all from one protoc run (gateway/codegen.py, which
+# wheel builds run too).
 proto: $(VENV)/.installed
-	@rm -rf $(GEN).tmp && mkdir -p $(GEN).tmp/python
-	$(PY) -m grpc_tools.protoc \
-	  -Iproto -I$(SITE) -I$$($(PY) -c 'import grpc_tools, os; print(os.path.dirname(grpc_tools.__file__) + "/_proto")') \
-	  --python_out=$(GEN).tmp/python --pyi_out=$(GEN).tmp/python --grpc_python_out=$(GEN).tmp/python \
-	  --plugin=protoc-gen-gateway=gateway/protoc-gen-gateway --gateway_out=$(GEN).tmp \
-	  --include_imports --include_source_info --descriptor_set_out=$(GEN).tmp/protoserve.binpb \
-	  $(PROTO_FILES)
+	@rm -rf $(GEN).tmp
+	$(PY) gateway/codegen.py $(GEN).tmp
 	@rm -rf $(GEN) && mv $(GEN).tmp $(GEN)
 
 # Fails when gen/ differs from what proto/ generates now (stale or hand-edited),

@@ -34,7 +34,7 @@ class Variant:
         """
         import torch
 
-        from engine.model_runner import resolve_kv_dtype
+        from protoserve.engine.execution.model_runner import resolve_kv_dtype
 
         dtype = DTYPE_LABELS.get(self.dtype, self.dtype)
         if self.quantization == "none":
@@ -90,7 +90,7 @@ ResourceKey = EngineModel | TransformersModel | Server
 
 def load_engine_model(variant: Variant) -> Any:
     """The protoserve model (LoadedModel) of ``variant``, in this process."""
-    from engine.loader.load import load_model
+    from protoserve.engine.loader.load import load_model
 
     return load_model(None, dtype=variant.dtype, quantization=variant.quantization, progress=False)
 
@@ -101,7 +101,7 @@ def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
         return load_engine_model(key.variant)
     if isinstance(key, TransformersModel):
         from bench.transformers_baseline import TransformersBaseline
-        from engine.loader.default_model import default_model_path
+        from protoserve.engine.loader.default_model import default_model_path
 
         return TransformersBaseline(default_model_path())
     from bench.server_process import ServerProcess

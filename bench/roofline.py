@@ -32,7 +32,7 @@ from bench.machine_peak import FIGURE as PEAK_FIGURE
 from bench.targets import targets_for
 
 if TYPE_CHECKING:
-    from engine.models.config import ModelConfig
+    from protoserve.engine.models.config import ModelConfig
 
 SECTION = "roofline"
 UNIT = "of peak"

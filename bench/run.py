@@ -95,9 +95,9 @@ def finish(figures: list[Figure], served: str = "fp32", roofline: RooflineInputs
 def roofline_inputs(profile: Profile) -> RooflineInputs | None:
     """The default model's linear work, the profile's serving workload and this CPU; None (no
     roofline figures, the rest of the report intact) if the model's shape cannot be read."""
-    from engine.loader.default_model import default_model_path
-    from engine.loader.gguf_checkpoint import GGUFCheckpoint
-    from kernels.cpu.extension import cpu_flags
+    from protoserve.engine.loader.default_model import default_model_path
+    from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint
+    from protoserve.kernels.cpu.extension import cpu_flags
 
     try:
         config = GGUFCheckpoint(default_model_path()).config

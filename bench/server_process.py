@@ -48,7 +48,7 @@ class ServerProcess:
         """Start the server and wait until it listens and its health says SERVING."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [
-            sys.executable, "-m", "server.cli", "serve",
+            sys.executable, "-m", "protoserve.server.cli", "serve",
             "--host", "127.0.0.1", "--port", "0", "--http-port", str(free_port()),
             "--dtype", variant.dtype, "--quantization", variant.quantization,
             "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress",

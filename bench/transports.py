@@ -24,7 +24,7 @@ from bench.workload import RequestSpec
 if TYPE_CHECKING:
     import grpc
 
-    from engine.async_engine import AsyncEngine
+    from protoserve.engine.async_engine import AsyncEngine
 
 REQUEST_TIMEOUT_S = 300.0  # per request: generous, a loaded 2-core box can queue for a long time
 _ids = itertools.count()
@@ -53,8 +53,8 @@ class EngineTransport:
         self.engine = engine
 
     async def stream(self, spec: RequestSpec) -> RequestTimeline:
-        from engine.request import TokenizedRequest
-        from engine.sampling_params import SamplingParams
+        from protoserve.engine.request import TokenizedRequest
+        from protoserve.engine.sampling.sampling_params import SamplingParams
 
         request = TokenizedRequest(
             request_id=f"bench-{next(_ids)}",

@@ -17,11 +17,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.errors import EngineError, EngineStoppedError, InvalidRequestError, QueueFullError
-from engine.llm_engine import AdmittedRequest, LLMEngine
-from engine.request import RequestOutput, TokenizedRequest
-from engine.stats import EngineStats
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.errors import EngineError, EngineStoppedError, InvalidRequestError, QueueFullError
+from protoserve.engine.llm_engine import AdmittedRequest, LLMEngine
+from protoserve.engine.request import RequestOutput, TokenizedRequest
+from protoserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

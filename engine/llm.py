@@ -10,10 +10,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, PositionLogprobs, RequestStats, TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.llm_engine import LLMEngine
+from protoserve.engine.request import FinishReason, PositionLogprobs, RequestStats, TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -16,22 +16,26 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_max_model_len
-from engine.constraints.compiler import CompiledGrammar, ConstraintCompileError, GrammarCompiler
-from engine.constraints.masks import MaskFiller
-from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
-from engine.loader.load import LoadedModel, load_model
-from engine.model_runner import ModelRunner
-from engine.request import FinishReason, RequestOutput, TokenizedRequest
-from engine.running_request import RunningRequest
-from engine.sampler import Sampler, SampleResult
-from engine.sampling_params import ContextPolicy
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
-from engine.stats import EngineStats
-from engine.stop_checker import check_token_stop
-from engine.tracing import RequestSpan
+from protoserve.engine.config import EngineConfig, resolve_max_model_len
+from protoserve.engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from protoserve.engine.execution.model_runner import ModelRunner
+from protoserve.engine.loader.load import LoadedModel, load_model
+from protoserve.engine.request import FinishReason, RequestOutput, TokenizedRequest
+from protoserve.engine.running_request import RunningRequest
+from protoserve.engine.sampling.constraints.compiler import (
+    CompiledGrammar,
+    ConstraintCompileError,
+    GrammarCompiler,
+)
+from protoserve.engine.sampling.constraints.masks import MaskFiller
+from protoserve.engine.sampling.sampler import Sampler, SampleResult
+from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.sampling.stop_checker import check_token_stop
+from protoserve.engine.scheduling.block_manager import BlockManager
+from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from protoserve.engine.scheduling.sequence import Sequence
+from protoserve.engine.stats import EngineStats
+from protoserve.engine.tracing import RequestSpan
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.tracing import RequestTrace
+    from protoserve.engine.tracing import RequestTrace
 
 
 @dataclass

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import (
+from protoserve.engine.request import (
     CompletionDelta,
     FinishReason,
     PositionLogprobs,
@@ -21,9 +20,10 @@ from engine.request import (
     RequestStats,
     TokenizedRequest,
 )
-from engine.sequence import Sequence
-from engine.stop_checker import StopStringMatcher
-from engine.tracing import RequestSpan
+from protoserve.engine.sampling.detokenizer import IncrementalDetokenizer
+from protoserve.engine.sampling.stop_checker import StopStringMatcher
+from protoserve.engine.scheduling.sequence import Sequence
+from protoserve.engine.tracing import RequestSpan
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: choice seeds far apart in the 64-bit space
 

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 if TYPE_CHECKING:
-    from engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
+    from protoserve.engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
 
 # GenAI semantic-convention attribute names (kept here rather than imported from
 # the incubating semconv module, whose layout changes between releases).

@@ -1,4 +1,4 @@
-"""``python -m gateway --grpc-target HOST:PORT``: run the REST/JSON gateway on its own.
+"""``python -m protoserve.gateway --grpc-target HOST:PORT``: run the REST/JSON gateway on its own.
 
 Tracing follows the standard ``OTEL_*`` variables (see server.tracing_setup);
 ``GET /metrics`` serves the gateway's own HTTP metrics, since the engine's
@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from gateway.app import run_gateway
-from gateway.cors import check_origins
-from gateway.runtime.handler import GatewaySettings
+from protoserve.gateway.app import run_gateway
+from protoserve.gateway.cors import check_origins
+from protoserve.gateway.runtime.handler import GatewaySettings
 
 
 def main() -> None:
     """Parse arguments and serve until SIGINT/SIGTERM."""
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m protoserve.gateway", description=__doc__)
     parser.add_argument("--grpc-target", default="127.0.0.1:50051", help="gRPC server [127.0.0.1:50051]")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address [127.0.0.1]")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port [8000]")
@@ -41,7 +41,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The SDK setup is shared with the server CLI; imported here only, so the
     # gateway library itself depends on the OpenTelemetry API alone.
-    from server.tracing_setup import configure_tracing
+    from protoserve.server.tracing_setup import configure_tracing
 
     try:
         configure_tracing("protoserve-gateway")

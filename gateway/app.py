@@ -1,12 +1,12 @@
 """The REST/JSON gateway: ASGI app factory and ways to run it with uvicorn.
 
 ``create_app(grpc_target)`` builds the app from the generated route table
-(``protoserve_gateway.routes``) and OpenAPI document (``gen/openapi.json``),
+(``protoserve.generated.routes``) and OpenAPI document (``gen/python/protoserve/generated/openapi.json``),
 plus ``GET /metrics`` in Prometheus text format;
 ``start_gateway`` starts it in the running event loop and returns its stop
 function (the server CLI's hook, next to the gRPC server); ``serve_gateway``
 serves until cancelled; ``GatewayServer`` starts and stops it explicitly; ``run_gateway`` blocks and handles signals
-(``python -m gateway``).
+(``python -m protoserve.gateway``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route as StarletteRoute
 
-from gateway.cors import cors_middleware
-from gateway.runtime.channel import SharedChannel
-from gateway.runtime.docs import render_docs
-from gateway.runtime.handler import GatewayHandler, GatewaySettings
-from gateway.runtime.metrics import GatewayMetrics
-from gateway.runtime.route import Route
-from gateway.runtime.tracing import HttpTracing, installed_tracer_provider
+from protoserve.gateway.cors import cors_middleware
+from protoserve.gateway.runtime.channel import SharedChannel
+from protoserve.gateway.runtime.docs import render_docs
+from protoserve.gateway.runtime.handler import GatewayHandler, GatewaySettings
+from protoserve.gateway.runtime.metrics import GatewayMetrics
+from protoserve.gateway.runtime.route import Route
+from protoserve.gateway.runtime.tracing import HttpTracing, installed_tracer_provider
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -43,16 +43,16 @@ log = logging.getLogger(__name__)
 
 def generated_routes() -> tuple[Route, ...]:
     """The route table ``make proto`` generated from the protos."""
-    from protoserve_gateway import routes
+    from protoserve.generated import routes
 
     return routes.ROUTES
 
 
 def generated_openapi_path() -> Path:
-    """``gen/openapi.json``, written next to ``gen/python`` by the same protoc run."""
-    from protoserve_gateway import routes
+    """``openapi.json``, written beside the route table by the same protoc run."""
+    from protoserve.generated import routes
 
-    return Path(routes.__file__).resolve().parents[2] / "openapi.json"
+    return Path(routes.__file__).with_name("openapi.json")
 
 
 def create_app(

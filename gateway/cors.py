@@ -1,7 +1,7 @@
 """Opt-in CORS for the REST gateway: Starlette's CORSMiddleware with the gateway's own headers.
 
 Off unless origins are given (``protoserve serve --cors-origin``, ``python -m
-gateway --cors-origin``); then a browser page on one of those origins (or any,
+protoserve.gateway --cors-origin``); then a browser page on one of those origins (or any,
 with ``*``) may call the API. Preflights (``OPTIONS`` with ``Origin`` and
 ``Access-Control-Request-Method``) get 204 with the allowed origin, methods,
 headers and a max age; a preflight for an origin, method or header that is

@@ -1,14 +1,14 @@
 """protoc plugin: generates the REST/JSON gateway's route table and OpenAPI document.
 
-protoc runs it through the ``gateway/protoc-gen-gateway`` launcher::
+``gateway/codegen.py`` runs it from protoc (``make proto`` and wheel builds)::
 
-    python -m grpc_tools.protoc ... --plugin=protoc-gen-gateway=gateway/protoc-gen-gateway \\
-        --gateway_out=gen --gateway_opt=title=protoserve,version=v1 <protos>
+    python -m grpc_tools.protoc ... --plugin=protoc-gen-gateway=<launcher of this module> \\
+        --gateway_out=gen/python --gateway_opt=title=protoserve,version=v1 <protos>
 
 It reads a CodeGeneratorRequest on stdin and writes a CodeGeneratorResponse
 with two files, relative to the ``--gateway_out`` directory:
-``python/protoserve_gateway/routes.py`` (option ``routes``) and
-``openapi.json`` (option ``openapi``). Problems with the annotations are
+``protoserve/generated/routes.py`` (option ``routes``) and
+``protoserve/generated/openapi.json`` (option ``openapi``). Problems with the annotations are
 reported through the response's ``error`` so protoc prints them and fails.
 """
 
@@ -19,13 +19,13 @@ from collections.abc import Mapping
 
 from google.protobuf.compiler import plugin_pb2
 
-from gateway.generator.api import Api, GeneratorError
-from gateway.generator.openapi import render_openapi
-from gateway.generator.routes_module import render_routes_module
+from protoserve.gateway.generator.api import Api, GeneratorError
+from protoserve.gateway.generator.openapi import render_openapi
+from protoserve.gateway.generator.routes_module import render_routes_module
 
 DEFAULT_PARAMETERS = {
-    "routes": "python/protoserve_gateway/routes.py",
-    "openapi": "openapi.json",
+    "routes": "protoserve/generated/routes.py",
+    "openapi": "protoserve/generated/openapi.json",
     "title": "protoserve",
     "version": "v1",
 }

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from server.auth import Authenticator, Identity
-from server.health import Readiness
-from server.inflight import InflightRequests
-from server.model_registry import ModelRegistry
+from protoserve.server.auth import Authenticator, Identity
+from protoserve.server.health import Readiness
+from protoserve.server.inflight import InflightRequests
+from protoserve.server.model_registry import ModelRegistry
 
 
 class AdmittingServicer:

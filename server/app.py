@@ -22,36 +22,36 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
+from protoserve.engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
+from protoserve.server import exit_codes
+from protoserve.server.auth import Authenticator
+from protoserve.server.event_loop import loop_name
+from protoserve.server.health import Readiness
+from protoserve.server.inference_service import InferenceService
+from protoserve.server.inflight import InflightRequests
+from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
+from protoserve.server.metrics import ServerMetrics
+from protoserve.server.metrics_http import MetricsHttpServer
+from protoserve.server.metrics_service import MetricsService
+from protoserve.server.model_registry import ModelRegistry
+from protoserve.server.openai_service import OpenAIService
+from protoserve.server.ports import PortUnavailable, check_can_listen
+from protoserve.server.rate_limit import RateLimiter
+from protoserve.server.reflection import enable_reflection
+from protoserve.server.request_decoding import RequestDecodingInterceptor
+from protoserve.server.request_scope import RequestScopeInterceptor
+from protoserve.server.sampling_mapping import served_defaults
+from protoserve.server.served_model import ModelCard, ServedModel
+from protoserve.server.telemetry import Telemetry, installed_tracer_provider
+from protoserve.server.usage import UsageLedger
 from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
-from server import exit_codes
-from server.auth import Authenticator
-from server.event_loop import loop_name
-from server.health import Readiness
-from server.inference_service import InferenceService
-from server.inflight import InflightRequests
-from server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
-from server.metrics import ServerMetrics
-from server.metrics_http import MetricsHttpServer
-from server.metrics_service import MetricsService
-from server.model_registry import ModelRegistry
-from server.openai_service import OpenAIService
-from server.ports import PortUnavailable, check_can_listen
-from server.rate_limit import RateLimiter
-from server.reflection import enable_reflection
-from server.request_decoding import RequestDecodingInterceptor
-from server.request_scope import RequestScopeInterceptor
-from server.sampling_mapping import served_defaults
-from server.served_model import ModelCard, ServedModel
-from server.telemetry import Telemetry, installed_tracer_provider
-from server.usage import UsageLedger
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
-    from engine.async_engine import AsyncEngine
+    from protoserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class ServerApp:
         interceptors: list[Any] = []
         if self.telemetry.tracer_provider is not None:
             # Imported only when tracing: the instrumentation is not free to import.
-            from server.grpc_tracing import tracing_interceptors
+            from protoserve.server.grpc_tracing import tracing_interceptors
 
             interceptors += tracing_interceptors(self.telemetry.tracer_provider)
         interceptors.append(RequestDecodingInterceptor())  # outside the request scope, which reads requests
@@ -229,9 +229,9 @@ class ServerApp:
 
     async def load_model(self) -> None:
         """Load the configured model in a worker thread (health keeps answering), then serve it."""
-        from engine.async_engine import AsyncEngine
-        from engine.loader.default_model import default_model_path
-        from engine.loader.errors import ModelLoadError
+        from protoserve.engine.async_engine import AsyncEngine
+        from protoserve.engine.loader.default_model import default_model_path
+        from protoserve.engine.loader.errors import ModelLoadError
 
         # None lets the engine name the default model itself; the card still records the file.
         path = self.config.model_path or default_model_path()
@@ -351,7 +351,7 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
-        from engine.loader.errors import ModelLoadError
+        from protoserve.engine.loader.errors import ModelLoadError
 
         exc = load.exception()
         # A bad path or checkpoint, or an option it cannot take (ValueError, e.g. --max-model-len

@@ -24,9 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from server import errors
-from server.identity_secret import load_identity_secret
-from server.limits import MAX_USER_ID_CHARS
+from protoserve.server import errors
+from protoserve.server.identity_secret import load_identity_secret
+from protoserve.server.limits import MAX_USER_ID_CHARS
 
 API_KEYS_ENV = "PROTOSERVE_API_KEYS"
 ADMIN_KEYS_ENV = "PROTOSERVE_ADMIN_KEYS"

@@ -13,18 +13,18 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from engine.config import KV_CACHE_DTYPES, EngineConfig
-from engine.errors import EngineError
-from engine.loader.errors import ModelLoadError
-from engine.request import RequestStats, TokenizedRequest
-from engine.sampling_params import ContextPolicy, SamplingParams
-from server import exit_codes
-from server.app import HttpGatewayStarter, ServerConfig, serve
-from server.errors import ServiceError, invalid_argument, to_service_error
-from server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
-from server.limits import DEFAULT_MAX_MESSAGE_BYTES
-from server.sampling_mapping import default_problems
-from server.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
+from protoserve.engine.config import KV_CACHE_DTYPES, EngineConfig
+from protoserve.engine.errors import EngineError
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.request import RequestStats, TokenizedRequest
+from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
+from protoserve.server import exit_codes
+from protoserve.server.app import HttpGatewayStarter, ServerConfig, serve
+from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
+from protoserve.server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
+from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
+from protoserve.server.sampling_mapping import default_problems
+from protoserve.server.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
 
 log = logging.getLogger("protoserve")
 
@@ -316,10 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _http_gateway() -> HttpGatewayStarter | None:
-    """The REST gateway's entry point, ``gateway.app.start_gateway``, when that module exists."""
-    if importlib.util.find_spec("gateway.app") is None:
+    """The REST gateway's entry point, ``protoserve.gateway.app.start_gateway``, when that module exists."""
+    if importlib.util.find_spec("protoserve.gateway.app") is None:
         return None
-    module = importlib.import_module("gateway.app")
+    module = importlib.import_module("protoserve.gateway.app")
     return getattr(module, "start_gateway", None)
 
 
@@ -366,8 +366,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         max_message_bytes=args.max_message_bytes,
         sampling_defaults=_sampling_defaults(args),
     )
-    from server.request_log import use_json_lines
-    from server.tracing_setup import configure_tracing
+    from protoserve.server.request_log import use_json_lines
+    from protoserve.server.tracing_setup import configure_tracing
 
     # Before the server starts: ServerApp and the gateway pick up the installed provider.
     try:
@@ -379,7 +379,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     if config.cors_origins:
         if gateway is None:
             raise CliError("--cors-origin needs the REST gateway (drop --no-http)")
-        from gateway.cors import check_origins
+        from protoserve.gateway.cors import check_origins
 
         try:
             check_origins(config.cors_origins)
@@ -434,8 +434,8 @@ def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
 
 
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    from engine.async_engine import AsyncEngine
-    from engine.loader.default_model import default_model_path
+    from protoserve.engine.async_engine import AsyncEngine
+    from protoserve.engine.loader.default_model import default_model_path
 
     if args.raw and args.message:
         raise CliError("generate: --raw completes plain text and takes no --message")

@@ -23,9 +23,14 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
+from protoserve.engine.errors import (
+    ContextLengthError,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from protoserve.server.limits import ECHO_CHARS, MAX_MODEL_NAME_CHARS
 from protoserve.v1 import inference_pb2
-from server.limits import ECHO_CHARS, MAX_MODEL_NAME_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from grpc_health.v1 import health, health_pb2
 
-from server import errors
+from protoserve.server import errors
 
 
 class Phase(enum.Enum):

@@ -6,13 +6,13 @@ import asyncio
 
 import grpc
 
+from protoserve.server import errors
+from protoserve.server.admission import AdmittingServicer
+from protoserve.server.inflight import Call
+from protoserve.server.limits import MAX_BATCH_REQUESTS, MAX_REQUEST_ID_CHARS
+from protoserve.server.served_model import CollectedOutput, new_request_id
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
-from server import errors
-from server.admission import AdmittingServicer
-from server.inflight import Call
-from server.limits import MAX_BATCH_REQUESTS, MAX_REQUEST_ID_CHARS
-from server.served_model import CollectedOutput, new_request_id
 
 
 def check_request_id(request_id: str, path: str = "request_id") -> None:

@@ -29,17 +29,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
-from server import errors
-from server.auth import Identity
-from server.rate_limit import RateLimiter, reserved_tokens
-from server.request_record import RequestRecord
-from server.request_scope import current_scope
-from server.usage import UsageLedger
+from protoserve.engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
+from protoserve.server import errors
+from protoserve.server.auth import Identity
+from protoserve.server.rate_limit import RateLimiter, reserved_tokens
+from protoserve.server.request_record import RequestRecord
+from protoserve.server.request_scope import current_scope
+from protoserve.server.usage import UsageLedger
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from server.telemetry import Telemetry
+    from protoserve.engine.async_engine import AsyncEngine
+    from protoserve.server.telemetry import Telemetry
 
 # How many finished (identity, request id) pairs to remember so that a late
 # Cancel answers cancelled=false instead of NOT_FOUND.

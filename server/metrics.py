@@ -40,9 +40,9 @@ The registry also carries prometheus-client's process and Python collectors
 series: they double the series count and no dashboard reads them.
 
 The gauges and the token, cache and preemption counters are the engine's own
-totals, read from ``engine.stats()`` at scrape time (so they also count work
+totals, read from ``protoserve.engine.stats()`` at scrape time (so they also count work
 of other servers sharing the engine). Request counters move once per finished
-request (see :mod:`server.request_record`); histograms once per finished
+request (see :mod:`protoserve.server.request_record`); histograms once per finished
 engine request, from its RequestStats. The per-identity counters read the
 usage ledger at scrape time; they are off unless asked for, because every
 identity (API key and ``x-user-id``) becomes a series of its own.
@@ -66,11 +66,11 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.request import RequestStats
-from server.metric_windows import LatencyStats, LatencyWindow, RateWindow
-from server.model_registry import ModelRegistry
-from server.request_record import CANCELLED, ERROR, LENGTH, STOP, RequestRecord
-from server.usage import UsageLedger
+from protoserve.engine.request import RequestStats
+from protoserve.server.metric_windows import LatencyStats, LatencyWindow, RateWindow
+from protoserve.server.model_registry import ModelRegistry
+from protoserve.server.request_record import CANCELLED, ERROR, LENGTH, STOP, RequestRecord
+from protoserve.server.usage import UsageLedger
 
 PREFIX = "protoserve_"
 MODEL_LABEL = "model_name"

@@ -21,15 +21,15 @@ import time
 
 import grpc
 
+from protoserve.server import errors
+from protoserve.server.auth import Authenticator, Identity
+from protoserve.server.health import Phase, Readiness
+from protoserve.server.metric_windows import LatencyStats
+from protoserve.server.metrics import ServerMetrics
+from protoserve.server.model_registry import ModelRegistry
+from protoserve.server.usage import IdentityUsage, UsageLedger
 from protoserve.v1 import metrics_pb2 as pb
 from protoserve.v1 import metrics_pb2_grpc
-from server import errors
-from server.auth import Authenticator, Identity
-from server.health import Phase, Readiness
-from server.metric_windows import LatencyStats
-from server.metrics import ServerMetrics
-from server.model_registry import ModelRegistry
-from server.usage import IdentityUsage, UsageLedger
 
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from server import errors
-from server.limits import MAX_MODEL_NAME_CHARS
-from server.served_model import ServedModel
+from protoserve.server import errors
+from protoserve.server.limits import MAX_MODEL_NAME_CHARS
+from protoserve.server.served_model import ServedModel
 
 
 class ModelRegistry:

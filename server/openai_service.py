@@ -22,22 +22,28 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import json_format, struct_pb2
 
-from engine.request import CompletionDelta, FinishReason, PositionLogprobs, RequestOutput, TokenizedRequest
-from engine.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.request import (
+    CompletionDelta,
+    FinishReason,
+    PositionLogprobs,
+    RequestOutput,
+    TokenizedRequest,
+)
+from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
-from server import errors
-from server.admission import AdmittingServicer
-from server.auth import Identity
-from server.inference_service import call_deadline
-from server.inflight import Call
-from server.limits import (
+from protoserve.server import errors
+from protoserve.server.admission import AdmittingServicer
+from protoserve.server.auth import Identity
+from protoserve.server.inference_service import call_deadline
+from protoserve.server.inflight import Call
+from protoserve.server.limits import (
     MAX_CHAT_MESSAGES,
     MAX_COMPLETION_PROMPTS,
     MAX_LOGIT_BIAS_ENTRIES,
     OPENAI_MAX_STOP_STRINGS,
 )
-from server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
 
 SERVER_VERSION = "protoserve-0.1.0"
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` range is 0-5

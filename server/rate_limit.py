@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from protoserve.server.errors import ServiceError
 from protoserve.v1 import inference_pb2
-from server.errors import ServiceError
 
 if TYPE_CHECKING:
-    from engine.request import TokenizedRequest
-    from server.auth import Authenticator, Identity
+    from protoserve.engine.request import TokenizedRequest
+    from protoserve.server.auth import Authenticator, Identity
 
 # A bucket refills from empty in one minute, so one untouched that long is full:
 # dropping it loses nothing, and callers that come and go cannot grow the table.

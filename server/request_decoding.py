@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
+from protoserve.server import errors
+from protoserve.server.limits import MAX_MESSAGE_DEPTH
 from protoserve.v1 import inference_pb2
-from server import errors
-from server.limits import MAX_MESSAGE_DEPTH
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.request import FinishReason, RequestStats
-from engine.tracing import TEXT_COMPLETION
-from server import errors
+from protoserve.engine.request import FinishReason, RequestStats
+from protoserve.engine.tracing import TEXT_COMPLETION
+from protoserve.server import errors
 
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
 _CANCEL_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})

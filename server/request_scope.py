@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import Message
 
-from engine.tracing import CHAT, TEXT_COMPLETION
+from protoserve.engine.tracing import CHAT, TEXT_COMPLETION
 from protoserve.openai.v1 import openai_pb2
+from protoserve.server.errors import ServiceError
+from protoserve.server.request_record import RequestRecord
 from protoserve.v1 import inference_pb2
-from server.errors import ServiceError
-from server.request_record import RequestRecord
 
 _INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
 _OPENAI = openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"]

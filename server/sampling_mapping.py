@@ -1,7 +1,7 @@
 """SamplingMapping: a request's sampling fields -> engine SamplingParams, with their defaults and checks.
 
 The one place where a request's parameters become the engine's. ``protoserve.v1.SamplingParams`` and
-the OpenAI requests name their sampling fields as ``engine.sampling_params.SamplingParams`` does, so
+the OpenAI requests name their sampling fields as ``protoserve.engine.sampling.sampling_params.SamplingParams`` does, so
 the fields a message shares with it are copied by name: a field the request sets is taken as it is;
 one it leaves unset gets the served model's default (the ``--default-*`` flags over the model's own
 recommendation), else its API's default, else SamplingParams' own. A new sampling parameter is
@@ -32,9 +32,9 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from engine.sampling_params import SamplingParams
-from server import errors
-from server.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.server import errors
+from protoserve.server.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ tokenization, chat templating; the sampling fields through its SamplingMapping, 
 become engine parameters) and engine output into ``protoserve.v1`` messages. Both gRPC servicers
 (InferenceService and OpenAIService) build on it, so every surface validates and tokenizes the same
 way. It knows the engine's plain-data API and nothing of tensors; it raises
-:class:`server.errors.ServiceError` and never touches a gRPC context.
+:class:`protoserve.server.errors.ServiceError` and never touches a gRPC context.
 
 Field paths in violations are the request's own: ``sampling.temperature`` for InferenceService,
 ``temperature`` for OpenAIService (callers pass a rename map).
@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.errors import ContextLengthError
-from engine.request import (
+from protoserve.engine.errors import ContextLengthError
+from protoserve.engine.request import (
     CompletionDelta,
     FinishReason,
     PositionLogprobs,
@@ -37,20 +37,20 @@ from engine.request import (
     RequestStats,
     TokenizedRequest,
 )
-from engine.sampling_params import ContextPolicy
-from protoserve.v1 import inference_pb2 as pb
-from server import errors
-from server.limits import (
+from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.server import errors
+from protoserve.server.limits import (
     MAX_CHAT_MESSAGES,
     MAX_CHAT_NAME_CHARS,
     MAX_PROMPT_BYTES,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
 )
-from server.sampling_mapping import SamplingMapping
+from protoserve.server.sampling_mapping import SamplingMapping
+from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from protoserve.engine.async_engine import AsyncEngine
 
 T = TypeVar("T")
 
@@ -283,7 +283,7 @@ class ServedModel:
             messages.append(message)
         # Imported here: the tokenizer package pulls in torch, and the server must bind
         # and answer health checks before anything that slow is imported.
-        from engine.tokenizer.chat_template import ChatTemplateError
+        from protoserve.engine.tokenizer.chat_template import ChatTemplateError
 
         try:
             rendered = self.tokenizer.apply_chat_template(

@@ -11,12 +11,12 @@ from __future__ import annotations
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from engine.request import RequestStats
-from engine.tracing import RequestTrace
-from server.metrics import ServerMetrics
-from server.model_registry import ModelRegistry
-from server.request_log import log_request
-from server.request_record import RequestRecord
+from protoserve.engine.request import RequestStats
+from protoserve.engine.tracing import RequestTrace
+from protoserve.server.metrics import ServerMetrics
+from protoserve.server.model_registry import ModelRegistry
+from protoserve.server.request_log import log_request
+from protoserve.server.request_record import RequestRecord
 
 ENGINE_TRACER_NAME = "protoserve.engine"
 

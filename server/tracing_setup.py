@@ -15,7 +15,7 @@ usual ``OTEL_EXPORTER_OTLP_*`` variables, the sampler from
 ``OTEL_TRACES_SAMPLER``, batching from ``OTEL_BSP_*``, and the resource from
 ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, all read by the SDK.
 
-Both the server CLI and the standalone gateway (``python -m gateway``) call
+Both the server CLI and the standalone gateway (``python -m protoserve.gateway``) call
 :func:`configure_tracing`; in ``protoserve serve`` they share one provider.
 """
 

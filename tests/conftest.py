@@ -49,7 +49,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.omp_policy import prefer_passive_omp_wait
+from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before torch loads: the suite shares 2 cores with live servers
 
@@ -144,7 +144,7 @@ def start_server_process(
     args = [
         sys.executable,
         "-m",
-        "server.cli",
+        "protoserve.server.cli",
         "serve",
         "--port",
         "0",
@@ -266,12 +266,12 @@ class InProcessServer:
         return time.monotonic() - start
 
     async def _start(self) -> None:
-        from engine.async_engine import AsyncEngine
-        from engine.config import EngineConfig
-        from engine.loader.default_model import default_model_path
-        from server.app import ServerApp, ServerConfig
-        from server.auth import Authenticator
-        from server.served_model import ModelCard
+        from protoserve.engine.async_engine import AsyncEngine
+        from protoserve.engine.config import EngineConfig
+        from protoserve.engine.loader.default_model import default_model_path
+        from protoserve.server.app import ServerApp, ServerConfig
+        from protoserve.server.auth import Authenticator
+        from protoserve.server.served_model import ModelCard
 
         path = default_model_path()
         config = EngineConfig(max_num_seqs=2, max_queue=2)

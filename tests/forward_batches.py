@@ -2,7 +2,7 @@
 
 A test describes each scheduled sequence as the engine holds it (its known token ids, how many
 of them already have K/V in the cache, its block table) and gets the batch from
-``engine.model_runner.build_forward_batch``, the function every production step goes through.
+``protoserve.engine.execution.model_runner.build_forward_batch``, the function every production step goes through.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.model_runner import build_forward_batch
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.execution.model_runner import build_forward_batch
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.scheduling.sequence import Sequence
 
 
 def scheduled(token_ids: Seq[int], num_computed: int, block_table: Seq[int]) -> Sequence:

@@ -80,9 +80,9 @@ SIZES = {"smoke": Sizes(16, 2, 4, 1, 4), "default": Sizes(96, 4, 16, 4), "full":
 
 
 def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, constrained: bool) -> list[Any]:
-    from engine.constraints.constraint import Constraint
-    from engine.request import TokenizedRequest
-    from engine.sampling_params import SamplingParams
+    from protoserve.engine.request import TokenizedRequest
+    from protoserve.engine.sampling.constraints.constraint import Constraint
+    from protoserve.engine.sampling.sampling_params import SamplingParams
 
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     out = []
@@ -190,9 +190,9 @@ def _compile_step(ctx: BenchContext) -> Step:
     first_name, cached_name = f"{SECTION}.compile.first", f"{SECTION}.compile.cached"
 
     def run(loaded: Any) -> list[Figure]:
-        from engine.constraints.compiler import GrammarCompiler
-        from engine.constraints.constraint import Constraint
-        from engine.constraints.masks import MaskFiller
+        from protoserve.engine.sampling.constraints.compiler import GrammarCompiler
+        from protoserve.engine.sampling.constraints.constraint import Constraint
+        from protoserve.engine.sampling.constraints.masks import MaskFiller
 
         engine_eos = set(loaded.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         compiler = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine_eos)

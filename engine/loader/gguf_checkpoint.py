@@ -20,10 +20,10 @@ import torch
 from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 
-from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_dequant import dequantize
-from engine.loader.progress import tensor_progress
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.gguf_dequant import dequantize
+from protoserve.engine.loader.progress import tensor_progress
+from protoserve.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Architectures whose attn_q/attn_k rows llama.cpp's converter permutes.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")

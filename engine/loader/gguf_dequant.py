@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.errors import ModelLoadError
 
 QK_K = 256  # elements per K-quant super-block
 

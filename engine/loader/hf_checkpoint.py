@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.loader.errors import ModelLoadError
-from engine.loader.progress import tensor_progress
-from engine.models.config import ModelConfig
-from engine.models.decoder import ROPE_TYPES, rope_inv_freq
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.progress import tensor_progress
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.decoder import ROPE_TYPES, rope_inv_freq
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -19,19 +19,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
-from engine.loader.errors import ModelLoadError
-from engine.loader.heap import release_freed_memory
-from engine.loader.hf_checkpoint import (
+from protoserve.engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.heap import release_freed_memory
+from protoserve.engine.loader.hf_checkpoint import (
     GENERATION_CONFIG_FILE,
     load_hf_tensors,
     open_hf_checkpoint,
     read_generation_config,
 )
-from engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
-from engine.models.config import ModelConfig
-from engine.models.decoder import Decoder, expected_hf_shapes
-from engine.models.linear import (
+from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.decoder import Decoder, expected_hf_shapes
+from protoserve.engine.models.linear import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
     QUANTIZATION_MODES,
@@ -39,7 +39,7 @@ from engine.models.linear import (
 )
 
 if TYPE_CHECKING:
-    from engine.tokenizer.tokenizer import Tokenizer
+    from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -97,12 +97,12 @@ def load_model(
     torch_dtype = DTYPES[dtype]
     started = time.perf_counter()
     if path is None:
-        from engine.loader.default_model import default_model_path
+        from protoserve.engine.loader.default_model import default_model_path
 
         path = default_model_path()
     source = Path(path)
 
-    from engine.tokenizer.tokenizer import Tokenizer
+    from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
     if source.is_dir():
         fmt = "hf"
@@ -117,7 +117,7 @@ def load_model(
         )
         sampling_defaults = hf_sampling_defaults(read_generation_config(source), source / GENERATION_CONFIG_FILE)
     elif source.is_file():
-        from engine.loader.gguf_checkpoint import GGUFCheckpoint
+        from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint
 
         fmt = "gguf"
         gguf = GGUFCheckpoint(source)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.forward_batch import ForwardBatch
+from protoserve.engine.execution.forward_batch import ForwardBatch
 
 # Tile shapes of deterministic mode. Any fixed values are invariant; these were the fastest
 # measured on SmolLM2 over decode batches (T=1, 32) and a 256-token prefill: a decode token

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_batch import ForwardBatch
-from engine.models.config import ModelConfig
-from engine.models.fused_step import FusedStep
-from engine.models.kv_cache import AttentionMetadata, KVCache
-from engine.models.linear import KernelPackable, Linear
-from kernels.cpu import norm_rope
+from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.fused_step import FusedStep
+from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
+from protoserve.engine.models.linear import KernelPackable, Linear
+from protoserve.kernels.cpu import norm_rope
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.models.kv_cache import KVCache, PagedKVCache
-from engine.models.linear import KernelPackable
-from kernels.cpu import packed_linear
-from kernels.cpu.extension import load
+from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.models.kv_cache import KVCache, PagedKVCache
+from protoserve.engine.models.linear import KernelPackable
+from protoserve.kernels.cpu import packed_linear
+from protoserve.kernels.cpu.extension import load
 
 if TYPE_CHECKING:
-    from engine.models.decoder import Decoder
+    from protoserve.engine.models.decoder import Decoder
 
 
 def _linear_weights(ext, layer: torch.nn.Module):

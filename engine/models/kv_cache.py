@@ -12,7 +12,7 @@ Two implementations of that interface:
   attention is the C++ kernel ``kernels/cpu/paged_attention.cpp`` when the CPU
   can run it: batch invariant by construction, so it serves both modes, and it
   reads K/V in place, so a step builds no per-batch plan. Otherwise the PyTorch
-  paths of ``engine.models.attention`` (deterministic tiles, or the fast gather
+  paths of ``protoserve.engine.models.attention`` (deterministic tiles, or the fast gather
   + SDPA).
 * ``ContiguousKVCache``: one contiguous ``[max_seq_len, kv_heads, head_dim]``
   region per sequence and the plain per-sequence SDPA; a second, simpler
@@ -31,8 +31,8 @@ from typing import Literal
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.models.attention import (
+from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.models.attention import (
     DecodePlan,
     TilePlan,
     build_decode_plan,
@@ -42,7 +42,7 @@ from engine.models.attention import (
     sdpa_attention,
     tiled_attention,
 )
-from kernels.cpu import paged_attention as attention_kernel
+from protoserve.kernels.cpu import paged_attention as attention_kernel
 
 # How a PagedKVCache step attends: the C++ kernel (both modes), or the PyTorch fallbacks.
 AttentionPath = Literal["kernel", "tiled", "fast", "sdpa"]

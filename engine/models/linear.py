@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import packed_linear as kernel
+from protoserve.kernels.cpu import packed_linear as kernel
 
 # Rows per GEMM tile in deterministic mode. Any fixed value is invariant. Measured on the
 # 2-core CPU (576x1536 float32): one row padded to 16 costs ~5x a GEMV, and a row inside a

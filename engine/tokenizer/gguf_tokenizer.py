@@ -25,8 +25,8 @@ from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_checkpoint import eog_token_ids, metadata_value, open_gguf
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.gguf_checkpoint import eog_token_ids, metadata_value, open_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 from gguf import GGUFReader
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.loader.errors import ModelLoadError
-from engine.tokenizer.chat_template import ChatTemplate, ChatTemplateError
-from engine.tokenizer.gguf_tokenizer import load_gguf_tokenizer, special_tokens_processor
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from protoserve.engine.tokenizer.gguf_tokenizer import load_gguf_tokenizer, special_tokens_processor
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPM_SPACE = "\u2581"  # ▁

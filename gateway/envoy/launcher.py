@@ -2,10 +2,10 @@
 
 Used by the tests and for trying the Envoy setup by hand::
 
-    python -m gateway.envoy.launcher --grpc-target 127.0.0.1:50051 --port 8080
+    python -m protoserve.gateway.envoy.launcher --grpc-target 127.0.0.1:50051 --port 8080
 
 The config is ``envoy.yaml.template`` rendered with the ports, the backend
-and a descriptor set. That set is ``gen/protoserve.binpb`` plus the
+and a descriptor set. That set is ``protoserve/generated/protoserve.binpb`` plus the
 ``google.rpc`` error detail types: our protos document those details but do
 not import their file, and Envoy's ``convert_grpc_status`` can only print
 details whose types its descriptor pool knows.
@@ -31,8 +31,6 @@ from google.protobuf import descriptor_pb2, duration_pb2
 from google.rpc import error_details_pb2
 
 TEMPLATE = Path(__file__).with_name("envoy.yaml.template")
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DESCRIPTOR_SET = REPO / "gen" / "protoserve.binpb"
 # Not OpenAIService: Envoy refuses to load RetrieveModel's `response_body: "model"` (only
 # google.api.HttpBody fields are supported there), and the OpenAI routes need
 # our gateway anyway (see gateway/README.md).
@@ -51,6 +49,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def generated_descriptor_set() -> Path:
+    """The descriptor set ``make proto`` (or the wheel build) wrote beside the gateway's route table."""
+    from protoserve.generated import routes
+
+    return Path(routes.__file__).with_name("protoserve.binpb")
 
 
 def descriptor_set_with_error_details(source: Path) -> bytes:
@@ -130,14 +135,14 @@ def start_envoy(
     grpc_target: str,
     *,
     http_port: int | None = None,
-    descriptor_set: Path = DEFAULT_DESCRIPTOR_SET,
+    descriptor_set: Path | None = None,
     listen_host: str = "127.0.0.1",
     timeout: float = 30.0,
 ) -> EnvoyGateway:
     """Start Envoy for ``grpc_target`` and wait until its listener is ready."""
     workdir = Path(tempfile.mkdtemp(prefix="protoserve-envoy-"))
     descriptor_path = workdir / "descriptors.binpb"
-    descriptor_path.write_bytes(descriptor_set_with_error_details(descriptor_set))
+    descriptor_path.write_bytes(descriptor_set_with_error_details(descriptor_set or generated_descriptor_set()))
     http_port = http_port or free_port()
     admin_port = free_port()
     config_path = workdir / "envoy.yaml"
@@ -184,7 +189,7 @@ def running_envoy(grpc_target: str, **options) -> Iterator[EnvoyGateway]:
 
 def main() -> None:
     """Run Envoy in the foreground until Ctrl-C."""
-    parser = argparse.ArgumentParser(prog="python -m gateway.envoy.launcher", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m protoserve.gateway.envoy.launcher", description=__doc__)
     parser.add_argument("--grpc-target", default="127.0.0.1:50051")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--host", default="127.0.0.1")

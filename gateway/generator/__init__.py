@@ -2,5 +2,5 @@
 
 ``api`` turns a CodeGeneratorRequest into validated routes, ``routes_module``
 writes the Python route table the runtime serves, ``openapi`` writes the
-OpenAPI document. ``gateway.protoc_gen_gateway`` is the plugin entry point.
+OpenAPI document. ``protoserve.gateway.protoc_gen_gateway`` is the plugin entry point.
 """

@@ -17,8 +17,8 @@ from functools import cached_property
 
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message_factory
 
-from gateway.runtime.path_template import PathTemplate
-from gateway.runtime.route import ErrorStyle, Framing
+from protoserve.gateway.runtime.path_template import PathTemplate
+from protoserve.gateway.runtime.route import ErrorStyle, Framing
 
 HTTP_RULE_EXTENSION = "google.api.http"
 GATEWAY_RULE_EXTENSION = "protoserve.options.v1.gateway"

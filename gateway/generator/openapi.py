@@ -14,8 +14,8 @@ from typing import Any
 
 from google.protobuf import descriptor
 
-from gateway.generator.api import Api, RouteSpec, proto3_optional_fields, resolve_field_path
-from gateway.runtime.route import ErrorStyle, Framing
+from protoserve.gateway.generator.api import Api, RouteSpec, proto3_optional_fields, resolve_field_path
+from protoserve.gateway.runtime.route import ErrorStyle, Framing
 
 FD = descriptor.FieldDescriptor
 OPENAI_ERROR_SCHEMA = "OpenAIErrorResponse"

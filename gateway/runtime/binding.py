@@ -19,9 +19,9 @@ from google.protobuf import descriptor, message_factory
 from google.protobuf.message import Message
 from google.rpc import code_pb2
 
-from gateway.runtime.errors import HttpError, gateway_error
-from gateway.runtime.json_codec import InvalidJson, loads, parse_message
-from gateway.runtime.route import Route
+from protoserve.gateway.runtime.errors import HttpError, gateway_error
+from protoserve.gateway.runtime.json_codec import InvalidJson, loads, parse_message
+from protoserve.gateway.runtime.route import Route
 
 FD = descriptor.FieldDescriptor
 _TRUE, _FALSE = ("true", "t", "1"), ("false", "f", "0")

@@ -19,7 +19,7 @@ import grpc
 from google.protobuf import json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from gateway.runtime.route import ErrorStyle
+from protoserve.gateway.runtime.route import ErrorStyle
 
 log = logging.getLogger(__name__)
 

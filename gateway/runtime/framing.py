@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.runtime.json_codec import dumps
-from gateway.runtime.route import Framing
+from protoserve.gateway.runtime.json_codec import dumps
+from protoserve.gateway.runtime.route import Framing
 
 CONTENT_TYPES = {
     Framing.SSE: "text/event-stream; charset=utf-8",

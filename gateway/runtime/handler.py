@@ -24,15 +24,15 @@ from urllib.parse import parse_qsl
 import grpc
 from google.rpc import code_pb2
 
-from gateway.runtime import framing
-from gateway.runtime.binding import Call, bind_request
-from gateway.runtime.channel import SharedChannel
-from gateway.runtime.errors import HttpError, from_rpc_error, gateway_error
-from gateway.runtime.json_codec import dumps, message_to_json
-from gateway.runtime.metrics import GatewayMetrics
-from gateway.runtime.route import ErrorStyle, Framing, Route
-from gateway.runtime.router import Router, RoutingError
-from gateway.runtime.tracing import TRACE_HEADERS, HttpTracing
+from protoserve.gateway.runtime import framing
+from protoserve.gateway.runtime.binding import Call, bind_request
+from protoserve.gateway.runtime.channel import SharedChannel
+from protoserve.gateway.runtime.errors import HttpError, from_rpc_error, gateway_error
+from protoserve.gateway.runtime.json_codec import dumps, message_to_json
+from protoserve.gateway.runtime.metrics import GatewayMetrics
+from protoserve.gateway.runtime.route import ErrorStyle, Framing, Route
+from protoserve.gateway.runtime.router import Router, RoutingError
+from protoserve.gateway.runtime.tracing import TRACE_HEADERS, HttpTracing
 
 log = logging.getLogger(__name__)
 

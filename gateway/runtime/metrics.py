@@ -3,7 +3,7 @@
 They are registered in the registry the gateway serves at ``GET /metrics``:
 the server's registry when the gateway runs inside ``protoserve serve`` (so
 one scrape has both), or a registry of its own when it runs standalone
-(``python -m gateway``), where it cannot see the engine. They are labelled by
+(``python -m protoserve.gateway``), where it cannot see the engine. They are labelled by
 route template, not by model: the gateway does not interpret request bodies.
 Names use the server's ``protoserve_`` prefix (underscores: colons are for
 recording rules) and no ``*_created`` series are exported.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
-from gateway.runtime.path_template import PathTemplate
+from protoserve.gateway.runtime.path_template import PathTemplate
 
 
 class Framing(enum.StrEnum):

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from google.rpc import code_pb2
 
-from gateway.runtime.errors import HttpError, gateway_error
-from gateway.runtime.route import ErrorStyle, Route
+from protoserve.gateway.runtime.errors import HttpError, gateway_error
+from protoserve.gateway.runtime.route import ErrorStyle, Route
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Build and load the C++ CPU kernels (``kernels/cpu/*.cpp``) as one PyTorch extension.
 
 All sources build one module (``module.cpp`` holds the bindings), so the fused
-decoder step calls the other kernels in C++ (``kernels.h``). It is compiled on
+decoder step calls the other kernels in C++ (``protoserve.kernels.h``). It is compiled on
 first use with the machine's compiler for the machine's own CPU
 (``-march=native``) and cached by PyTorch under ``$PROTOSERVE_KERNEL_CACHE``
 (default ``~/.cache/protoserve/kernels``) in a folder per CPU feature set,

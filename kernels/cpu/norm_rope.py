@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.extension import load
+from protoserve.kernels.cpu.extension import load
 
 
 def available() -> bool:

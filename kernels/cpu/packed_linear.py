@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu.extension import load
+from protoserve.kernels.cpu.extension import load
 
 BLOCK_N = 4
 CHUNK = 16

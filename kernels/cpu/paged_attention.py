@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from kernels.cpu.extension import load
+from protoserve.kernels.cpu.extension import load
 
 
 def _extension() -> types.ModuleType | None:

@@ -14,7 +14,7 @@ from bench.profile import PROFILES
 from bench.run import SECTIONS
 from bench.sections import constrained
 from bench.timeline import RequestTimeline
-from engine.constraints.constraint import Constraint
+from protoserve.engine.sampling.constraints.constraint import Constraint
 
 
 def timeline(sent: float, first: float, tokens: int, gap: float) -> RequestTimeline:

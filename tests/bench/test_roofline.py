@@ -8,10 +8,10 @@ from bench import machine_peak
 from bench.figures import Figure, Target
 from bench.roofline import DOT_PRODUCTS_PER_MAC, LinearWork, RooflineInputs, roofline_figures
 from bench.run import finish
-from engine.loader.default_model import default_model_path
-from engine.loader.gguf_checkpoint import GGUFCheckpoint
-from engine.models.config import ModelConfig
-from kernels.cpu.extension import cpu_flags
+from protoserve.engine.loader.default_model import default_model_path
+from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint
+from protoserve.engine.models.config import ModelConfig
+from protoserve.kernels.cpu.extension import cpu_flags
 
 # SmolLM2-135M's linear work per token (checked against its GGUF below).
 SMOLLM2 = LinearWork(body=106_168_320, head=576 * 49152)
@@ -137,7 +137,7 @@ def test_a_probe_that_cannot_be_built_is_a_skipped_figure(monkeypatch) -> None:
 def test_roofline_inputs_of_the_served_model_or_none(monkeypatch, tmp_path) -> None:
     from bench.profile import DEFAULT
     from bench.run import roofline_inputs
-    from engine.loader import default_model
+    from protoserve.engine.loader import default_model
 
     inputs = roofline_inputs(DEFAULT)
     assert inputs is not None and inputs.work == SMOLLM2 and inputs.int8_dot_variant

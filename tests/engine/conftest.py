@@ -13,7 +13,7 @@ def write_byte_tokenizer(directory: Path) -> None:
     """A byte-level BPE tokenizer with no merges: one token per byte, plus an EOS special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from engine.tokenizer.tokenizer import byte_level_alphabet
+    from protoserve.engine.tokenizer.tokenizer import byte_level_alphabet
 
     alphabet = sorted(byte_level_alphabet().items(), key=lambda kv: kv[1])
     vocab = {char: byte for char, byte in alphabet}
@@ -58,7 +58,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir):
-    from engine.loader.load import load_model
+    from protoserve.engine.loader.load import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32", quantization="none", progress=False)
 
@@ -66,8 +66,8 @@ def tiny_loaded(tiny_model_dir):
 @pytest.fixture
 def make_engine(tiny_loaded):
     """LLMEngine factory over the shared tiny model (each engine gets its own KV pool)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.llm_engine import LLMEngine
 
     def make(**config) -> LLMEngine:
         config.setdefault("max_kv_blocks", 512)

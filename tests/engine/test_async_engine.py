@@ -8,10 +8,15 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
-from engine.request import FinishReason, TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.async_engine import AsyncEngine
+from protoserve.engine.errors import (
+    ContextLengthError,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from protoserve.engine.request import FinishReason, TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 
 def long_request(rid: str, max_tokens: int = 200) -> TokenizedRequest:

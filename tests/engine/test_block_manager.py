@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager, block_hash, chain_hashes, root_hash
+from protoserve.engine.scheduling.block_manager import BlockManager, block_hash, chain_hashes, root_hash
 
 BS = 4
 

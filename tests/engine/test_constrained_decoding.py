@@ -17,13 +17,13 @@ import pytest
 from constrained_schemas import SCHEMAS
 from test_engine_batching import clone, logprobs, tokens
 
-from engine.config import EngineConfig
-from engine.constraints.constraint import Constraint
-from engine.errors import InvalidRequestError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.errors import InvalidRequestError
+from protoserve.engine.llm import LLM
+from protoserve.engine.llm_engine import LLMEngine
+from protoserve.engine.request import FinishReason, TokenizedRequest
+from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 ARITHMETIC = r"""
@@ -38,7 +38,7 @@ ws     ::= " "?
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from engine.loader.load import load_model
+    from protoserve.engine.loader.load import load_model
 
     return load_model(None, progress=False)
 

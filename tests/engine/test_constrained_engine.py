@@ -16,13 +16,13 @@ import pytest
 from test_engine_batching import clone, fresh_rng, logprobs, tokens
 from tiny_checkpoint_ids import TINY_EOS, TINY_VOCAB
 
-from engine.async_engine import AsyncEngine
-from engine.constraints.constraint import Constraint, ConstraintKind
-from engine.constraints.masks import MaskFiller, allowed_tokens
-from engine.errors import InvalidRequestError
-from engine.llm import LLM
-from engine.request import FinishReason, TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.async_engine import AsyncEngine
+from protoserve.engine.errors import InvalidRequestError
+from protoserve.engine.llm import LLM
+from protoserve.engine.request import FinishReason, TokenizedRequest
+from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
+from protoserve.engine.sampling.constraints.masks import MaskFiller, allowed_tokens
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 REGEXES = [r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", r"\d{4}-\d{2}-\d{2}", r"(yes|no|maybe)!?",
            r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){1,2}"]
@@ -85,7 +85,7 @@ def test_greedy_under_a_mask_takes_the_same_token_on_the_batched_and_per_row_pat
 def test_a_token_the_grammar_refuses_ends_only_its_choice(make_engine, caplog):
     """Should the grammar engine fail mid-output, the refused token's text is dropped and the choice
     ends; the step and the other requests go on."""
-    from engine.sampler import SampleResult
+    from protoserve.engine.sampling.sampler import SampleResult
 
     engine = make_engine()
     sample = engine.sampler.__call__
@@ -195,7 +195,7 @@ def test_compile_cache_returns_the_same_grammar_without_recompiling(make_engine)
 
 
 def test_the_cache_is_bounded(tiny_loaded):
-    from engine.constraints.compiler import GrammarCompiler
+    from protoserve.engine.sampling.constraints.compiler import GrammarCompiler
 
     compiler = GrammarCompiler(tiny_loaded.tokenizer, TINY_VOCAB, [TINY_EOS], cache_size=2)
     a, b, c = (Constraint.regex(p) for p in ("a+", "b+", "c+"))

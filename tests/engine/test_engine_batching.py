@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from engine.llm import LLM, Completion
-from engine.request import FinishReason, TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.llm import LLM, Completion
+from protoserve.engine.request import FinishReason, TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 
 def fresh_rng() -> random.Random:
@@ -199,9 +199,9 @@ def test_auto_kv_cache_dtype_is_bfloat16_for_quantized_weights(make_engine, tiny
     llama.cpp keeps f16 K/V for its quantized models); an explicit setting always wins."""
     from dataclasses import replace
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import resolve_kv_dtype
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.execution.model_runner import resolve_kv_dtype
+    from protoserve.engine.llm_engine import LLMEngine
 
     assert resolve_kv_dtype("auto", torch.float32, "none") == torch.float32
     assert resolve_kv_dtype("auto", torch.bfloat16, "none") == torch.bfloat16

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
-from engine.llm import LLM
-from engine.request import FinishReason, TokenizedRequest
-from engine.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from protoserve.engine.llm import LLM
+from protoserve.engine.request import FinishReason, TokenizedRequest
+from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 
 LIMIT = 64
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from tiny_checkpoint_ids import TINY_EOS
 
-from engine.llm import LLM
-from engine.request import FinishReason, TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.llm import LLM
+from protoserve.engine.request import FinishReason, TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 PROMPT = list(b"The quick brown fox jumps over the lazy dog. ")
 

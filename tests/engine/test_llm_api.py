@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from protoserve.engine.llm import LLM
+from protoserve.engine.request import FinishReason
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 PROMPT = list(range(10, 30))
 

@@ -17,12 +17,12 @@ import torch
 from test_engine_batching import clone, fresh_rng, tokens
 from tiny_checkpoint_ids import TINY_VOCAB
 
-from engine.errors import InvalidRequestError
-from engine.llm import LLM
-from engine.request import TokenizedRequest
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from protoserve.engine.errors import InvalidRequestError
+from protoserve.engine.llm import LLM
+from protoserve.engine.request import TokenizedRequest
+from protoserve.engine.sampling.sampler import Sampler
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.scheduling.sequence import Sequence
 
 
 def softmax(logits: list[float]) -> list[float]:

@@ -13,9 +13,16 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from engine.sampler import Sampler, apply_min_p, apply_top_n_sigma, apply_top_p, apply_typical_p, draw
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from protoserve.engine.sampling.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_top_n_sigma,
+    apply_top_p,
+    apply_typical_p,
+    draw,
+)
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.scheduling.sequence import Sequence
 
 V = 64
 EOS = 3

@@ -6,11 +6,11 @@ import hashlib
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.scheduling.block_manager import BlockManager
+from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from protoserve.engine.scheduling.sequence import Sequence
 
 BS = 4
 

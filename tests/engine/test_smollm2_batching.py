@@ -7,16 +7,16 @@ import time
 import pytest
 from test_engine_batching import clone, fresh_rng, logprobs, tokens
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.request import TokenizedRequest
-from engine.sampling_params import SamplingParams
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.llm import LLM
+from protoserve.engine.llm_engine import LLMEngine
+from protoserve.engine.request import TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from engine.loader.load import load_model
+    from protoserve.engine.loader.load import load_model
 
     # `make install` installs the weights package: a missing model is a failure, not a skip.
     return load_model(None, progress=False)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopStringMatcher, check_token_stop, longest_stop_prefix_suffix
+from protoserve.engine.request import FinishReason
+from protoserve.engine.sampling.detokenizer import IncrementalDetokenizer
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.sampling.stop_checker import (
+    StopStringMatcher,
+    check_token_stop,
+    longest_stop_prefix_suffix,
+)
 
 
 def feed(matcher: StopStringMatcher, chunks: list[str]) -> tuple[list[str], str | None]:

@@ -38,7 +38,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from valid_requests import tightened
 
-from gateway.app import generated_openapi_path
+from protoserve.gateway.app import generated_openapi_path
 
 WATCH_PATH = "/v1/metrics:watch"
 REQUEST_TIMEOUT_S = 60.0

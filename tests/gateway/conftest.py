@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from gateway_fakes import FakeBackend, gateway_thread, start_fake_backend
 
-from gateway.runtime.handler import GatewaySettings
+from protoserve.gateway.runtime.handler import GatewaySettings
 
 
 @pytest.fixture(scope="session")

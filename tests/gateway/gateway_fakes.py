@@ -22,8 +22,8 @@ from google.protobuf import duration_pb2, json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from gateway.app import GatewayServer
-from gateway.runtime.handler import GatewaySettings
+from protoserve.gateway.app import GatewayServer
+from protoserve.gateway.runtime.handler import GatewaySettings
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc as oa_grpc
 from protoserve.v1 import inference_pb2 as pb

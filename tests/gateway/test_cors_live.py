@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import GatewayServer
+from protoserve.gateway.app import GatewayServer
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = "https://app.example"
@@ -156,7 +156,7 @@ def test_serve_cors_origin_flag(spawn_server):
 )
 def test_serve_refuses_bad_cors_flags_in_one_line(args, message):
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--port", "0", *args],
+        [sys.executable, "-m", "protoserve.server.cli", "serve", "--port", "0", *args],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from gateway.envoy.launcher import DEFAULT_SERVICES, render_config, running_envoy
+from protoserve.gateway.envoy.launcher import DEFAULT_SERVICES, render_config, running_envoy
 
 
 @pytest.fixture(scope="module")

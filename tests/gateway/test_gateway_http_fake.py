@@ -363,7 +363,7 @@ def test_openai_stream_bytes_via_stream_true(http, fake_backend):
 
 
 def test_error_after_the_stream_started_is_a_final_error_event(http, caplog):
-    with caplog.at_level(logging.WARNING, logger="gateway.runtime.handler"):
+    with caplog.at_level(logging.WARNING, logger="protoserve.gateway.runtime.handler"):
         native = http.post("/v1/generate:stream", json={"prompt": "mid-error"})
         openai = http.post("/v1/completions", json={"model": "mid-error", "prompt": "x", "stream": True})
     assert native.status_code == 200
@@ -409,7 +409,7 @@ def test_client_disconnect_during_unary_cancels_the_call(fake_gateway, fake_back
 def test_openapi_and_docs(http):
     served = http.get("/openapi.json")
     assert served.status_code == 200 and served.headers["content-type"] == "application/json"
-    assert served.text == (REPO / "gen" / "openapi.json").read_text()
+    assert served.text == (REPO / "gen" / "python" / "protoserve" / "generated" / "openapi.json").read_text()
     docs = http.get("/docs")
     assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html")
     page = docs.text
@@ -420,8 +420,8 @@ def test_openapi_and_docs(http):
 
 
 async def test_gateway_bug_is_a_logged_500_in_the_route_style(monkeypatch, caplog):
-    from gateway.app import create_app
-    from gateway.runtime import handler
+    from protoserve.gateway.app import create_app
+    from protoserve.gateway.runtime import handler
 
     def broken(*args, **kwargs):
         raise RuntimeError("bug")
@@ -429,7 +429,7 @@ async def test_gateway_bug_is_a_logged_500_in_the_route_style(monkeypatch, caplo
     monkeypatch.setattr(handler, "bind_request", broken)
     transport = httpx.ASGITransport(app=create_app("127.0.0.1:1"))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
-        with caplog.at_level(logging.ERROR, logger="gateway.runtime.handler"):
+        with caplog.at_level(logging.ERROR, logger="protoserve.gateway.runtime.handler"):
             response = await client.post("/v1/chat/completions", json={"messages": []})
     assert response.status_code == 500
     assert response.json()["error"] == {

@@ -1,7 +1,7 @@
 """The official ``openai`` client (sync and async) against the live gateway and server with the real model.
 
 The gateway here is the one ``protoserve serve --http-port`` starts (through
-``gateway.app.start_gateway``), in front of the real engine and default model.
+``protoserve.gateway.app.start_gateway``), in front of the real engine and default model.
 Also raw HTTP checks of the real SSE framing.
 """
 

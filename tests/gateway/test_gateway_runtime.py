@@ -10,12 +10,11 @@ from gateway_fakes import rich_status
 from google.protobuf import duration_pb2, json_format, struct_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2
-from protoserve_gateway.routes import ROUTES
 
-from gateway.runtime import framing
-from gateway.runtime.binding import bind_request
-from gateway.runtime.errors import HTTP_STATUS_BY_CODE, HttpError, from_rpc_error, gateway_error
-from gateway.runtime.json_codec import (
+from protoserve.gateway.runtime import framing
+from protoserve.gateway.runtime.binding import bind_request
+from protoserve.gateway.runtime.errors import HTTP_STATUS_BY_CODE, HttpError, from_rpc_error, gateway_error
+from protoserve.gateway.runtime.json_codec import (
     MAX_JSON_DEPTH,
     InvalidJson,
     json_depth,
@@ -23,9 +22,10 @@ from gateway.runtime.json_codec import (
     message_to_json,
     parse_message,
 )
-from gateway.runtime.path_template import PathTemplate
-from gateway.runtime.route import ErrorStyle, Framing
-from gateway.runtime.router import Router, RoutingError
+from protoserve.gateway.runtime.path_template import PathTemplate
+from protoserve.gateway.runtime.route import ErrorStyle, Framing
+from protoserve.gateway.runtime.router import Router, RoutingError
+from protoserve.generated.routes import ROUTES
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.v1 import inference_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""``python -m gateway`` as its own process in front of the live server: the deployment where
+"""``python -m protoserve.gateway`` as its own process in front of the live server: the deployment where
 the gateway and the gRPC server run apart (as Envoy would sit in front of it)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.runtime.handler import GatewaySettings
+from protoserve.gateway.runtime.handler import GatewaySettings
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def standalone_gateway(live_server, tmp_path_factory):
     port = free_port()
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    log = tmp_path_factory.mktemp("gateway") / "protoserve.gateway.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
             # No --max-body-bytes: the default is what most deployments run.

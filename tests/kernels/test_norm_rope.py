@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import extension
-from kernels.cpu import norm_rope as nr
+from protoserve.kernels.cpu import extension
+from protoserve.kernels.cpu import norm_rope as nr
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 

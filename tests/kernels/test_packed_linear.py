@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import extension
-from kernels.cpu import packed_linear as pl
+from protoserve.kernels.cpu import extension
+from protoserve.kernels.cpu import packed_linear as pl
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
@@ -244,7 +244,7 @@ def test_model_layers_give_the_same_product_on_the_kernel(mode: str) -> None:
     its integer-dot formats (where the CPU has VNNI) round them to int8 per 32 values, so those agree
     to a few percent; float32 agrees to float32 rounding.
     """
-    from engine.models.linear import Int4Linear, Int8Linear, Linear
+    from protoserve.engine.models.linear import Int4Linear, Int8Linear, Linear
 
     g = torch.Generator().manual_seed(4)
     lin = Linear(576, 1536, bias=True)

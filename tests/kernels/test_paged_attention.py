@@ -19,9 +19,9 @@ import pytest
 import torch
 from forward_batches import forward_batch, scheduled
 
-from engine.models.kv_cache import PagedKVCache
-from kernels.cpu import extension
-from kernels.cpu import paged_attention as pa
+from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.kernels.cpu import extension
+from protoserve.kernels.cpu import paged_attention as pa
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
@@ -129,7 +129,7 @@ def test_matches_reference(case: tuple[int, int, int, int, int], dtype: torch.dt
 
 def test_bf16_products_where_the_cpu_has_them() -> None:
     """AVX512-BF16 CPUs multiply bfloat16 pools with vdpbf16ps (head_dim a multiple of 32 only)."""
-    from kernels.cpu.extension import cpu_flags
+    from protoserve.kernels.cpu.extension import cpu_flags
 
     has_bf16 = "avx512_bf16" in cpu_flags().split()
     assert pa.multiplies_in_bf16(torch.bfloat16, 64) == has_bf16

@@ -7,10 +7,10 @@ import torch
 from gguf import GGMLQuantizationType
 from test_gguf_checkpoint import hf_weights, write_gguf
 
-from engine.loader.auto_quantization import mode_for_gguf_tensors, mode_for_type
-from engine.loader.gguf_checkpoint import load_gguf_checkpoint
-from engine.loader.load import load_model
-from kernels.cpu import packed_linear
+from protoserve.engine.loader.auto_quantization import mode_for_gguf_tensors, mode_for_type
+from protoserve.engine.loader.gguf_checkpoint import load_gguf_checkpoint
+from protoserve.engine.loader.load import load_model
+from protoserve.kernels.cpu import packed_linear
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.loader import default_model
-from engine.loader.default_model import default_model_path
-from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_checkpoint import (
+from protoserve.engine.loader import default_model
+from protoserve.engine.loader.default_model import default_model_path
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.gguf_checkpoint import (
     FastGGUFReader,
     GGUFCheckpoint,
     llama3_rope_factors,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.loader.default_model import default_model_path
-from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_checkpoint import open_gguf
-from engine.loader.gguf_dequant import SUPPORTED_TYPES, dequantize
+from protoserve.engine.loader.default_model import default_model_path
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.gguf_checkpoint import open_gguf
+from protoserve.engine.loader.gguf_dequant import SUPPORTED_TYPES, dequantize
 
 T = GGMLQuantizationType
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader.heap import release_freed_memory
+from protoserve.engine.loader.heap import release_freed_memory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,9 +28,9 @@ _PROBE = textwrap.dedent(
     import json, torch
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
-    import engine.loader.load  # imports (torch, the kernels module) count as the base
+    import protoserve.engine.loader.load  # imports (torch, the kernels module) count as the base
     base = rss()
-    loaded = engine.loader.load.load_model(None, quantization="int4", progress=False)
+    loaded = protoserve.engine.loader.load.load_model(None, quantization="int4", progress=False)
     grown = rss() - base
     held = loaded.model.weight_bytes()  # state dict and kernel packs
     print(json.dumps({"grown": grown, "held": held}))

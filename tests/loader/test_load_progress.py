@@ -18,8 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 LOAD_A_FEW_TENSORS = (
     "import itertools\n"
-    "from engine.loader.default_model import default_model_path\n"
-    "from engine.loader.gguf_checkpoint import GGUFCheckpoint\n"
+    "from protoserve.engine.loader.default_model import default_model_path\n"
+    "from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint\n"
     "weights = GGUFCheckpoint(default_model_path()).iter_weights(progress=True)\n"
     "assert len(list(itertools.islice(weights, 8))) == 8\n"
     "weights.close()\n"
@@ -34,7 +34,7 @@ def run_loader(stderr) -> subprocess.CompletedProcess[bytes]:
 
 
 def test_no_bar_in_a_log_file(tmp_path: Path) -> None:
-    log = tmp_path / "server.log"
+    log = tmp_path / "protoserve.server.log"
     with log.open("wb") as f:
         done = run_loader(f)
     assert done.returncode == 0 and done.stdout == b"loaded\n"

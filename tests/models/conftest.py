@@ -69,7 +69,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from engine.loader.default_model import default_model_path
+    from protoserve.engine.loader.default_model import default_model_path
 
     # `make install` installs the weights package: a missing model is a failure, not a skip.
     return default_model_path()
@@ -77,7 +77,7 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path: Path):
-    from engine.loader.load import load_model
+    from protoserve.engine.loader.load import load_model
 
     return load_model(smollm2_path, progress=False)
 

@@ -17,8 +17,8 @@ import torch
 from forward_batches import forward_batch, scheduled
 from torch import nn
 
-from engine.models.decoder import Decoder
-from engine.models.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
+from protoserve.engine.models.decoder import Decoder
+from protoserve.engine.models.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 
 TINY = dict(
     hidden_size=64,

@@ -30,11 +30,11 @@ from decoder_test_helpers import (
 )
 from forward_batches import forward_batch, scheduled
 
-from engine.loader.load import load_model
-from engine.models.config import ModelConfig
-from engine.models.decoder import Decoder
-from engine.models.kv_cache import PagedKVCache
-from engine.models.linear import ROW_TILE, Int4Linear, Int8Linear, Linear, tiled_linear
+from protoserve.engine.loader.load import load_model
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.decoder import Decoder
+from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.engine.models.linear import ROW_TILE, Int4Linear, Int8Linear, Linear, tiled_linear
 
 SHAPES = [(64, 256), (576, 1536), (1536, 576), (576, 8192)]  # (in, out): tiny, SmolLM2 MLP, down, a wide head
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from decoder_test_helpers import MISTRAL_WINDOW, Driver, all_at_once, paged_cache
 
-from engine.loader.load import load_model
+from protoserve.engine.loader.load import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -32,13 +32,13 @@ import torch
 from decoder_test_helpers import Driver, Step, contiguous_cache, paged_cache
 from forward_batches import forward_batch, scheduled
 
-from engine.loader.load import load_model
-from engine.models.config import ModelConfig
-from engine.models.decoder import Decoder, DecoderLayer, rope_cos_sin
-from engine.models.fused_step import FusedStep
-from engine.models.kv_cache import KVCache, PagedKVCache
-from engine.models.linear import KernelPackable, quantize_linears
-from kernels.cpu import extension
+from protoserve.engine.loader.load import load_model
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.decoder import Decoder, DecoderLayer, rope_cos_sin
+from protoserve.engine.models.fused_step import FusedStep
+from protoserve.engine.models.kv_cache import KVCache, PagedKVCache
+from protoserve.engine.models.linear import KernelPackable, quantize_linears
+from protoserve.kernels.cpu import extension
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
@@ -266,7 +266,7 @@ def test_bfloat16_model_runs_the_fused_step(tiny_checkpoint, family: str) -> Non
     rounded to bf16, as a bf16 matmul's is; elsewhere the weights widen and the step is, bit for bit,
     that of a float32 model holding the same bf16-rounded weights. Either way it is closer to the
     float32 checkpoint than the bf16 module path, which rounds every activation."""
-    from kernels.cpu import packed_linear
+    from protoserve.kernels.cpu import packed_linear
 
     path = tiny_checkpoint(family)[0]
     bf16 = load_model(path, dtype="bfloat16", progress=False).model

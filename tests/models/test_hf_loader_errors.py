@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader.errors import ModelLoadError
-from engine.loader.hf_checkpoint import parse_hf_config, read_hf_config
-from engine.loader.load import load_model
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.hf_checkpoint import parse_hf_config, read_hf_config
+from protoserve.engine.loader.load import load_model
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from engine.loader.load import load_model
-from engine.models.linear import Int4Linear, Int8Linear, KernelPackable, Linear
-from kernels.cpu import packed_linear
+from protoserve.engine.loader.load import load_model
+from protoserve.engine.models.linear import Int4Linear, Int8Linear, KernelPackable, Linear
+from protoserve.kernels.cpu import packed_linear
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="the CPU kernels do not run here")
 
@@ -85,7 +85,7 @@ def test_loaded_model_holds_each_weight_once(tiny_checkpoint, mode: str) -> None
 
 def test_failed_quantization_leaves_a_packed_model_packed(tiny_checkpoint) -> None:
     """A group size int4 cannot take is refused before any layer leaves its pack."""
-    from engine.models.linear import quantize_linears
+    from protoserve.engine.models.linear import quantize_linears
 
     model = load_model(tiny_checkpoint("llama")[0], progress=False).model
     packs = {name: m.packed for name, m in model.named_modules() if isinstance(m, KernelPackable)}

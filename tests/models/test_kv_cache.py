@@ -16,9 +16,9 @@ from decoder_test_helpers import (
 )
 from forward_batches import forward_batch, scheduled
 
-from engine.loader.load import load_model
-from engine.models.attention import visible_mask
-from engine.models.kv_cache import PagedKVCache
+from protoserve.engine.loader.load import load_model
+from protoserve.engine.models.attention import visible_mask
+from protoserve.engine.models.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache
 
-from engine.loader.load import load_model
-from engine.models.kv_cache import PagedKVCache
-from engine.models.linear import (
+from protoserve.engine.loader.load import load_model
+from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.engine.models.linear import (
     Int4Linear,
     Int8Linear,
     Linear,
@@ -194,7 +194,7 @@ def _decisive_flips(out: torch.Tensor, ref: torch.Tensor, margin: float) -> list
 
 
 def _served_bounds(mode: str) -> tuple[float, float]:
-    from kernels.cpu import packed_linear
+    from protoserve.kernels.cpu import packed_linear
 
     return SERVED_BOUNDS[mode] if packed_linear.available() else FALLBACK_BOUNDS
 
@@ -205,7 +205,7 @@ def test_served_quantized_smollm2_quality(smollm2, smollm2_path, smollm2_chat, m
     """The model load_model returns for --quantization (packed for the CPU kernels: on a VNNI CPU the
     integer-dot formats, which also round activations to int8 codes plus fine codes), against float32 along its greedy
     continuation."""
-    from kernels.cpu import packed_linear
+    from protoserve.kernels.cpu import packed_linear
 
     prompt, continuation = smollm2_chat
     seq = prompt + continuation

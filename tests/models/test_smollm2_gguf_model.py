@@ -19,7 +19,7 @@ from decoder_test_helpers import (
     prefill_then_decode_batched,
 )
 
-from engine.loader.load import load_model
+from protoserve.engine.loader.load import load_model
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:

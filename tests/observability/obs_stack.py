@@ -39,7 +39,7 @@ def write_tiny_model(directory: Path) -> Path:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from engine.tokenizer.tokenizer import byte_level_alphabet
+    from protoserve.engine.tokenizer.tokenizer import byte_level_alphabet
 
     hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
     head_dim = hidden // heads
@@ -127,9 +127,9 @@ class ObsStack:
         return list(self.exporter.get_finished_spans())
 
     async def _start(self) -> None:
-        from engine.async_engine import AsyncEngine
-        from engine.config import EngineConfig
-        from gateway.app import GatewayServer
+        from protoserve.engine.async_engine import AsyncEngine
+        from protoserve.engine.config import EngineConfig
+        from protoserve.gateway.app import GatewayServer
 
         self.engine = await asyncio.to_thread(
             AsyncEngine.from_pretrained,
@@ -151,9 +151,9 @@ class ObsStack:
 
     async def start_app(self, **config: Any) -> Any:
         """Another ServerApp (auth on, traced) on the same engine; ``config`` overrides ServerConfig fields."""
-        from server.app import ServerApp, ServerConfig
-        from server.auth import Authenticator
-        from server.served_model import ModelCard
+        from protoserve.server.app import ServerApp, ServerConfig
+        from protoserve.server.auth import Authenticator
+        from protoserve.server.served_model import ModelCard
 
         server_config = ServerConfig(port=0, http_port=None, grace_period_s=1.0, **config)
         app = ServerApp(server_config, auth=Authenticator(API_KEYS), tracer_provider=self.provider)

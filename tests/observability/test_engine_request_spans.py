@@ -8,17 +8,17 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.request import TokenizedRequest
-from engine.sampling_params import SamplingParams
-from engine.tracing import RequestTrace
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.llm import LLM
+from protoserve.engine.llm_engine import LLMEngine
+from protoserve.engine.request import TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.tracing import RequestTrace
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_obs_model):
-    from engine.loader.load import load_model
+    from protoserve.engine.loader.load import load_model
 
     return load_model(str(tiny_obs_model), dtype="float32", quantization="none", progress=False)
 

@@ -24,8 +24,13 @@ import pytest
 from obs_stack import parse_metrics, sample
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from server.grpc_tracing import traced_calls_filter
-from server.tracing_setup import build_tracer_provider, otlp_protocol, requested_exporters, span_exporter
+from protoserve.server.grpc_tracing import traced_calls_filter
+from protoserve.server.tracing_setup import (
+    build_tracer_provider,
+    otlp_protocol,
+    requested_exporters,
+    span_exporter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
@@ -94,8 +99,8 @@ def test_tracing_off_imports_no_sdk():
     """With no OTEL_* settings, configuring tracing and building the server load no SDK."""
     code = (
         "import sys\n"
-        "from server.tracing_setup import configure_tracing\n"
-        "from server.app import ServerApp, ServerConfig\n"
+        "from protoserve.server.tracing_setup import configure_tracing\n"
+        "from protoserve.server.app import ServerApp, ServerConfig\n"
         "assert configure_tracing() is None\n"
         "app = ServerApp(ServerConfig())\n"
         "assert app.telemetry.tracer_provider is None\n"
@@ -163,7 +168,7 @@ def test_serve_exports_one_trace_over_otlp(tiny_obs_model, collector):
     }
     stderr = tempfile.NamedTemporaryFile(prefix="protoserve-otlp-", suffix=".log", delete=False)
     args = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_obs_model), "--model-name", "tiny-otlp",
+        sys.executable, "-m", "protoserve.server.cli", "serve", "--model", str(tiny_obs_model), "--model-name", "tiny-otlp",
         "--port", "0", "--http-port", "0", "--metrics-port", "0", "--max-kv-blocks", "128", "--no-progress",
     ]
     process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)

@@ -28,9 +28,9 @@ import httpx
 import pytest
 import yaml
 
+from protoserve.server.metrics import TOKEN_LATENCY_BUCKETS
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
-from server.metrics import TOKEN_LATENCY_BUCKETS
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

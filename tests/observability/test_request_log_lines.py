@@ -12,10 +12,10 @@ import httpx
 import pytest
 from obs_stack import API_KEYS, MODEL_NAME, auth_headers, grpc_metadata
 
+from protoserve.server.request_log import LOGGER_NAME
+from protoserve.server.request_scope import operation_of
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
-from server.request_log import LOGGER_NAME
-from server.request_scope import operation_of
 
 PROMPT = "a prompt that must not be logged"
 

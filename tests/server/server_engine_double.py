@@ -13,11 +13,22 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from engine.errors import ContextLengthError, EngineStoppedError, InvalidRequestError, QueueFullError
-from engine.models.config import ModelConfig
-from engine.request import CompletionDelta, FinishReason, RequestOutput, RequestStats, TokenizedRequest
-from engine.sampling_params import ContextPolicy
-from engine.stats import EngineStats
+from protoserve.engine.errors import (
+    ContextLengthError,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.request import (
+    CompletionDelta,
+    FinishReason,
+    RequestOutput,
+    RequestStats,
+    TokenizedRequest,
+)
+from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.stats import EngineStats
 
 EOS = 256
 

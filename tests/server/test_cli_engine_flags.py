@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import _engine_config, build_parser
+from protoserve.server.cli import _engine_config, build_parser
 
 
 def test_deterministic_is_the_default_and_can_be_turned_off() -> None:
@@ -23,7 +23,7 @@ def test_kv_cache_dtype_flag() -> None:
 
 
 def test_engine_config_refuses_an_unknown_kv_cache_dtype() -> None:
-    from engine.config import EngineConfig
+    from protoserve.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
         EngineConfig(kv_cache_dtype="fp8").validate()

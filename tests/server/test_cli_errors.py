@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from server import exit_codes
+from protoserve.server import exit_codes
 
 REPO = Path(__file__).resolve().parents[2]
 PROTOSERVE = Path(sys.executable).with_name("protoserve")
@@ -64,7 +64,7 @@ def taken_port() -> Iterator[int]:
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Paths that are not loadable checkpoints, each named by what is wrong with it."""
-    from engine.loader.default_model import default_model_path
+    from protoserve.engine.loader.default_model import default_model_path
 
     root = tmp_path_factory.mktemp("bad-models")
     (root / "empty-dir").mkdir()
@@ -160,7 +160,7 @@ def test_an_unreadable_api_keys_file_is_one_line_and_exit_2(tmp_path: Path, kind
 
 
 def test_the_cli_offers_exactly_the_dtypes_the_loader_takes() -> None:
-    from engine.loader.load import DTYPES as LOADER_DTYPES
-    from server.cli import DTYPES
+    from protoserve.engine.loader.load import DTYPES as LOADER_DTYPES
+    from protoserve.server.cli import DTYPES
 
     assert set(DTYPES) == set(LOADER_DTYPES)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from server import exit_codes
-from server.cli import build_parser
+from protoserve.server import exit_codes
+from protoserve.server.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 PROTOSERVE = Path(sys.executable).with_name("protoserve")

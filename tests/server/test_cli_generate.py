@@ -23,7 +23,7 @@ def test_generate_raw_streams_text_and_stats(live_server):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "protoserve.server.cli",
             "generate",
             "--raw",
             "--prompt",
@@ -54,7 +54,7 @@ def test_generate_raw_streams_text_and_stats(live_server):
 def test_a_prompt_is_a_user_message_on_a_model_with_a_chat_template(live_server):
     question = "What is the capital of France?"
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--prompt", question, "--temperature", "0",
+        [sys.executable, "-m", "protoserve.server.cli", "generate", "--prompt", question, "--temperature", "0",
          "--max-tokens", "8", "--no-progress"],
         cwd=REPO,
         capture_output=True,
@@ -76,7 +76,7 @@ def test_a_prompt_is_a_user_message_on_a_model_with_a_chat_template(live_server)
 
 def test_generate_rejects_bad_parameters():
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--prompt", "x", "--top-p", "3", "--no-progress"],
+        [sys.executable, "-m", "protoserve.server.cli", "generate", "--prompt", "x", "--top-p", "3", "--no-progress"],
         cwd=REPO,
         capture_output=True,
         text=True,

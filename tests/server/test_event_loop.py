@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server.event_loop import EventLoopUnavailable, loop_factory, loop_name
+from protoserve.server.event_loop import EventLoopUnavailable, loop_factory, loop_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_serve_asking_for_a_missing_uvloop_exits_2_before_loading(tmp_path: Path
     (tmp_path / "uvloop.py").write_text("raise ImportError('not here')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--event-loop", "uvloop", "--port", "0", "--no-http"],
+        [sys.executable, "-m", "protoserve.server.cli", "serve", "--event-loop", "uvloop", "--port", "0", "--no-http"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -62,4 +62,4 @@ def test_serve_asking_for_a_missing_uvloop_exits_2_before_loading(tmp_path: Path
 
 def test_the_live_server_runs_on_uvloop(live_server) -> None:
     # The whole suite's gRPC, gateway, OpenAI-client and shutdown tests then run against uvloop.
-    assert "server.app: event loop: uvloop" in live_server.log_path.read_text(errors="replace")
+    assert "protoserve.server.app: event loop: uvloop" in live_server.log_path.read_text(errors="replace")

@@ -17,10 +17,15 @@ import time
 import grpc
 import pytest
 
+from protoserve.server.auth import Authenticator, identity_hash
+from protoserve.server.identity_secret import (
+    SECRET_ENV,
+    SECRET_FILE_NAME,
+    default_data_dir,
+    load_identity_secret,
+)
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
-from server.auth import Authenticator, identity_hash
-from server.identity_secret import SECRET_ENV, SECRET_FILE_NAME, default_data_dir, load_identity_secret
 
 
 @pytest.fixture

@@ -25,19 +25,19 @@ from server_engine_double import EngineDouble
 
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
-from protoserve.v1 import inference_pb2 as pb
-from protoserve.v1 import inference_pb2_grpc
-from server.app import ServerApp, ServerConfig
-from server.errors import MAX_MESSAGE_BYTES, MAX_VIOLATIONS
-from server.limits import (
+from protoserve.server.app import ServerApp, ServerConfig
+from protoserve.server.errors import MAX_MESSAGE_BYTES, MAX_VIOLATIONS
+from protoserve.server.limits import (
     MAX_CHAT_NAME_CHARS,
     MAX_MODEL_NAME_CHARS,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
-from server.model_registry import ModelRegistry
-from server.served_model import ModelCard, ServedModel
+from protoserve.server.model_registry import ModelRegistry
+from protoserve.server.served_model import ModelCard, ServedModel
+from protoserve.v1 import inference_pb2 as pb
+from protoserve.v1 import inference_pb2_grpc
 
 MiB = 1024 * 1024
 HUGE = 20_000_000  # the 20 MB prompt

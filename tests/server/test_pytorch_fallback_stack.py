@@ -31,7 +31,7 @@ KERNEL_LIBRARY = "protoserve_cpu"  # kernels/cpu/extension.py's extension name
 # The engine as `protoserve serve` builds it by default (quantization auto), greedy over given ids.
 REFERENCE = """
 import json, sys
-from engine.llm import LLM
+from protoserve.engine.llm import LLM
 llm = LLM(quantization="auto", progress=False)
 done = llm.generate(prompt_token_ids=json.loads(sys.argv[1]), max_tokens=int(sys.argv[2]), temperature=0.0)
 print(json.dumps([{"ids": c.choices[0].token_ids, "text": c.choices[0].text} for c in done]))

@@ -21,11 +21,11 @@ import openai
 import pytest
 from grpc_status import rpc_status
 
+from protoserve.server import errors
+from protoserve.server.auth import Authenticator, identity_hash
+from protoserve.server.rate_limit import Limits, RateLimiter, TokenBucket, load_key_limits
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
-from server import errors
-from server.auth import Authenticator, identity_hash
-from server.rate_limit import Limits, RateLimiter, TokenBucket, load_key_limits
 
 # ---- the token bucket ------------------------------------------------------------------------
 

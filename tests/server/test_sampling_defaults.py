@@ -18,14 +18,14 @@ import pytest
 import pytest_asyncio
 from grpc_status_helpers import failure_of
 
-from engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
+from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
+from protoserve.server.app import ServerApp, ServerConfig
+from protoserve.server.auth import Authenticator
+from protoserve.server.sampling_mapping import served_defaults
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
-from server.app import ServerApp, ServerConfig
-from server.auth import Authenticator
-from server.sampling_mapping import served_defaults
 
 VOCAB = 300  # 256 byte tokens, the EOS, and a padded tail
 EOS = 256
@@ -39,7 +39,7 @@ def write_tiny_llama(directory: Path) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.tokenizer.tokenizer import byte_level_alphabet
+    from protoserve.engine.tokenizer.tokenizer import byte_level_alphabet
 
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -203,7 +203,7 @@ def test_a_recommendation_the_engine_would_refuse_is_left_out(caplog):
 
 def test_a_bad_default_flag_is_a_usage_error_before_any_loading():
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--default-top-p", "2", "--default-top-k", "-3", "--no-http"],
+        [sys.executable, "-m", "protoserve.server.cli", "serve", "--default-top-p", "2", "--default-top-k", "-3", "--no-http"],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from protoserve.engine.sampling.sampling_params import SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
+from protoserve.server.errors import ServiceError
+from protoserve.server.sampling_mapping import DEFAULTABLE, ENGINE_FIELDS, SamplingMapping, shared_fields
 from protoserve.v1 import inference_pb2 as pb
-from server.errors import ServiceError
-from server.sampling_mapping import DEFAULTABLE, ENGINE_FIELDS, SamplingMapping, shared_fields
 
 REQUEST_TYPES = (pb.SamplingParams, oa.CreateCompletionRequest, oa.CreateChatCompletionRequest)
 BUILTIN = SamplingParams()

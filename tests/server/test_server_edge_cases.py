@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status_helpers import failure_of, read_all
 from server_engine_double import EngineDouble
 
+from protoserve.server.app import ServerApp, ServerConfig
+from protoserve.server.auth import Authenticator
+from protoserve.server.served_model import ModelCard
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
-from server.app import ServerApp, ServerConfig
-from server.auth import Authenticator
-from server.served_model import ModelCard
 
 
 @contextlib.asynccontextmanager
@@ -206,12 +206,12 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     """When the server's deadline timer stops a request, the call fails with DEADLINE_EXCEEDED. Returning the
     cut-short output as OK would reach a client whose own deadline timer runs late as a successful answer
     (seen in the suite: a 512-token Generate with a 0.3 s deadline "succeeded")."""
-    from engine.request import FinishReason, TokenizedRequest
-    from engine.sampling_params import SamplingParams
-    from server import errors
-    from server.auth import Authenticator
-    from server.inflight import InflightRequests
-    from server.usage import UsageLedger
+    from protoserve.engine.request import FinishReason, TokenizedRequest
+    from protoserve.engine.sampling.sampling_params import SamplingParams
+    from protoserve.server import errors
+    from protoserve.server.auth import Authenticator
+    from protoserve.server.inflight import InflightRequests
+    from protoserve.server.usage import UsageLedger
 
     engine = EngineDouble(step_s=0.02, max_model_len=4096)
     inflight = InflightRequests(UsageLedger())

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader.default_model import default_model_path
-from engine.tokenizer.tokenizer import Tokenizer
+from protoserve.engine.loader.default_model import default_model_path
+from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

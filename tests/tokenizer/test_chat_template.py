@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from engine.tokenizer.chat_template import ChatTemplate, ChatTemplateError, render_chat_template
-from engine.tokenizer.tokenizer import Tokenizer
+from protoserve.engine.tokenizer.chat_template import ChatTemplate, ChatTemplateError, render_chat_template
+from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from engine.loader.errors import ModelLoadError
-from engine.tokenizer.gguf_tokenizer import PRE_TOKENIZER_REGEXES, merges_from_scores
-from engine.tokenizer.tokenizer import Tokenizer, byte_level_alphabet
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.tokenizer.gguf_tokenizer import PRE_TOKENIZER_REGEXES, merges_from_scores
+from protoserve.engine.tokenizer.tokenizer import Tokenizer, byte_level_alphabet
 
 # -- SmolLM2 against transformers --------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_manager import chain_hashes
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from protoserve.engine.request import FinishReason
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.scheduling.block_manager import chain_hashes
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.constraints.constraint import Constraint
+from protoserve.engine.sampling.constraints.constraint import Constraint
 
 
 class ContextPolicy(StrEnum):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, resolve_num_blocks
-from engine.forward_batch import ForwardBatch
-from engine.models.config import ModelConfig
-from engine.models.kv_cache import PagedKVCache
-from engine.sequence import Sequence
+from protoserve.engine.config import EngineConfig, resolve_num_blocks
+from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.engine.scheduling.sequence import Sequence
 
 
 def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_size: int) -> ForwardBatch:

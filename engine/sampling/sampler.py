@@ -26,11 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import mirostat
-from engine.constraints.masks import apply_token_mask, masked_argmax
-from engine.penalties import apply_frequency_presence, apply_logit_bias, apply_repetition_penalty, mask_tokens
-from engine.request import PositionLogprobs, TokenLogprob
-from engine.sequence import Sequence
+from protoserve.engine.request import PositionLogprobs, TokenLogprob
+from protoserve.engine.sampling import mirostat
+from protoserve.engine.sampling.constraints.masks import apply_token_mask, masked_argmax
+from protoserve.engine.sampling.penalties import (
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_repetition_penalty,
+    mask_tokens,
+)
+from protoserve.engine.scheduling.sequence import Sequence
 
 NEG_INF = float("-inf")
 LOGPROB_FLOOR = -9999.0

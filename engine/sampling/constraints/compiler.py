@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
-from engine.constraints.constraint import Constraint, ConstraintKind
-from engine.tokenizer.tokenizer import Tokenizer
+from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
+from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_CACHE_SIZE = 256
 # JSON is generated compactly with the spacing models were trained on ("a": 1, "b": 2): flexible

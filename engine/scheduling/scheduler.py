@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from protoserve.engine.config import EngineConfig
+from protoserve.engine.scheduling.block_manager import BlockManager
+from protoserve.engine.scheduling.sequence import Sequence, SequenceStatus
 
 
 @dataclass

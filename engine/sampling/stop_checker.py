@@ -8,8 +8,8 @@ still turn out to be the start of a stop string is held back until it is ruled o
 
 from __future__ import annotations
 
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from protoserve.engine.request import FinishReason
+from protoserve.engine.sampling.sampling_params import SamplingParams
 
 
 def check_token_stop(
