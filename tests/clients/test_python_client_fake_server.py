@@ -398,3 +398,11 @@ async def test_async_client(fake_target: str) -> None:
         assert (await client.get_model("fake")).name == "fake"
         assert (await client.health()).serving
         assert (await client.wait_until_ready(timeout=5)).models == ("fake",)
+
+
+def test_sampling_kwargs_name_every_sampling_field_of_the_proto():
+    """A field added to protoserve.v1.SamplingParams is typed in the client too (the builder already sends it)."""
+    from protoserve.v1 import inference_pb2 as pb
+    from protoserve_client.types import SamplingKwargs
+
+    assert set(SamplingKwargs.__annotations__) == set(pb.SamplingParams.DESCRIPTOR.fields_by_name)

@@ -56,6 +56,7 @@ class SamplingKwargs(TypedDict, total=False):
     top_k: int
     top_p: float
     min_p: float
+    top_n_sigma: float
     typical_p: float
     repetition_penalty: float
     frequency_penalty: float
