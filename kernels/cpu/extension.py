@@ -17,6 +17,7 @@ and thread pool are theirs too.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -52,11 +53,16 @@ def cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """Where this CPU's build lives: a home directory shared by machines with different CPUs
-    (an AVX-512 VNNI machine, then an AMX one) must not load a binary built for the other's
-    instructions, which would die of SIGILL or leave AMX unused."""
-    fingerprint = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
-    return cache_dir() / "cpu" / fingerprint
+    """Where this CPU's build of these sources lives.
+
+    Keyed by the CPU's flags: a home directory shared by machines with different CPUs (an
+    AVX-512 VNNI machine, then an AMX one) must not load a binary built for the other's
+    instructions, which would die of SIGILL or leave AMX unused. And by the sources' folder:
+    two checkouts (or venvs) sharing one folder would rewrite each other's build.ninja, whose
+    commands name the sources by path, and rebuild in turn.
+    """
+    key = f"{cpu_flags()}\n{SOURCE_DIR}"
+    return cache_dir() / "cpu" / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def cpu_supported() -> bool:
@@ -86,17 +92,43 @@ def _module() -> types.ModuleType | None:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name="protoserve_cpu",
-            sources=[str(SOURCE_DIR / source) for source in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with _exclusive(directory):
+            return cpp_extension.load(
+                name="protoserve_cpu",
+                sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back, loudly
         log.warning("CPU kernels not available, using the PyTorch paths: %s", exc)
         return None
+
+
+class _exclusive:
+    """Holds an flock on the build folder while PyTorch builds or loads the extension.
+
+    PyTorch's own build lock is a plain file that a process killed mid-build (a server
+    stopped while it compiled) leaves behind, and every later load then waits on it forever.
+    The kernel releases an flock when its holder dies, so while we hold ours no other
+    process is building here and any PyTorch lock file left in the folder is stale.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def __enter__(self) -> None:
+        self._file = open(self.directory / "build.flock", "w")  # noqa: SIM115 - held until __exit__
+        fcntl.flock(self._file, fcntl.LOCK_EX)
+        stale = self.directory / "lock"
+        if stale.exists():
+            log.warning("removing a stale kernel build lock left by a process that died: %s", stale)
+            stale.unlink(missing_ok=True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
 
 
 def build_all() -> dict[str, bool]:
