@@ -27,6 +27,7 @@ from protoserve.engine.sampling.constraints.compiler import (
     ConstraintCompileError,
     GrammarCompiler,
 )
+from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.engine.sampling.constraints.masks import MaskFiller
 from protoserve.engine.sampling.sampler import Sampler, SampleResult
 from protoserve.engine.sampling.sampling_params import ContextPolicy
@@ -156,10 +157,12 @@ class LLMEngine:
             keep = min(length, limit - reserve)
         prompt = prompt[:keep] if policy == ContextPolicy.TRUNCATE_RIGHT else prompt[length - keep :]
         max_len = limit if max_tokens is None else min(limit, keep + max_tokens)
-        return AdmittedRequest(request, prompt, length - keep, max_len, self._compile(request))
+        grammar = self.compile_constraint(sp.constraint)
+        return AdmittedRequest(request, prompt, length - keep, max_len, grammar)
 
-    def _compile(self, request: TokenizedRequest) -> CompiledGrammar | None:
-        constraint = request.sampling.constraint
+    def compile_constraint(self, constraint: Constraint | None) -> CompiledGrammar | None:
+        """The compiled grammar of ``constraint`` (cached); InvalidRequestError on ``constraint.<kind>``
+        when it does not compile. Thread-safe: the server compiles ahead, off its event loop."""
         if constraint is None:
             return None
         if self.grammars is None:

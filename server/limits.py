@@ -31,6 +31,10 @@ MAX_REQUEST_ID_CHARS = 256  # client-chosen request ids travel in logs, metadata
 MAX_USER_ID_CHARS = 256  # the x-user-id header
 MAX_STOP_STRING_CHARS = 256  # each stop string; text that could start one is held back from streams
 MAX_CHAT_NAME_CHARS = 256  # a chat message's ``name``
+# An output constraint's text (a JSON Schema as compact JSON, a regex, a GBNF grammar; a choice's
+# strings together): the grammar engine compiles it on a server thread, and a compiled grammar
+# stays cached, so its size bounds both the compile time and the cache's memory.
+MAX_CONSTRAINT_CHARS = 64 * 1024
 
 # -- lists -----------------------------------------------------------------------------------
 
@@ -46,6 +50,8 @@ MAX_COMPLETION_PROMPTS = MAX_BATCH_REQUESTS
 MAX_CHAT_MESSAGES = 2048
 # Entries of a logit_bias map; the engine applies every entry to every sequence at every step.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Strings of a choice constraint.
+MAX_CONSTRAINT_CHOICES = 256
 # Choices per request (``n``) are capped by the engine at 16 (engine.sampling_params).
 
 # -- prompts ---------------------------------------------------------------------------------

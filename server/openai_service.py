@@ -29,6 +29,7 @@ from protoserve.engine.request import (
     RequestOutput,
     TokenizedRequest,
 )
+from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
@@ -43,6 +44,7 @@ from protoserve.server.limits import (
     MAX_LOGIT_BIAS_ENTRIES,
     OPENAI_MAX_STOP_STRINGS,
 )
+from protoserve.server.sampling_mapping import json_text
 from protoserve.server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
 
 SERVER_VERSION = "protoserve-0.1.0"
@@ -62,6 +64,7 @@ FINISH_REASONS = {
 }
 
 T = TypeVar("T")
+_Found = tuple[str, Constraint]  # an output constraint and the request field it came from
 
 
 def system_fingerprint(served: ServedModel) -> str:
@@ -141,6 +144,69 @@ def _converted_sampling(
     converted["logit_bias"] = _logit_bias(req.logit_bias, violations)
     converted["stop"] = _stop_strings(req, violations)
     return converted
+
+
+def _response_format(req: oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]) -> list[_Found]:
+    """OpenAI's ``response_format``: nothing for text, any JSON object, or JSON valid against a schema."""
+    if not req.HasField("response_format"):
+        return []
+    fmt = req.response_format
+    if fmt.type not in ("text", "json_object", "json_schema"):
+        violations.append(("response_format.type", "must be text, json_object or json_schema"))
+        return []
+    if fmt.type != "json_schema":
+        if fmt.HasField("json_schema"):
+            violations.append(("response_format.json_schema", "only applies to type json_schema"))
+        return [("response_format", Constraint.json_object())] if fmt.type == "json_object" else []
+    if not fmt.json_schema.HasField("schema"):
+        violations.append(("response_format.json_schema.schema", "must be set for type json_schema"))
+        return []
+    schema = json_text(json_format.MessageToDict(fmt.json_schema.schema))
+    return [("response_format.json_schema.schema", Constraint.json_schema(schema))]
+
+
+def _structured_outputs(req: Any, violations: list[tuple[str, str]]) -> list[_Found]:
+    """vLLM's ``structured_outputs`` extension: each kind it sets, with its path."""
+    if not req.HasField("structured_outputs"):
+        return []
+    so = req.structured_outputs
+    found: list[_Found] = []
+    known = len(violations)
+    if so.HasField("json"):
+        schema = _python_value(so.json)
+        if isinstance(schema, str | dict):
+            text = schema if isinstance(schema, str) else json_text(schema)
+            found.append(("structured_outputs.json", Constraint.json_schema(text)))
+        else:
+            violations.append(("structured_outputs.json", "must be a JSON Schema object or a string of one"))
+    if so.HasField("regex"):
+        found.append(("structured_outputs.regex", Constraint.regex(so.regex)))
+    if so.choice:
+        found.append(("structured_outputs.choice", Constraint.choice(list(so.choice))))
+    if so.HasField("grammar"):
+        found.append(("structured_outputs.grammar", Constraint.grammar(so.grammar)))
+    if so.HasField("json_object"):
+        if so.json_object:
+            found.append(("structured_outputs.json_object", Constraint.json_object()))
+        else:
+            violations.append(("structured_outputs.json_object", "must be true, or left out"))
+    if not found and len(violations) == known:
+        violations.append(("structured_outputs", "set one of json, regex, choice, grammar or json_object"))
+    return found
+
+
+def _output_constraint(req: Any, violations: list[tuple[str, str]]) -> tuple[Constraint | None, dict[str, str]]:
+    """The request's one output constraint and the path map from its engine field to the request's own
+    field; a second one is refused naming it (nothing could honour both)."""
+    found = _structured_outputs(req, violations)
+    if isinstance(req, oa.CreateChatCompletionRequest):
+        found = _response_format(req, violations) + found
+    if not found:
+        return None, {}
+    for path, _ in found[1:]:
+        violations.append((path, f"cannot be combined with {found[0][0]}; set one output constraint"))
+    path, constraint = found[0]
+    return constraint, {constraint.field: path}
 
 
 async def _merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -241,6 +307,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         if req.echo and req.HasField("logprobs"):
             # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
             violations.append(("echo", "cannot be combined with logprobs"))
+        constraint, paths = _output_constraint(req, violations)
         sampling = served.sampling.params(
             req,
             api_defaults={"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS},
@@ -248,8 +315,11 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             # This API's logprobs is the number of alternatives: set at all, it asks for logprobs.
             logprobs=req.HasField("logprobs"),
             top_logprobs=min(max(req.logprobs, 0), MAX_COMPLETION_LOGPROBS),
+            constraint=constraint,
         )
-        served.sampling.check(sampling, {"top_logprobs": "logprobs"}, violations)
+        paths["top_logprobs"] = "logprobs"
+        served.sampling.check(sampling, paths, violations)
+        await served.check_constraint(sampling.constraint, paths)
         return _Prepared(served, prompts, sampling, echo=req.echo)
 
     async def _completion_prompts(
@@ -302,9 +372,12 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         if req.HasField("max_completion_tokens"):
             converted["max_tokens"] = req.max_completion_tokens
             max_field = "max_completion_tokens"
+        converted["constraint"], paths = _output_constraint(req, violations)
+        paths["max_tokens"] = max_field
         # Unset, max_tokens is "until EOS or the context is full".
         sampling = served.sampling.params(req, api_defaults={"max_tokens": None}, **converted)
-        served.sampling.check(sampling, {"max_tokens": max_field}, violations)
+        served.sampling.check(sampling, paths, violations)
+        await served.check_constraint(sampling.constraint, paths)
         prompt_ids = await served.chat_ids(turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP)
         return _Prepared(served, [_Prompt(prompt_ids, "")], sampling)
 

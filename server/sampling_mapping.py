@@ -7,7 +7,9 @@ one it leaves unset gets the served model's default (the ``--default-*`` flags o
 recommendation), else its API's default, else SamplingParams' own. A new sampling parameter is
 therefore a proto field, a SamplingParams field and the sampler's use of it. Only fields whose form
 differs per API (OpenAI's string-or-list ``stop``, its string-keyed ``logit_bias``, the completions
-API's integer ``logprobs``) are converted by their service and handed in.
+API's integer ``logprobs``) are converted by their service and handed in, and so is an OpenAI
+request's output constraint (``response_format`` / ``structured_outputs``); the native
+``SamplingParams.constraint`` message is converted here (:func:`constraint_from_proto`).
 
 "Unset" is protobuf presence: HasField for ``optional`` fields, empty for lists and maps, zero for
 the rest. A field without presence cannot be set to zero, so its SamplingParams default must be zero,
@@ -24,17 +26,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
+from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
 from protoserve.engine.sampling.sampling_params import SamplingParams
 from protoserve.server import errors
-from protoserve.server.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS
+from protoserve.server.limits import (
+    MAX_CONSTRAINT_CHARS,
+    MAX_CONSTRAINT_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +99,51 @@ def set_values(message: Message, skip: Iterable[str] = ()) -> dict[str, Any]:
             value = list(value)
         values[fd.name] = value
     return values
+
+
+def json_text(value: Any) -> str:
+    """Compact JSON of a value read from a ``google.protobuf.Struct``/``Value``, integral numbers as
+    integers: a Struct holds every number as a double, and a schema's ``minItems`` must be an integer."""
+    return json.dumps(_integral(value), separators=(",", ":"), ensure_ascii=False)
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value
+
+
+def constraint_from_proto(message: Message) -> Constraint | None:
+    """The engine Constraint of a ``protoserve.v1.Constraint`` (None when no kind is set).
+
+    ``json_object: false`` is the caller's to refuse: it cannot mean "unconstrained" in a oneof.
+    """
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == ConstraintKind.JSON_SCHEMA:
+        return Constraint.json_schema(json_text(json_format.MessageToDict(message.json_schema)))
+    if kind == ConstraintKind.JSON_OBJECT:
+        return Constraint.json_object()
+    if kind == ConstraintKind.CHOICE:
+        return Constraint.choice(list(message.choice.values))
+    return Constraint(ConstraintKind(kind), getattr(message, kind))
+
+
+def constraint_problems(constraint: Constraint | None) -> list[Violation]:
+    """The server's caps on a constraint's size, on the engine's field name (``constraint.<kind>``)."""
+    if constraint is None:
+        return []
+    problems = []
+    if len(constraint.choices) > MAX_CONSTRAINT_CHOICES:
+        problems.append((constraint.field, f"at most {MAX_CONSTRAINT_CHOICES} choices"))
+    if len(constraint.text) + sum(len(choice) for choice in constraint.choices) > MAX_CONSTRAINT_CHARS:
+        problems.append((constraint.field, f"at most {MAX_CONSTRAINT_CHARS} characters"))
+    return problems
 
 
 def default_problems(defaults: Mapping[str, float | int]) -> list[Violation]:
@@ -148,6 +203,9 @@ class SamplingMapping:
         API's 16 ``max_tokens``); ``converted`` are fields the service converted itself, which win.
         """
         values = {**(api_defaults or {}), **self.defaults, **set_values(message, converted), **converted}
+        fields = message.DESCRIPTOR.fields_by_name
+        if "constraint" not in converted and "constraint" in fields and message.HasField("constraint"):
+            values["constraint"] = constraint_from_proto(message.constraint)
         return SamplingParams(**values)
 
     def effective_defaults(self) -> dict[str, float | int]:
@@ -165,6 +223,10 @@ class SamplingMapping:
             # Alone: a problem per entry of a huge map would bury this one.
             raise errors.invalid_argument([(to_path("logit_bias"), f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")])
         violations = list(extra)
+        capped = constraint_problems(params.constraint)
+        violations += [(to_path(name), problem) for name, problem in capped]
+        if capped:  # validating a schema's text means parsing it: not one over the cap
+            params = dataclasses.replace(params, constraint=None)
         violations += [(to_path(name), problem) for name, problem in params.validate(self.vocab_size)]
         if any(len(stop) > MAX_STOP_STRING_CHARS for stop in params.stop):
             violations.append(

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from protoserve.engine.errors import ContextLengthError
+from protoserve.engine.errors import ContextLengthError, InvalidRequestError
 from protoserve.engine.request import (
     CompletionDelta,
     FinishReason,
@@ -37,6 +37,7 @@ from protoserve.engine.request import (
     RequestStats,
     TokenizedRequest,
 )
+from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.server import errors
 from protoserve.server.limits import (
@@ -46,7 +47,7 @@ from protoserve.server.limits import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
 )
-from protoserve.server.sampling_mapping import SamplingMapping
+from protoserve.server.sampling_mapping import PathMap, SamplingMapping, path_function
 from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -463,9 +464,13 @@ class ServedModel:
             violations.append(("sampling.top_logprobs", "requires sampling.logprobs"))
         if len(params.stop) > MAX_STOP_STRINGS:
             violations.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+        constraint = req.sampling.constraint
+        if constraint.WhichOneof("kind") == "json_object" and not constraint.json_object:
+            violations.append(("sampling.constraint.json_object", "must be true (unset constraint: free text)"))
         policy = CONTEXT_POLICIES.get(req.context_policy)
         try:
             self.sampling.check(params, lambda f: f"sampling.{f}", violations)
+            await self.check_constraint(params.constraint, lambda f: f"sampling.{f}")
             prompt_ids, source = await self.prompt_from_proto(req, policy)
         except errors.ServiceError as exc:
             if path_prefix and exc.violations:
@@ -482,6 +487,19 @@ class ServedModel:
             cache_salt=cache_salt,
             sampling_checked=True,
         )
+
+    async def check_constraint(self, constraint: Constraint | None, paths: PathMap) -> None:
+        """Compile a request's checked constraint now, off the event loop, so one that does not compile
+        is refused on the request's own field (``paths`` maps ``constraint.<kind>`` to it) before any
+        tokenizing; the engine's own compile of it is then a cache hit."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.compile_constraint, constraint)
+        except InvalidRequestError as exc:
+            to_path = path_function(paths)
+            renamed = [(to_path(name), problem) for name, problem in exc.violations]
+            raise errors.invalid_argument(renamed) from None
 
     # ---- output ----------------------------------------------------------------------
 

@@ -176,7 +176,7 @@ def test_bad_bodies_are_400_in_the_route_style(http, fake_backend, path, content
         ("/v1/completions", "best_of"),
         ("/v1/completions", "suffix"),
         ("/v1/completions:stream", "guided_json"),
-        ("/v1/chat/completions", "response_format"),
+        ("/v1/chat/completions", "audio"),
         ("/v1/chat/completions", "tools"),
         ("/v1/chat/completions", "tool_choice"),
         ("/v1/chat/completions:stream", "parallel_tool_calls"),

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+from google.protobuf import struct_pb2
 
+from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.engine.sampling.sampling_params import SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.errors import ServiceError
+from protoserve.server.limits import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_CHOICES
 from protoserve.server.sampling_mapping import DEFAULTABLE, ENGINE_FIELDS, SamplingMapping, shared_fields
 from protoserve.v1 import inference_pb2 as pb
 
@@ -37,8 +41,9 @@ def test_every_field_a_model_may_default_has_presence(message_type):
 
 
 def test_the_native_message_maps_every_field_by_name():
+    """All but the constraint message, which params() converts (constraint_from_proto)."""
     native = {fd.name for fd in shared_fields(pb.SamplingParams.DESCRIPTOR)}
-    assert native == set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+    assert native == set(pb.SamplingParams.DESCRIPTOR.fields_by_name) - {"constraint"}
 
 
 def test_openai_requests_share_the_native_names():
@@ -49,7 +54,7 @@ def test_openai_requests_share_the_native_names():
         assert shared <= native
         # Only the OpenAI-shaped fields (and the completions API's integer logprobs) are converted.
         assert native - shared - OPENAI_CONVERTED <= {"stop_token_ids", "skip_special_tokens", "logprobs",
-                                                      "top_logprobs"}
+                                                      "top_logprobs", "constraint"}
 
 
 def test_unset_fields_get_the_model_default_then_the_api_default_then_the_engine_default():
@@ -88,3 +93,36 @@ def test_max_tokens_below_one_is_one_violation_not_two():
     for max_tokens in (0, -1):
         assert SamplingParams(max_tokens=max_tokens).validate() == [("max_tokens", "must be at least 1")]
     assert SamplingParams(max_tokens=2, min_tokens=3).validate() == [("min_tokens", "must not exceed max_tokens")]
+
+
+def test_the_native_constraint_becomes_the_engines():
+    mapping = SamplingMapping(vocab_size=100)
+    schema = struct_pb2.Struct()
+    schema.update({"type": "object", "properties": {"xs": {"type": "array", "minItems": 1}}})
+    cases = [
+        (pb.Constraint(regex="a+"), Constraint.regex("a+")),
+        (pb.Constraint(grammar='root ::= "a"'), Constraint.grammar('root ::= "a"')),
+        (pb.Constraint(json_object=True), Constraint.json_object()),
+        (pb.Constraint(choice=pb.ConstraintChoices(values=["x", "y"])), Constraint.choice(["x", "y"])),
+    ]
+    for message, constraint in cases:
+        assert mapping.params(pb.SamplingParams(constraint=message)).constraint == constraint
+    converted = mapping.params(pb.SamplingParams(constraint=pb.Constraint(json_schema=schema))).constraint
+    # A Struct holds numbers as doubles: minItems must come back an integer.
+    assert json.loads(converted.text)["properties"]["xs"] == {"type": "array", "minItems": 1}
+    assert "1.0" not in converted.text
+    assert mapping.params(pb.SamplingParams()).constraint is None
+
+
+def test_constraint_caps_and_shape_name_the_request_path():
+    mapping = SamplingMapping(vocab_size=100)
+    too_many = SamplingParams(constraint=Constraint.choice([str(i) for i in range(MAX_CONSTRAINT_CHOICES + 1)]))
+    too_long = SamplingParams(constraint=Constraint.regex("a" * (MAX_CONSTRAINT_CHARS + 1)))
+    not_json = SamplingParams(constraint=Constraint.json_schema("{nope"))
+    for params, field in ((too_many, "choice"), (too_long, "regex"), (not_json, "json_schema")):
+        with pytest.raises(ServiceError) as caught:
+            mapping.check(params, lambda name: "sampling." + name)
+        assert [f for f, _ in caught.value.violations] == [f"sampling.constraint.{field}"]
+    with pytest.raises(ServiceError) as caught:
+        mapping.check(not_json, {"constraint.json_schema": "response_format.json_schema.schema"})
+    assert [f for f, _ in caught.value.violations] == ["response_format.json_schema.schema"]

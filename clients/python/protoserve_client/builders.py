@@ -59,6 +59,8 @@ def sampling_params(**sampling: Unpack[SamplingKwargs]) -> pb.SamplingParams:
         elif fd.is_repeated:
             # A lone stop string is a common slip; treat it as a list of one.
             getattr(params, name).extend([value] if isinstance(value, str) else value)
+        elif fd.message_type is not None:  # a message (constraint) is copied in, never assigned
+            getattr(params, name).CopyFrom(value)
         else:
             setattr(params, name, value)
     return params

@@ -70,6 +70,7 @@ class SamplingKwargs(TypedDict, total=False):
     logprobs: bool
     top_logprobs: int
     skip_special_tokens: bool
+    constraint: pb.Constraint  # e.g. pb.Constraint(regex="[0-9]+"); see inference.proto
 
 
 @dataclass(frozen=True, slots=True)
