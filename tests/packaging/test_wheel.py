@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,8 +47,19 @@ def _complete(http_port: int) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    dist = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", ".", "-w", dist, cwd=REPO)
+    # Built from a copy of the working tree's files (tracked or not, never ignored ones such as
+    # .venv, gen/ or an old build/), so the wheel holds only what the build makes, and the build
+    # leaves nothing in the repository.
+    source, dist = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", ".", "-w", dist, cwd=source)
     (built,) = dist.glob("protoserve-*.whl")
     return built
 
