@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,6 +201,17 @@ def live_server():
     server = start_server_process()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def clean_log(live_server) -> Iterator[None]:
+    """The live server logs no traceback while the test runs."""
+    start = live_server.log_path.stat().st_size
+    yield
+    with live_server.log_path.open("rb") as log:
+        log.seek(start)
+        written = log.read().decode(errors="replace")
+    assert "Traceback" not in written, written[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -7,46 +7,30 @@ gateway answers preflights before its model has loaded.
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-
-from protoserve.gateway.app import GatewayServer
+from gateway_fakes import gateway_thread
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = "https://app.example"
 REQUEST_HEADERS = "authorization, content-type, x-user-id, x-request-timeout"
 
 
-def _gateway(grpc_target: str, origins: tuple[str, ...]) -> Iterator[str]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="cors-gateway", daemon=True)
-    thread.start()
-    server = GatewayServer("127.0.0.1", 0, grpc_target, cors_origins=origins)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
-    try:
-        yield server.url
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(15)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
-
-
 @pytest.fixture(scope="module")
 def cors_gateway(fake_backend) -> Iterator[str]:
-    yield from _gateway(fake_backend.target, (ORIGIN, "http://localhost:3000"))
+    with gateway_thread(fake_backend.target, cors_origins=(ORIGIN, "http://localhost:3000")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def any_origin_gateway(fake_backend) -> Iterator[str]:
-    yield from _gateway(fake_backend.target, ("*",))
+    with gateway_thread(fake_backend.target, cors_origins=("*",)) as url:
+        yield url
 
 
 def preflight(base: str, path: str, origin: str = ORIGIN, method: str = "POST", headers: str = REQUEST_HEADERS):

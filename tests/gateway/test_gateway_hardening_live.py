@@ -49,17 +49,6 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
-@pytest.fixture
-def clean_log(live_server) -> Iterator[None]:
-    """The server logs no traceback while the test runs."""
-    start = live_server.log_path.stat().st_size
-    yield
-    with live_server.log_path.open("rb") as log:
-        log.seek(start)
-        written = log.read().decode(errors="replace")
-    assert "Traceback" not in written, written[-3000:]
-
-
 def nested(depth: int, leaf: object = "a") -> object:
     value = leaf
     for _ in range(depth):
