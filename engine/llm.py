@@ -8,24 +8,12 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from protoserve.engine.config import EngineConfig
 from protoserve.engine.llm_engine import LLMEngine
-from protoserve.engine.request import FinishReason, PositionLogprobs, RequestStats, TokenizedRequest
+from protoserve.engine.request import Choice, RequestStats, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import SamplingParams
-
-
-@dataclass
-class Choice:
-    """One finished choice: all its text and tokens."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -101,12 +89,7 @@ class LLM:
                     continue
                 completion.num_prompt_tokens = out.num_prompt_tokens
                 for d in out.deltas:
-                    c = completion.choices[d.index]
-                    c.text += d.text
-                    c.token_ids += d.token_ids
-                    c.logprobs += d.logprobs
-                    if d.finish_reason is not None:
-                        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                    completion.choices[d.index].add(d)
                 if out.finished:
                     completion.stats = out.stats
                     pending.discard(out.request_id)

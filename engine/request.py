@@ -78,6 +78,26 @@ class CompletionDelta:
 
 
 @dataclass
+class Choice:
+    """Everything one choice has produced so far: its deltas folded together."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass
 class RequestStats:
     """Where a request's time went and what it held (seconds, tokens, blocks)."""
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from protoserve.engine.errors import ContextLengthError, InvalidRequestError
 from protoserve.engine.request import (
+    Choice,
     CompletionDelta,
     FinishReason,
     PositionLogprobs,
@@ -136,26 +137,6 @@ def stats_to_proto(stats: RequestStats | None) -> pb.RequestStats:
 
 
 @dataclass
-class ChoiceState:
-    """Everything one choice has produced so far."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-
-    def add(self, delta: CompletionDelta) -> None:
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.stop_reason = delta.stop_reason
-
-
-@dataclass
 class CollectedOutput:
     """One engine request's outputs collected: choices, prompt size and stats.
 
@@ -164,13 +145,13 @@ class CollectedOutput:
     """
 
     n: int
-    choices: list[ChoiceState] = field(init=False)
+    choices: list[Choice] = field(init=False)
     num_prompt_tokens: int = 0
     stats: RequestStats | None = None
     finished: bool = False
 
     def __post_init__(self) -> None:
-        self.choices = [ChoiceState(i) for i in range(self.n)]
+        self.choices = [Choice(i) for i in range(self.n)]
 
     def add(self, output: RequestOutput) -> None:
         for delta in output.deltas:
