@@ -115,6 +115,7 @@ class ServerConfig:
     # --default-* flags by SamplingParams field (server/sampling_mapping.DEFAULTABLE); they win over the
     # model's own recommendation for requests that leave the field unset.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    tool_parser: str | None = None  # the model's tool-call format; None: read off its chat template
 
 
 class ServerApp:
@@ -261,7 +262,7 @@ class ServerApp:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
         defaults = served_defaults(card.sampling_defaults, self.config.sampling_defaults, engine.model_name)
-        self.models.add(ServedModel(engine, card, defaults))
+        self.models.add(ServedModel(engine, card, defaults, tool_parser=self.config.tool_parser))
         self.metrics.add_model(engine.model_name)
         await self.readiness.set_serving()
         log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)

@@ -25,6 +25,7 @@ from protoserve.server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
 from protoserve.server.sampling_mapping import default_problems
 from protoserve.server.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
+from protoserve.server.tool_calls.parsers import FORMATS
 
 log = logging.getLogger("protoserve")
 
@@ -188,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{what} for requests that leave {name} unset, over the model's own recommendation "
             f"[the model's (generation_config.json, GGUF general.sampling.*), else {getattr(builtin, name)}]",
         )
+    s.add_argument(
+        "--tool-parser",
+        choices=sorted(FORMATS),
+        help="the format the model writes tool calls in [read off its chat template: <tool_call> tags are "
+        "hermes, <|python_tag|> llama3_json; a template that does not render tools gets smollm2, "
+        "which the server's own tool instructions teach]",
+    )
     s.add_argument(
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
     )
@@ -365,6 +373,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         trace_content=args.trace_content,
         max_message_bytes=args.max_message_bytes,
         sampling_defaults=_sampling_defaults(args),
+        tool_parser=args.tool_parser,
     )
     from protoserve.server.request_log import use_json_lines
     from protoserve.server.tracing_setup import configure_tracing

@@ -48,6 +48,8 @@ MAX_COMPLETION_PROMPTS = MAX_BATCH_REQUESTS
 # a few template tokens, so more than this cannot fit any context the server runs; the cap stops
 # a long list before the chat template renders it.
 MAX_CHAT_MESSAGES = 2048
+# Tools of one chat request, OpenAI's own limit; each is rendered into the prompt and the call grammar.
+MAX_TOOLS = 128
 # Entries of a logit_bias map; the engine applies every entry to every sequence at every step.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # Strings of a choice constraint.

@@ -46,6 +46,22 @@ from protoserve.server.limits import (
 )
 from protoserve.server.sampling_mapping import json_text
 from protoserve.server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.tool_calls.call import ToolChoiceMode, ToolSpec
+from protoserve.server.tool_calls.parsers import (
+    CallArguments,
+    CallStart,
+    Content,
+    ToolCallParser,
+    parse_output,
+)
+from protoserve.server.tool_calls.request import (
+    ToolPlan,
+    message_tool_calls,
+    tool_call_id,
+    tool_choice,
+    tool_constraint,
+    tool_specs,
+)
 
 SERVER_VERSION = "protoserve-0.1.0"
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` range is 0-5
@@ -146,7 +162,9 @@ def _converted_sampling(
     return converted
 
 
-def _response_format(req: oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]) -> list[_Found]:
+def _response_format(
+    req: oa.CreateCompletionRequest | oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]
+) -> list[_Found]:
     """OpenAI's ``response_format``: nothing for text, any JSON object, or JSON valid against a schema."""
     if not req.HasField("response_format"):
         return []
@@ -195,18 +213,36 @@ def _structured_outputs(req: Any, violations: list[tuple[str, str]]) -> list[_Fo
     return found
 
 
-def _output_constraint(req: Any, violations: list[tuple[str, str]]) -> tuple[Constraint | None, dict[str, str]]:
+def _output_constraint(
+    req: Any, violations: list[tuple[str, str]]
+) -> tuple[Constraint | None, dict[str, str]]:
     """The request's one output constraint and the path map from its engine field to the request's own
     field; a second one is refused naming it (nothing could honour both)."""
-    found = _structured_outputs(req, violations)
-    if isinstance(req, oa.CreateChatCompletionRequest):
-        found = _response_format(req, violations) + found
+    found = _response_format(req, violations) + _structured_outputs(req, violations)
     if not found:
         return None, {}
     for path, _ in found[1:]:
         violations.append((path, f"cannot be combined with {found[0][0]}; set one output constraint"))
     path, constraint = found[0]
     return constraint, {constraint.field: path}
+
+
+def _chat_delta(event: Content | CallStart | CallArguments) -> oa.ChatCompletionDelta:
+    """A parser event as OpenAI streams it: content, a call's first piece (id, type, name) or more arguments."""
+    if isinstance(event, Content):
+        return oa.ChatCompletionDelta(content=event.text)
+    if isinstance(event, CallStart):
+        piece = oa.ChoiceDeltaToolCall(
+            index=event.index,
+            id=event.id,
+            type="function",
+            function=oa.ChoiceDeltaFunctionCall(name=event.name, arguments=""),
+        )
+    else:
+        piece = oa.ChoiceDeltaToolCall(
+            index=event.index, function=oa.ChoiceDeltaFunctionCall(arguments=event.text)
+        )
+    return oa.ChatCompletionDelta(tool_calls=[piece])
 
 
 async def _merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -262,6 +298,7 @@ class _Prepared:
     prompts: list[_Prompt]
     sampling: SamplingParams
     echo: bool = False
+    tools: ToolPlan | None = None  # set when the model may call tools: its output is parsed for calls
 
 
 @dataclass(frozen=True)
@@ -374,12 +411,57 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             max_field = "max_completion_tokens"
         converted["constraint"], paths = _output_constraint(req, violations)
         paths["max_tokens"] = max_field
+        plan, offered = self._tool_plan(served, req, converted, paths, violations)
         # Unset, max_tokens is "until EOS or the context is full".
         sampling = served.sampling.params(req, api_defaults={"max_tokens": None}, **converted)
         served.sampling.check(sampling, paths, violations)
         await served.check_constraint(sampling.constraint, paths)
-        prompt_ids = await served.chat_ids(turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP)
-        return _Prepared(served, [_Prompt(prompt_ids, "")], sampling)
+        prompt_ids = await served.chat_ids(
+            turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP, tools=offered
+        )
+        return _Prepared(served, [_Prompt(prompt_ids, "")], sampling, tools=plan)
+
+    @staticmethod
+    def _tool_plan(
+        served: ServedModel,
+        req: oa.CreateChatCompletionRequest,
+        converted: dict[str, Any],
+        paths: dict[str, str],
+        violations: list[tuple[str, str]],
+    ) -> tuple[ToolPlan | None, list[ToolSpec]]:
+        """The request's tools: the plan for its output and the tools to render (none for "none").
+
+        A call forced by ``tool_choice`` (or a strict tool under "auto") becomes the request's output
+        constraint, so it cannot be combined with another one.
+        """
+        specs = tool_specs(req.tools, violations)
+        choice = tool_choice(req, specs, violations)
+        if req.HasField("parallel_tool_calls") and not req.tools:
+            violations.append(("parallel_tool_calls", "only applies to requests with tools"))
+        if choice.mode == ToolChoiceMode.NONE or not specs:
+            return None, []
+        template = served.tool_template
+        if template is None:
+            if served.tokenizer.has_chat_template:
+                violations.append(
+                    (
+                        "tools",
+                        f"model {served.name}'s chat template writes tool calls in a format this server has no "
+                        "parser for; start the server with --tool-parser",
+                    )
+                )
+            return None, []
+        parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True
+        plan = ToolPlan(template.format, choice, None if parallel else 1)
+        if converted["constraint"] is not None:
+            field = paths.get(converted["constraint"].field, "response_format")
+            violations.append((field, 'cannot be combined with tools unless tool_choice is "none"'))
+            return plan, specs
+        constraint = tool_constraint(specs, plan)
+        if constraint is not None:
+            converted["constraint"] = constraint
+            paths[constraint.field] = "tools"
+        return plan, specs
 
     def _chat_turns(
         self, req: oa.CreateChatCompletionRequest, violations: list[tuple[str, str]]
@@ -408,7 +490,9 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             else:
                 violations.append((f"messages[{i}].content", "must be a string or a list of text parts"))
                 continue
-            turns.append(ChatTurn(role, text, message.name))
+            path = f"messages[{i}]"
+            calls = message_tool_calls(message, path, violations)
+            turns.append(ChatTurn(role, text, message.name, calls, tool_call_id(message, path, violations)))
         return turns
 
     def _engine_requests(
@@ -606,7 +690,13 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             return [] if choice is None else [choice]
 
         await self._stream(
-            context, identity, prepared, COMPLETIONS, inner.stream_options.include_usage, echoes, chunk_choices
+            context,
+            identity,
+            prepared,
+            COMPLETIONS,
+            inner.stream_options.include_usage,
+            echoes,
+            chunk_choices,
         )
 
     def _completion_chunk_choice(
@@ -642,15 +732,33 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         prepared = await self._prepare_chat(request, streaming=False)
         served = prepared.served
         public_id, created, results = await self._complete(context, identity, prepared, CHAT_COMPLETIONS)
-        choices = [
-            oa.ChatCompletionChoice(
-                index=c.index,
-                message=oa.ChatCompletionMessage(role="assistant", content=c.text),
-                logprobs=self._chat_logprobs(served, c.logprobs) if prepared.sampling.logprobs else None,
-                finish_reason=finish_reason_text(c.finish_reason),
+        choices = []
+        for c in results[0].choices:
+            message = oa.ChatCompletionMessage(role="assistant", content=c.text)
+            finish_reason = finish_reason_text(c.finish_reason)
+            if prepared.tools is not None:
+                found = parse_output(c.text, prepared.tools.format, prepared.tools.max_calls)
+                message = oa.ChatCompletionMessage(
+                    role="assistant",
+                    content=found.content,
+                    tool_calls=[
+                        oa.ChatCompletionMessageToolCall(
+                            id=call.id,
+                            type="function",
+                            function=oa.FunctionCall(name=call.name, arguments=call.arguments),
+                        )
+                        for call in found.tool_calls
+                    ],
+                )
+                finish_reason = prepared.tools.finish_reason(bool(found.tool_calls), finish_reason)
+            choices.append(
+                oa.ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(served, c.logprobs) if prepared.sampling.logprobs else None,
+                    finish_reason=finish_reason,
+                )
             )
-            for c in results[0].choices
-        ]
         return oa.CreateChatCompletionResponse(
             id=public_id,
             object="chat.completion",
@@ -675,25 +783,49 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             delta = oa.ChatCompletionDelta(role="assistant", content="")
             return [oa.ChatCompletionChunkChoice(index=i, delta=delta) for i in range(prepared.sampling.n)]
 
+        plan = prepared.tools
+        parsers: dict[int, ToolCallParser] = {}
+
+        def deltas(index: int, text: str, finished: bool) -> list[oa.ChatCompletionDelta]:
+            """The deltas of new text: content as it is, or, with tools, what the parser found in it."""
+            if plan is None:
+                return [oa.ChatCompletionDelta(content=text)] if text else []
+            parser = parsers.setdefault(index, ToolCallParser(plan.format, plan.max_calls))
+            events = parser.feed(text) if text else []
+            if finished:
+                events += parser.finish()
+            return [_chat_delta(event) for event in events]
+
         def chunk_choices(_: int, d: CompletionDelta) -> list[oa.ChatCompletionChunkChoice]:
-            choices = []
-            if d.text or d.logprobs:
-                choice = oa.ChatCompletionChunkChoice(index=d.index, delta=oa.ChatCompletionDelta(content=d.text))
-                if prepared.sampling.logprobs:
-                    choice.logprobs.CopyFrom(self._chat_logprobs(served, d.logprobs))
-                choices.append(choice)
+            choices = [
+                oa.ChatCompletionChunkChoice(index=d.index, delta=delta)
+                for delta in deltas(d.index, d.text, d.finish_reason is not None)
+            ]
+            if prepared.sampling.logprobs and d.logprobs:
+                if not choices:
+                    choices.append(
+                        oa.ChatCompletionChunkChoice(index=d.index, delta=oa.ChatCompletionDelta())
+                    )
+                choices[0].logprobs.CopyFrom(self._chat_logprobs(served, d.logprobs))
             if d.finish_reason is not None:
+                reason = finish_reason_text(d.finish_reason)
+                if plan is not None:
+                    reason = plan.finish_reason(parsers[d.index].calls_started > 0, reason)
                 choices.append(
                     oa.ChatCompletionChunkChoice(
-                        index=d.index,
-                        delta=oa.ChatCompletionDelta(),
-                        finish_reason=finish_reason_text(d.finish_reason),
+                        index=d.index, delta=oa.ChatCompletionDelta(), finish_reason=reason
                     )
                 )
             return choices
 
         await self._stream(
-            context, identity, prepared, CHAT_COMPLETIONS, inner.stream_options.include_usage, roles, chunk_choices
+            context,
+            identity,
+            prepared,
+            CHAT_COMPLETIONS,
+            inner.stream_options.include_usage,
+            roles,
+            chunk_choices,
         )
 
     # ---- models ---------------------------------------------------------------------------------

@@ -49,6 +49,13 @@ from protoserve.server.limits import (
     MAX_STOP_STRINGS,
 )
 from protoserve.server.sampling_mapping import PathMap, SamplingMapping, path_function
+from protoserve.server.tool_calls.call import ToolCall, ToolSpec
+from protoserve.server.tool_calls.rendering import (
+    ToolTemplate,
+    choose_format,
+    template_messages,
+    template_renders_tools,
+)
 from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -103,6 +110,8 @@ class ChatTurn:
     role: str
     content: str
     name: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # the call a tool turn answers
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -189,10 +198,16 @@ class ServedModel:
     """One loaded model as the API sees it: request validation, tokenization, output protos."""
 
     def __init__(
-        self, engine: AsyncEngine, card: ModelCard, sampling_defaults: Mapping[str, float | int] | None = None
+        self,
+        engine: AsyncEngine,
+        card: ModelCard,
+        sampling_defaults: Mapping[str, float | int] | None = None,
+        tool_parser: str | None = None,
     ) -> None:
-        """``sampling_defaults``: what requests that leave those fields unset get (server/sampling_mapping.py)."""
+        """``sampling_defaults``: what requests that leave those fields unset get (server/sampling_mapping.py);
+        ``tool_parser``: the tool-call format (``--tool-parser``), else read off the chat template."""
         self.engine = engine
+        self._tool_parser = tool_parser
         self.card = card
         self.tokenizer = engine.tokenizer
         # Ids must be both embeddable and decodable; a padded embedding table can exceed the tokenizer.
@@ -233,6 +248,15 @@ class ServedModel:
             sampling_defaults=pb.SamplingParams(**self.sampling.effective_defaults()),
         )
 
+    @functools.cached_property
+    def tool_template(self) -> ToolTemplate | None:
+        """How this model takes tools; None when it has no chat template or no known call format."""
+        if not self.tokenizer.has_chat_template:
+            return None
+        renders = template_renders_tools(self.tokenizer.apply_chat_template)
+        fmt = choose_format(self.tokenizer.chat_template or "", renders, self._tool_parser)
+        return ToolTemplate(fmt, renders) if fmt is not None else None
+
     # ---- input ---------------------------------------------------------------------
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -248,8 +272,9 @@ class ServedModel:
         add_generation_prompt: bool = True,
         path: str = "chat.messages",
         policy: ContextPolicy | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template.
+        """Token ids of a conversation rendered with the model's chat template, offered ``tools``.
 
         A template that refuses the conversation (say, roles that do not
         alternate) is the caller's error: INVALID_ARGUMENT on ``path``. The
@@ -257,19 +282,20 @@ class ServedModel:
         """
         if not self.tokenizer.has_chat_template:
             raise errors.no_chat_template(self.name)
-        messages: list[dict[str, Any]] = []
-        for turn in turns:
-            message: dict[str, Any] = {"role": turn.role, "content": turn.content}
-            if turn.name:
-                message["name"] = turn.name
-            messages.append(message)
+        variables: dict[str, Any] = {}
+        if self.tool_template is not None:
+            messages, variables = template_messages(turns, tools, self.tool_template)
+        else:
+            messages = [
+                {"role": t.role, "content": t.content, **({"name": t.name} if t.name else {})} for t in turns
+            ]
         # Imported here: the tokenizer package pulls in torch, and the server must bind
         # and answer health checks before anything that slow is imported.
         from protoserve.engine.tokenizer.chat_template import ChatTemplateError
 
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
+                messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except ChatTemplateError as exc:
             raise errors.invalid_argument(
@@ -302,7 +328,10 @@ class ServedModel:
                     f"context window (max_model_len) is {self.max_model_len} tokens, which leaves no "
                     "room to generate",
                 )
-        if len(text) > self.max_prompt_bytes // 4 and (size := errors.utf8_size(text)) > self.max_prompt_bytes:
+        if (
+            len(text) > self.max_prompt_bytes // 4
+            and (size := errors.utf8_size(text)) > self.max_prompt_bytes
+        ):
             raise errors.invalid_argument(
                 [(path, f"is {size} bytes; at most {self.max_prompt_bytes} bytes of text are tokenized")]
             )
@@ -312,7 +341,12 @@ class ServedModel:
         """INVALID_ARGUMENT for text with more characters than ``max_prompt_bytes`` (O(1): no scan)."""
         if len(text) > self.max_prompt_bytes:
             raise errors.invalid_argument(
-                [(path, f"is {len(text)} characters; at most {self.max_prompt_bytes} bytes of text are tokenized")]
+                [
+                    (
+                        path,
+                        f"is {len(text)} characters; at most {self.max_prompt_bytes} bytes of text are tokenized",
+                    )
+                ]
             )
 
     async def _tokenizing(self, chars: int, work: Callable[[], T]) -> T:
@@ -340,6 +374,7 @@ class ServedModel:
         add_generation_prompt: bool = True,
         path: str = "chat.messages",
         policy: ContextPolicy | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         """:meth:`render_chat` after the cheap checks, off the event loop when the conversation is long."""
         if not self.tokenizer.has_chat_template:
@@ -351,15 +386,25 @@ class ServedModel:
         ]
         if violations:
             raise errors.invalid_argument(violations)
-        chars = sum(len(t.content) + len(t.name) for t in turns)
+        chars = sum(len(t.content) + len(t.name) + sum(len(c.arguments) for c in t.tool_calls) for t in turns)
         if chars > self.max_prompt_bytes:  # the conversation's texts together, before rendering them
             raise errors.invalid_argument(
-                [(path, f"hold {chars} characters; at most {self.max_prompt_bytes} bytes of text are tokenized")]
+                [
+                    (
+                        path,
+                        f"hold {chars} characters; at most {self.max_prompt_bytes} bytes of text are tokenized",
+                    )
+                ]
             )
         return await self._tokenizing(
             chars,
             functools.partial(
-                self.render_chat, turns, add_generation_prompt=add_generation_prompt, path=path, policy=policy
+                self.render_chat,
+                turns,
+                add_generation_prompt=add_generation_prompt,
+                path=path,
+                policy=policy,
+                tools=tools,
             ),
         )
 
@@ -447,7 +492,9 @@ class ServedModel:
             violations.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
         constraint = req.sampling.constraint
         if constraint.WhichOneof("kind") == "json_object" and not constraint.json_object:
-            violations.append(("sampling.constraint.json_object", "must be true (unset constraint: free text)"))
+            violations.append(
+                ("sampling.constraint.json_object", "must be true (unset constraint: free text)")
+            )
         policy = CONTEXT_POLICIES.get(req.context_policy)
         try:
             self.sampling.check(params, lambda f: f"sampling.{f}", violations)

@@ -132,14 +132,14 @@ def test_the_largest_request_timeout_is_a_working_deadline(http, model):
 
 def test_openai_client_typed_options_the_server_cannot_honour_are_bad_requests(client, model, clean_log):
     attempts = {
-        "tools": lambda: client.chat.completions.create(
+        "functions": lambda: client.chat.completions.create(
             model=model,
             messages=CHAT,
             max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            functions=[{"name": "f", "parameters": {"type": "object"}}],
         ),
-        "tool_choice": lambda: client.chat.completions.create(
-            model=model, messages=CHAT, max_tokens=2, tool_choice="required"
+        "reasoning_effort": lambda: client.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=2, reasoning_effort="low"
         ),
         "suffix": lambda: client.completions.create(model=model, prompt="hi", max_tokens=2, suffix="!"),
         "best_of": lambda: client.completions.create(model=model, prompt="hi", max_tokens=2, best_of=2),
@@ -154,9 +154,9 @@ def test_openai_client_typed_options_the_server_cannot_honour_are_bad_requests(c
 def test_streamed_requests_refuse_them_before_the_stream_starts(client, model):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
-            model=model, messages=CHAT, max_tokens=2, stream=True, extra_body={"parallel_tool_calls": False}
+            model=model, messages=CHAT, max_tokens=2, stream=True, extra_body={"function_call": "auto"}
         )
-    assert exc.value.param == "parallel_tool_calls"
+    assert exc.value.param == "function_call"
 
 
 def _unsupported(params: type, proto: type, no_ops: set[str]) -> list[str]:
@@ -172,7 +172,7 @@ def test_every_client_parameter_is_served_declared_a_no_op_or_refused(http, mode
     completion = _unsupported(
         completion_create_params.CompletionCreateParamsNonStreaming, oa.CreateCompletionRequest, set()
     )
-    assert {"tools", "tool_choice"} <= set(chat) and {"suffix", "best_of"} <= set(
+    assert {"functions", "function_call", "audio"} <= set(chat) and {"suffix", "best_of"} <= set(
         completion
     )
     for path, base, names in (

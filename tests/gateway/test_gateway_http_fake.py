@@ -177,9 +177,9 @@ def test_bad_bodies_are_400_in_the_route_style(http, fake_backend, path, content
         ("/v1/completions", "suffix"),
         ("/v1/completions:stream", "guided_json"),
         ("/v1/chat/completions", "audio"),
-        ("/v1/chat/completions", "tools"),
-        ("/v1/chat/completions", "tool_choice"),
-        ("/v1/chat/completions:stream", "parallel_tool_calls"),
+        ("/v1/chat/completions", "functions"),
+        ("/v1/chat/completions", "function_call"),
+        ("/v1/chat/completions:stream", "reasoning_effort"),
     ],
 )
 def test_fields_the_server_cannot_honour_are_refused_on_openai_routes(http, fake_backend, path, field):

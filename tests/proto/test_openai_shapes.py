@@ -60,7 +60,8 @@ CHAT_RESPONSE = {
     "choices": [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "Hello there, how may I assist you today?"},
+            # An empty tool_calls list is printed, as vLLM prints it; the official client reads it as no calls.
+            "message": {"role": "assistant", "content": "Hello there, how may I assist you today?", "tool_calls": []},
             "logprobs": {
                 "content": [
                     {
@@ -82,7 +83,7 @@ CHAT_CHUNK = {
     "created": 1694268190,
     "model": "smollm2",
     "system_fingerprint": "fp_44709d6fcb",
-    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "", "tool_calls": []}}],
 }
 USAGE_CHUNK = {
     "id": "chatcmpl-123",

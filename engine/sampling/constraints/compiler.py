@@ -136,6 +136,8 @@ def grammar_definition(constraint: Constraint) -> str:
         return LLMatcher.grammar_from_regex(constraint.text)
     if kind == ConstraintKind.GRAMMAR:
         return llguidance.grammar_from("gbnf", constraint.text)
+    if kind == ConstraintKind.LARK:
+        return llguidance.grammar_from("lark", constraint.text)
     if kind == ConstraintKind.CHOICE:
         return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
     raise ValueError(f"unknown constraint kind {kind!r}")

@@ -21,6 +21,7 @@ class ConstraintKind(StrEnum):
     REGEX = "regex"  # text: a regular expression the whole output must match (Rust regex syntax)
     GRAMMAR = "grammar"  # text: a GBNF grammar (llama.cpp's format; Lark is accepted too), rule "root" first
     CHOICE = "choice"  # choices: the output is exactly one of these strings
+    LARK = "lark"  # text: a grammar in llguidance's Lark dialect (rule "start" first; %json embeds a schema)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Constraint:
     @classmethod
     def grammar(cls, gbnf: str) -> Constraint:
         return cls(ConstraintKind.GRAMMAR, gbnf)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Constraint:
+        return cls(ConstraintKind.LARK, grammar)
 
     @classmethod
     def choice(cls, choices: list[str] | tuple[str, ...]) -> Constraint:
