@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protoserve.engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
 from protoserve.server import exit_codes
+from protoserve.server.agent.service import AgentService
+from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryError
 from protoserve.server.auth import Authenticator
 from protoserve.server.event_loop import loop_name
 from protoserve.server.health import Readiness
@@ -45,7 +47,14 @@ from protoserve.server.sampling_mapping import served_defaults
 from protoserve.server.served_model import ModelCard, ServedModel
 from protoserve.server.telemetry import Telemetry, installed_tracer_provider
 from protoserve.server.usage import UsageLedger
-from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
+from protoserve.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    metrics_pb2,
+    metrics_pb2_grpc,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -62,6 +71,7 @@ SERVER_STOP_GRACE_S = 2.0
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,
+    agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
 )
 
@@ -119,7 +129,8 @@ class ServerConfig:
 
 
 class ServerApp:
-    """The gRPC server with InferenceService, OpenAIService, MetricsService, health and reflection."""
+    """The gRPC server with InferenceService, OpenAIService, AgentService, MetricsService, health and
+    reflection."""
 
     def __init__(
         self,
@@ -131,11 +142,15 @@ class ServerApp:
     ) -> None:
         """``tracer_provider`` None traces with the global provider when one is installed (else not)."""
         self.config = config
-        self.auth = auth if auth is not None else Authenticator.from_config(
-            config.api_keys_file,
-            config.admin_keys_file,
-            identity_secret_file=config.identity_secret_file,
-            data_dir=config.data_dir,
+        self.auth = (
+            auth
+            if auth is not None
+            else Authenticator.from_config(
+                config.api_keys_file,
+                config.admin_keys_file,
+                identity_secret_file=config.identity_secret_file,
+                data_dir=config.data_dir,
+            )
         )
         self.rate_limiter = RateLimiter.from_config(
             config.rate_limit_rpm, config.rate_limit_tpm, config.rate_limits_file, self.auth
@@ -151,6 +166,8 @@ class ServerApp:
         )
         self.inflight = InflightRequests(self.usage, self.telemetry, self.rate_limiter)
         self.readiness = Readiness(SERVICE_NAMES)
+        # The agent's tools: built-ins and the `protoserve.tools` entry points installed here.
+        self.tools = ToolRegistry.load()
         self.http_gateway = http_gateway
         self.engine: AsyncEngine | None = None
         self.port: int | None = None
@@ -188,16 +205,21 @@ class ServerApp:
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
                 # A second server on the same port must fail, not silently share it.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         services = (self.models, self.auth, self.inflight, self.readiness)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
         openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(*services), server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentService(*services, registry=self.tools), server
+        )
         metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
             MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
-        enable_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+        enable_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
+        )
         host = self.config.host
         check_can_listen(host, self.config.port, "gRPC")
         try:
@@ -213,7 +235,9 @@ class ServerApp:
         await server.start()
         self._server = server
         if self.config.metrics_port is not None:
-            self._metrics_http = MetricsHttpServer(self.metrics.registry, self.config.host, self.config.metrics_port)
+            self._metrics_http = MetricsHttpServer(
+                self.metrics.registry, self.config.host, self.config.metrics_port
+            )
             self.metrics_port = self._metrics_http.port
         if self.http_gateway is not None and self.config.http_port is not None:
             http_port = self.config.http_port or _free_port(self.config.host)
@@ -330,6 +354,10 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
 
     try:
         app = ServerApp(config, http_gateway=http_gateway)
+    except ToolRegistryError as exc:
+        # An installed tool package that is broken: its owner's to fix, named in the message.
+        print(f"protoserve: {exc}", file=sys.stderr, flush=True)
+        return exit_codes.USAGE
     except (OSError, ValueError) as exc:
         # A file a flag names (API keys, secrets) that cannot be read or used: the user's to fix.
         print(f"protoserve: {_file_error(exc)}", file=sys.stderr, flush=True)

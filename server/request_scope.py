@@ -1,7 +1,7 @@
 """RequestScope: what a generating RPC knows about itself, for the requests it runs.
 
 An interceptor opens a scope around each call of a generating method (Generate,
-GenerateStream, Batch, the OpenAI completions and chat completions). It names
+GenerateStream, Batch, the OpenAI completions and chat completions, agent runs). It names
 the gRPC method and the GenAI operation (``chat`` for chat input, else
 ``text_completion``) for the in-flight registry, which records each request it
 runs and marks the scope. A call that fails before any request was opened (bad
@@ -24,18 +24,21 @@ from protoserve.engine.tracing import CHAT, TEXT_COMPLETION
 from protoserve.openai.v1 import openai_pb2
 from protoserve.server.errors import ServiceError
 from protoserve.server.request_record import RequestRecord
-from protoserve.v1 import inference_pb2
+from protoserve.v1 import agent_pb2, inference_pb2
 
 _INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
 _OPENAI = openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"]
+_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 
 
 def _full(service, method: str) -> str:
     return f"/{service.full_name}/{service.methods_by_name[method].name}"
 
 
+# An agent run's model steps are chat requests with tools.
 CHAT_METHODS = frozenset(
-    _full(_OPENAI, m) for m in ("CreateChatCompletion", "CreateChatCompletionStream")
+    [_full(_OPENAI, m) for m in ("CreateChatCompletion", "CreateChatCompletionStream")]
+    + [_full(_AGENT, "RunAgent")]
 )
 GENERATING_METHODS = CHAT_METHODS | frozenset(
     [_full(_INFERENCE, m) for m in ("Generate", "GenerateStream", "Batch")]

@@ -111,6 +111,9 @@ SPEC = ToolSpec(
         "properties": {
             "expression": {
                 "type": "string",
+                # In the schema too, so a forced call's grammar ends the string: a small model
+                # otherwise writes until max_tokens.
+                "maxLength": 200,
                 "description": 'The expression, in Python syntax, e.g. "(2 + 3) * sqrt(16) / 2".',
             }
         },

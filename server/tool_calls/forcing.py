@@ -46,11 +46,10 @@ def auto_strict_grammar(tools: Sequence[ToolSpec], fmt: ToolCallFormat, *, singl
 
 def _calls_rule(fmt: ToolCallFormat, schema: dict[str, Any], single: bool) -> str:
     if fmt.list_in_tag:
-        array = {"type": "array", "items": schema, "minItems": 1}
-        if single:
-            array["maxItems"] = 1
-        _move_defs(schema, array)
-        return f"{_literal(fmt.open_tag)} {_json(array)} {_literal(fmt.close_tag)}"
+        # The array is spelled out, one call per line, as the format's training examples write it.
+        one = _json(schema)
+        body = one if single else f"{one} ({_literal(',' + chr(10))} {one})*"
+        return f"{_literal(fmt.open_tag + '[' + chr(10))} {body} {_literal(chr(10) + ']' + fmt.close_tag)}"
     if fmt.open_tag:
         one = f"{_literal(fmt.open_tag + chr(10))} {_json(schema)} {_literal(chr(10) + fmt.close_tag)}"
         separator = _literal("\n")
@@ -111,11 +110,6 @@ def _rewrite_refs(node: Any, renames: dict[str, str]) -> Any:
     if isinstance(node, list):
         return [_rewrite_refs(item, renames) for item in node]
     return node
-
-
-def _move_defs(inner: dict[str, Any], outer: dict[str, Any]) -> None:
-    if "$defs" in inner:
-        outer["$defs"] = inner.pop("$defs")
 
 
 def _json(schema: dict[str, Any]) -> str:
