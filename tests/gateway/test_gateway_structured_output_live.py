@@ -114,6 +114,23 @@ def test_structured_outputs_on_both_routes(client, model):
     jsonschema.validate(json.loads(as_text.choices[0].text), PERSON)
 
 
+def test_response_format_on_completions_too(client, model):
+    # vLLM takes response_format on /v1/completions as well; so does this server.
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in (1, 2):
+        completion = client.completions.create(
+            model=model, prompt="A person:", max_tokens=64, temperature=0.8, seed=seed,
+            extra_body={"response_format": fmt},
+        )
+        jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(
+            model=model, prompt="A person:", max_tokens=8,
+            extra_body={"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        )
+    assert exc.value.param == "structured_outputs.regex"
+
+
 def test_native_grpc_regex_choice_and_schema(live_server):
     with live_server.sync_channel() as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
