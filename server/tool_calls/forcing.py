@@ -5,9 +5,12 @@ reads, each call's arguments held to its function's JSON Schema, so even a small
 valid call every time. ``auto`` with a ``strict`` tool: the output is either text that never starts
 a call, or calls at its start whose strict arguments follow their schema; the model still chooses.
 
-A schema's ``$defs`` (or draft-7 ``definitions``) are hoisted to the root of the embedded schema,
-where its ``#/$defs/...`` references point once it sits inside the call object; two tools that use
-one name for different definitions get theirs renamed.
+A tool's local references (``#``, ``#/$defs/...``, ``#/definitions/...``, ``#/properties/...``) point
+at the root of its own parameters schema, which is no longer the root once it sits inside the call
+object. Such a schema is hoisted whole into the root's ``$defs`` under its tool's name and each of its
+references re-pointed there (``#/$defs/Item`` becomes ``#/$defs/<tool>/$defs/Item``), so every tool
+keeps its own definitions, two tools may use one name for different ones, and recursion (``#``) still
+means the tool's arguments.
 """
 
 from __future__ import annotations
@@ -64,7 +67,12 @@ def _call_schema(tools: Sequence[ToolSpec], fmt: ToolCallFormat, arguments_of) -
     hoisted: dict[str, Any] = {}
     options = []
     for tool in tools:
-        arguments = _hoist(copy.deepcopy(arguments_of(tool)), hoisted)
+        arguments = copy.deepcopy(arguments_of(tool))
+        if _has_local_ref(arguments):
+            if tool.name in hoisted:
+                raise ValueError(f"tools: {tool.name!r} names two tools")
+            hoisted[tool.name] = _rebase_refs(arguments, f"#/$defs/{tool.name}")
+            arguments = {"$ref": f"#/$defs/{tool.name}"}
         options.append(
             {
                 "type": "object",
@@ -79,36 +87,50 @@ def _call_schema(tools: Sequence[ToolSpec], fmt: ToolCallFormat, arguments_of) -
     return schema
 
 
-def _hoist(schema: Any, into: dict[str, Any]) -> Any:
-    """Move ``schema``'s definitions into ``into`` (renaming clashes) and point its references there."""
-    if not isinstance(schema, dict):
-        return schema
-    defs = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
-    renames: dict[str, str] = {}
-    for name, definition in defs.items():
-        new = name
-        n = 1
-        while new in into and into[new] != definition:
-            n += 1
-            new = f"{name}_{n}"
-        renames[name] = new
-    for name, definition in defs.items():
-        into[renames[name]] = _rewrite_refs(definition, renames)
-    return _rewrite_refs(schema, renames)
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
-def _rewrite_refs(node: Any, renames: dict[str, str]) -> Any:
+def _is_local_ref(key: str, value: Any) -> bool:
+    # "#" and "#/<pointer>" point into the document; "#anchor" and other URIs do not move with it.
+    return key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/"))
+
+
+def _own_resource(node: dict[str, Any]) -> bool:
+    # A schema with its own "$id" is the root its "#..." references resolve against, wherever it sits.
+    return isinstance(node.get("$id"), str)
+
+
+def _has_local_ref(node: Any) -> bool:
+    """Whether ``node`` has references that resolve against the root it sits under."""
     if isinstance(node, dict):
+        if _own_resource(node):
+            return False
+        return any(
+            _is_local_ref(key, value) or (key not in _DATA_KEYWORDS and _has_local_ref(value))
+            for key, value in node.items()
+        )
+    if isinstance(node, list):
+        return any(_has_local_ref(item) for item in node)
+    return False
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """``node`` with its local references moved under ``base``, the pointer where its root now sits."""
+    if isinstance(node, dict):
+        if _own_resource(node):
+            return node
         out = {}
         for key, value in node.items():
-            if key == "$ref" and isinstance(value, str):
-                match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)(.*)", value)
-                if match:
-                    value = f"#/$defs/{renames.get(match.group(1), match.group(1))}{match.group(2)}"
-            out[key] = _rewrite_refs(value, renames)
+            if _is_local_ref(key, value):
+                out[key] = base + value[1:]
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = _rebase_refs(value, base)
         return out
     if isinstance(node, list):
-        return [_rewrite_refs(item, renames) for item in node]
+        return [_rebase_refs(item, base) for item in node]
     return node
 
 

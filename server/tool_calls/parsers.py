@@ -12,11 +12,13 @@ The formats (:data:`FORMATS`) differ only in how calls are marked:
 - ``smollm2`` (SmolLM2, the APIGen format it was trained on): one ``<tool_call>`` tag holding a JSON
   array of such objects, ``[]`` meaning no call;
 - ``llama3_json`` (Llama 3.1+): the output itself is ``{"name": ..., "parameters": {...}}``, calls
-  separated by ``;``, optionally after ``<|python_tag|>``; output that starts otherwise is content.
+  separated by ``;``, optionally after ``<|python_tag|>``; output that starts otherwise is content,
+  and so is text after the calls.
 
 Inside a call region the parser walks the JSON character by character (strings, escapes, nesting),
 so it never needs the region to be complete to stream it. A region that holds no call at all (say
-``<tool_call>hello</tool_call>``) is given back as content, tags included.
+``<tool_call>hello</tool_call>``) is given back as content, tags included. Whitespace after a call
+is content only where more content follows it.
 """
 
 from __future__ import annotations
@@ -343,10 +345,15 @@ class ToolCallParser:
     def _content(self, text: str) -> None:
         if not text:
             return
-        if self._started and not text.strip():
-            self._held_space += text  # between or after calls: content only if text follows
-            return
-        text, self._held_space = self._held_space + text, ""
+        if self._started:
+            # Whitespace between or after calls is content only if more content follows it. Every
+            # piece's trailing whitespace is held, so the decision is the same however the text
+            # was cut into pieces (a stream's content equals the unary one).
+            body = text.rstrip()
+            if not body:
+                self._held_space += text
+                return
+            text, self._held_space = self._held_space + body, text[len(body) :]
         self._events.append(Content(text))
 
     # -- inside a region --------------------------------------------------------------------
@@ -374,9 +381,17 @@ class ToolCallParser:
                     self._region.append(text[:i])
                     self._pending = rest
                     return False
-            if not close and walker.at_top and text[i] == ";":
-                i += 1
-                continue
+            if not close and walker.at_top:
+                if text[i] == ";":
+                    i += 1
+                    continue
+                if walker.call_depth and not text[i].isspace() and text[i] != "{":
+                    # Bare calls have no close tag: they end where text that starts no call begins,
+                    # and that text is content, not lost inside the region.
+                    self._region.append(text[:i])
+                    self._pending = text[i:]
+                    self._close_region(final=False)
+                    return True
             walker.feed(text[i])
             i += 1
         self._region.append(text)
