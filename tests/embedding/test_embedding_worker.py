@@ -1,0 +1,164 @@
+"""EmbeddingWorker: same vectors as the model, per-caller results, fairness, a free event loop, errors, close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from protoserve.engine.embedding.errors import EmbeddingInputTooLong
+from protoserve.engine.embedding.worker import EmbeddingWorker
+from protoserve.engine.errors import EngineStoppedError
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def _embedding_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("embedding")]
+
+
+def _big_job() -> list[str]:
+    return [f"document {i}: retrieval augmented generation over chunked text" for i in range(400)]
+
+
+class FailingModel:
+    """The real model, except that its ``fail_at``-th forward slice raises."""
+
+    def __init__(self, model, fail_at: int) -> None:
+        self._model = model
+        self._fail_at = fail_at
+        self.slices = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def embed_token_ids(self, ids, batch_size=32):
+        self.slices += 1
+        if self.slices == self._fail_at:
+            raise RuntimeError(f"forward failed in slice {self.slices}")
+        return self._model.embed_token_ids(ids, batch_size)
+
+
+async def test_results_equal_the_model(embedding_model, varied_texts):
+    worker = EmbeddingWorker(embedding_model, max_batch_texts=8)
+    try:
+        texts = varied_texts[:60]
+        vectors = await worker.embed_texts(texts)
+        assert vectors.dtype == np.float32 and vectors.shape == (60, 384)
+        assert _cosines(vectors, embedding_model.embed_texts(texts)).min() >= 0.99999
+        assert await worker.count_tokens(texts) == embedding_model.count_tokens(texts)
+        ids = embedding_model.tokenize(texts[:10])
+        by_ids = await worker.embed_token_ids(ids)
+        assert _cosines(by_ids, embedding_model.embed_token_ids(ids)).min() >= 0.99999
+        assert (await worker.embed_texts([])).shape == (0, 384)
+    finally:
+        worker.close()
+
+
+async def test_concurrent_callers_get_their_own_results(embedding_model, varied_texts):
+    worker = EmbeddingWorker(embedding_model, max_batch_texts=4)
+    try:
+        requests = [varied_texts[20 + 7 * i : 20 + 7 * i + 3 + i] for i in range(6)]  # 3..8 texts each
+        results = await asyncio.gather(*(worker.embed_texts(r) for r in requests))
+        for request, result in zip(requests, results, strict=True):
+            assert result.shape == (len(request), 384)
+            assert _cosines(result, embedding_model.embed_texts(request)).min() >= 0.99999
+    finally:
+        worker.close()
+
+
+async def test_big_job_neither_starves_a_small_request_nor_blocks_the_loop(embedding_model):
+    worker = EmbeddingWorker(embedding_model, max_batch_texts=16)  # 400 texts -> 25 slices
+    ticks: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.01)
+
+    try:
+        ticking = asyncio.create_task(ticker())
+        started = time.perf_counter()
+        big = asyncio.create_task(worker.embed_texts(_big_job()))
+        await asyncio.sleep(0.3)  # the big job is several slices in
+        assert not big.done()
+        asked = time.perf_counter()
+        small = await worker.embed_texts(["what is retrieval augmented generation?"])
+        small_latency = time.perf_counter() - asked
+        assert not big.done()  # the small request overtook the rest of the big job
+        big_vectors = await big
+        big_time = time.perf_counter() - started
+        stop.set()
+        await ticking
+
+        # It waited for about one slice of the big job, not for its remaining ~20.
+        assert small_latency < big_time / 4, (small_latency, big_time)
+        gaps = np.diff(ticks)
+        assert gaps.max() < 0.2, f"event loop stalled {gaps.max():.3f}s"
+        assert len(ticks) > big_time / 0.05  # it really kept ticking through the job
+
+        np.testing.assert_allclose(
+            small, embedding_model.embed_texts(["what is retrieval augmented generation?"]), atol=1e-5
+        )
+        sample = [0, 199, 399]
+        reference = embedding_model.embed_texts([_big_job()[i] for i in sample])
+        assert _cosines(big_vectors[sample], reference).min() >= 0.99999
+    finally:
+        worker.close()
+
+
+async def test_errors_reach_the_caller_and_the_worker_keeps_serving(embedding_model):
+    worker = EmbeddingWorker(embedding_model, max_batch_texts=4)
+    try:
+        with pytest.raises(EmbeddingInputTooLong) as info:
+            await worker.embed_texts(["ok"] * 1500 + ["a " * 300])  # past the first tokenizer slice
+        assert (info.value.index, info.value.tokens) == (1500, 302)
+        with pytest.raises(ValueError, match=r"ids\[1\]\[0\] = 99999"):  # raised on the worker thread
+            await worker.embed_token_ids([[7592], [99999]])
+        with pytest.raises(TypeError, match=r"texts\[0\]"):
+            await worker.count_tokens([3])
+        assert (await worker.embed_texts(["still serving"])).shape == (1, 384)
+    finally:
+        worker.close()
+
+    failing = EmbeddingWorker(FailingModel(embedding_model, fail_at=3), max_batch_texts=2)
+    try:
+        with pytest.raises(RuntimeError, match="slice 3"):
+            await failing.embed_texts([f"text {i}" for i in range(10)])
+    finally:
+        failing.close()
+
+
+def test_max_batch_texts_is_validated(embedding_model):
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="max_batch_texts"):
+            EmbeddingWorker(embedding_model, max_batch_texts=bad)
+
+
+async def test_close_is_clean(embedding_model):
+    before = len(_embedding_threads())
+    worker = EmbeddingWorker(embedding_model, max_batch_texts=16)
+    await worker.count_tokens(["start the thread"])
+    assert len(_embedding_threads()) == before + 1
+
+    big = asyncio.create_task(worker.embed_texts(_big_job()))
+    await asyncio.sleep(0.2)
+    await worker.aclose()  # waits for the running slice without blocking the loop
+    with pytest.raises(EngineStoppedError):
+        await big  # the rest of the job is not computed
+    with pytest.raises(EngineStoppedError):
+        await worker.embed_texts(["after close"])
+    assert worker.closed
+    assert len(_embedding_threads()) == before
+
+    idle = EmbeddingWorker(embedding_model)
+    await idle.count_tokens(["x"])
+    idle.close()
+    idle.close()  # idempotent
+    assert len(_embedding_threads()) == before
