@@ -1,11 +1,12 @@
 'use strict';
 /**
- * Node client for protoserve's gRPC API (protoserve.v1.InferenceService).
+ * Node client for protoserve's gRPC API: InferenceService, EmbeddingService,
+ * RagService and AgentService (package protoserve.v1).
  *
- * The service definition is loaded at run time from the repo's .proto files
+ * The service definitions are loaded at run time from the repo's .proto files
  * with @grpc/proto-loader (keepCase: true, so fields keep their proto names:
  * `max_tokens`, `request_id`, ...). Messages are plain objects shaped like the
- * proto; see proto/protoserve/v1/inference.proto.
+ * proto; see proto/protoserve/v1/{inference,embeddings,rag,agent}.proto.
  *
  * Failed calls reject (or throw from the stream iterator) with a
  * ProtoserveError that carries the gRPC code and the decoded google.rpc.Status
@@ -40,17 +41,28 @@ const LOADER_OPTIONS = Object.freeze({
   oneofs: true,
 });
 
+/** The proto files whose services the client calls, relative to proto/. */
+const SERVICE_PROTOS = Object.freeze([
+  'protoserve/v1/inference.proto',
+  'protoserve/v1/embeddings.proto',
+  'protoserve/v1/rag.proto',
+  'protoserve/v1/agent.proto',
+]);
+
 const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([name, code]) => [code, name]));
 
 /**
- * Load InferenceService's definition and the google.rpc detail types.
+ * Load the service definitions and the google.rpc detail types.
  * @param {string} [protoRoot] repo root with proto/ and third_party/googleapis/
- * @returns {{InferenceService: grpc.ServiceClientConstructor, errorTypes: protobuf.Root}}
+ * @returns {{InferenceService: grpc.ServiceClientConstructor, EmbeddingService: grpc.ServiceClientConstructor,
+ *   RagService: grpc.ServiceClientConstructor, AgentService: grpc.ServiceClientConstructor,
+ *   errorTypes: protobuf.Root}}
  */
 function loadProtos(protoRoot = DEFAULT_PROTO_ROOT) {
   const includeDirs = [path.join(protoRoot, 'proto'), path.join(protoRoot, 'third_party', 'googleapis')];
-  const definition = protoLoader.loadSync('protoserve/v1/inference.proto', { ...LOADER_OPTIONS, includeDirs });
-  const InferenceService = grpc.loadPackageDefinition(definition).protoserve.v1.InferenceService;
+  const definition = protoLoader.loadSync([...SERVICE_PROTOS], { ...LOADER_OPTIONS, includeDirs });
+  const v1 = grpc.loadPackageDefinition(definition).protoserve.v1;
+  const { InferenceService, EmbeddingService, RagService, AgentService } = v1;
 
   const errorTypes = new protobuf.Root();
   // Resolve imports against the same include dirs as proto-loader does.
@@ -59,7 +71,31 @@ function loadProtos(protoRoot = DEFAULT_PROTO_ROOT) {
     return dir ? path.join(dir, target) : target;
   };
   errorTypes.loadSync(['google/rpc/status.proto', 'google/rpc/error_details.proto'], { keepCase: true });
-  return { InferenceService, errorTypes };
+  return { InferenceService, EmbeddingService, RagService, AgentService, errorTypes };
+}
+
+/**
+ * A google.protobuf.Value as proto-loader decodes it ({kind: 'numberValue', numberValue: 1, ...}) as plain JSON.
+ * @param {object} value
+ */
+function valueToJson(value) {
+  switch (value.kind) {
+    case 'nullValue': return null;
+    case 'numberValue': return value.numberValue;
+    case 'stringValue': return value.stringValue;
+    case 'boolValue': return value.boolValue;
+    case 'structValue': return structToJson(value.structValue);
+    case 'listValue': return (value.listValue.values || []).map(valueToJson);
+    default: throw new TypeError(`google.protobuf.Value of unknown kind ${JSON.stringify(value.kind)}`);
+  }
+}
+
+/**
+ * A google.protobuf.Struct as proto-loader decodes it ({fields: {...}}) as a plain JSON object.
+ * @param {{fields?: object}} struct
+ */
+function structToJson(struct) {
+  return Object.fromEntries(Object.entries((struct && struct.fields) || {}).map(([k, v]) => [k, valueToJson(v)]));
 }
 
 /** A failed call: gRPC code, message and the decoded google.rpc.Status details. */
@@ -124,7 +160,10 @@ function toProtoserveError(errorTypes, err) {
   return new ProtoserveError(err.code, err.details || '', details);
 }
 
-/** Client for protoserve.v1.InferenceService; every method takes and returns plain proto-shaped objects. */
+/**
+ * Client for protoserve's gRPC services (inference, embeddings, RAG, agent runs); every method takes and
+ * returns plain proto-shaped objects.
+ */
 class ProtoserveClient {
   /**
    * @param {string} [target] host:port of the gRPC server
@@ -136,9 +175,15 @@ class ProtoserveClient {
    * @param {string} [options.protoRoot] repo root with proto/ and third_party/googleapis/
    */
   constructor(target = DEFAULT_TARGET, options = {}) {
-    const { InferenceService, errorTypes } = loadProtos(options.protoRoot);
-    this.errorTypes = errorTypes;
-    this.stub = new InferenceService(target, options.credentials || grpc.credentials.createInsecure());
+    const services = loadProtos(options.protoRoot);
+    this.errorTypes = services.errorTypes;
+    const credentials = options.credentials || grpc.credentials.createInsecure();
+    this.stub = new services.InferenceService(target, credentials);
+    // The other services share the inference stub's channel: one connection for everything.
+    const shared = { channelOverride: this.stub.getChannel() };
+    this.embeddingStub = new services.EmbeddingService(target, credentials, shared);
+    this.ragStub = new services.RagService(target, credentials, shared);
+    this.agentStub = new services.AgentService(target, credentials, shared);
     this.timeoutMs = options.timeoutMs;
     this.metadata = new grpc.Metadata();
     if (options.apiKey) this.metadata.set('authorization', `Bearer ${options.apiKey}`);
@@ -153,14 +198,29 @@ class ProtoserveClient {
     return [metadata, timeoutMs === undefined ? {} : { deadline: new Date(Date.now() + timeoutMs) }];
   }
 
-  _unary(method, request, callOptions) {
+  _unary(method, request, callOptions, stub = this.stub) {
     const [metadata, options] = this._callArgs(callOptions);
     return new Promise((resolve, reject) => {
-      this.stub[method](request, metadata, options, (err, response) => {
+      stub[method](request, metadata, options, (err, response) => {
         if (err) reject(toProtoserveError(this.errorTypes, err));
         else resolve(response);
       });
     });
+  }
+
+  /** Yield a server-streaming call's messages; errors become ProtoserveError, leaving early cancels it. */
+  async *_serverStream(stub, method, request, callOptions) {
+    const [metadata, options] = this._callArgs(callOptions);
+    const call = stub[method](request, metadata, options);
+    try {
+      for await (const message of call) yield message;
+    } catch (err) {
+      throw toProtoserveError(this.errorTypes, err);
+    } finally {
+      // Leaving early (break, an exception in the loop body) must not leave
+      // the server working for nobody. cancel() after the end is a no-op.
+      call.cancel();
+    }
   }
 
   /**
@@ -177,18 +237,8 @@ class ProtoserveClient {
    * Breaking out of the loop cancels the call.
    * @param {object} request a GenerateRequest
    */
-  async *stream(request, callOptions) {
-    const [metadata, options] = this._callArgs(callOptions);
-    const call = this.stub.GenerateStream({ request }, metadata, options);
-    try {
-      for await (const message of call) yield message;
-    } catch (err) {
-      throw toProtoserveError(this.errorTypes, err);
-    } finally {
-      // Leaving early (break, an exception in the loop body) must not leave
-      // the server generating for nobody. cancel() after the end is a no-op.
-      call.cancel();
-    }
+  stream(request, callOptions) {
+    return this._serverStream(this.stub, 'GenerateStream', { request }, callOptions);
   }
 
   /** Stop the caller's running or queued request; resolves to {cancelled}. */
@@ -227,6 +277,101 @@ class ProtoserveClient {
   }
 
   /**
+   * Embed texts or token ids with the server's embedding model.
+   * @param {object} request an EmbedRequest: {texts: [...]} or {token_ids: [{ids: [...]}, ...]}
+   * @returns {Promise<object>} the EmbedResponse: {model, dimensions, embeddings: [{index, values}], usage}
+   */
+  embed(request, callOptions) {
+    return this._unary('Embed', request, callOptions, this.embeddingStub);
+  }
+
+  /**
+   * Chunk, embed and store the caller's documents; an id indexed again is replaced.
+   * @param {object} request {documents: [{document_id, text, metadata?}], chunking?: {chunk_tokens, overlap_tokens}}
+   * @returns {Promise<object>} {documents: [{document_id, chunks, tokens, replaced}]}
+   */
+  indexDocuments(request, callOptions) {
+    return this._unary('IndexDocuments', request, callOptions, this.ragStub);
+  }
+
+  /**
+   * The caller's chunks most similar to a query, best first.
+   * @param {object} request {query, top_k?, filter?, min_score?}
+   * @returns {Promise<object>} {chunks: [ChunkHit], usage}
+   */
+  searchDocuments(request, callOptions) {
+    return this._unary('SearchDocuments', request, callOptions, this.ragStub);
+  }
+
+  /**
+   * One page of the caller's documents, oldest first.
+   * @param {object} [request] {page_size?, page_token?}
+   * @returns {Promise<object>} {documents: [DocumentInfo], next_page_token} (empty token on the last page)
+   */
+  listDocuments(request = {}, callOptions) {
+    return this._unary('ListDocuments', request, callOptions, this.ragStub);
+  }
+
+  /**
+   * Every document of the caller (DocumentInfo objects), oldest first, fetching pages as it goes.
+   * @param {object} [request] {page_size?}
+   */
+  async *iterDocuments(request = {}, callOptions) {
+    let pageToken = '';
+    do {
+      const page = await this.listDocuments({ ...request, page_token: pageToken }, callOptions);
+      yield* page.documents;
+      pageToken = page.next_page_token;
+    } while (pageToken);
+  }
+
+  /** One of the caller's documents: {document, text, chunks}; NOT_FOUND (DOCUMENT_NOT_FOUND) when missing. */
+  getDocument(documentId, callOptions) {
+    return this._unary('GetDocument', { document_id: documentId }, callOptions, this.ragStub);
+  }
+
+  /** Remove the caller's documents by id; resolves to {deleted, not_found}. */
+  deleteDocuments(documentIds, callOptions) {
+    if (!Array.isArray(documentIds)) throw new TypeError('documentIds must be an array of document ids');
+    return this._unary('DeleteDocuments', { document_ids: documentIds }, callOptions, this.ragStub);
+  }
+
+  /**
+   * Answer a question from the caller's documents.
+   * @param {object} request a RetrieveAndGenerateRequest: {query, top_k?, filter?, min_score?, system_prompt?,
+   *   sampling?}
+   * @returns {Promise<object>} {request_id, model, answer, citations: [{number, chunk}], finish_reason, usage}
+   */
+  retrieveAndGenerate(request, callOptions) {
+    return this._unary('RetrieveAndGenerate', request, callOptions, this.ragStub);
+  }
+
+  /**
+   * Stream an answer: yields RetrieveAndGenerateStreamResponse objects, `event` 'citations' first, then 'text'
+   * deltas, then 'final'. Breaking out of the loop cancels the call.
+   * @param {object} request a RetrieveAndGenerateRequest
+   */
+  retrieveAndGenerateStream(request, callOptions) {
+    return this._serverStream(this.ragStub, 'RetrieveAndGenerateStream', { request }, callOptions);
+  }
+
+  /**
+   * Run the server's agent loop: yields RunAgentResponse objects (`event` 'thought', 'tool_call',
+   * 'tool_result', then 'answer' last). Breaking out of the loop cancels the run.
+   * @param {object} request a RunAgentRequest: {messages, tools?, tool_choice?, max_steps?, timeout_seconds?,
+   *   tool_timeout_seconds?, parallel_tool_calls?, sampling?}
+   */
+  runAgent(request, callOptions) {
+    return this._serverStream(this.agentStub, 'RunAgent', request, callOptions);
+  }
+
+  /** The tools an agent run may use: {tools: [{name, description, parameters}]}, parameters as plain JSON Schema. */
+  async listTools(callOptions) {
+    const { tools } = await this._unary('ListTools', {}, callOptions, this.agentStub);
+    return { tools: tools.map((tool) => ({ ...tool, parameters: structToJson(tool.parameters) })) };
+  }
+
+  /**
    * Poll health until the server is SERVING, for at most timeoutMs; then reject with the last failure.
    * A server that is starting, loading its model or unreachable counts as "not yet";
    * other errors (say UNAUTHENTICATED) reject at once.
@@ -255,10 +400,10 @@ class ProtoserveClient {
     return new ProtoserveError(status.code, status.message, decodeDetails(this.errorTypes, status));
   }
 
-  /** Close the channel. */
+  /** Close the channel (shared by every service's stub). */
   close() {
     this.stub.close();
   }
 }
 
-module.exports = { ProtoserveClient, ProtoserveError, loadProtos, grpc, DEFAULT_TARGET };
+module.exports = { ProtoserveClient, ProtoserveError, loadProtos, structToJson, grpc, DEFAULT_TARGET };

@@ -167,6 +167,164 @@ test('a wrong API key is UNAUTHENTICATED', { skip: authSkip }, async () => {
   }
 });
 
+// --- embeddings, RAG and agent runs ---------------------------------------------
+
+const EMBEDDING_DIMENSIONS = 384; // all-MiniLM-L6-v2, the server's default embedding model
+const DOCUMENTS = [
+  {
+    document_id: 'volcanoes',
+    text: 'Mount Etna is an active volcano on the east coast of Sicily. Its eruptions send lava down its slopes.',
+    metadata: { topic: 'geology' },
+  },
+  {
+    document_id: 'bread',
+    text: 'Sourdough bread rises because wild yeast and lactic acid bacteria ferment the dough for hours.',
+    metadata: { topic: 'cooking' },
+  },
+];
+const QUESTION = 'Which volcano is on the coast of Sicily?';
+const RAG_GREEDY = { max_tokens: 8, temperature: 0 };
+
+/** A client of a user id no other test uses: RAG documents belong to the caller, so its documents are its own. */
+function userClient() {
+  const userId = `node-${Math.random().toString(16).slice(2, 14)}`;
+  return new ProtoserveClient(target, { apiKey: process.env.PROTOSERVE_API_KEY, userId, timeoutMs: 60_000 });
+}
+
+async function collect(iterable) {
+  const out = [];
+  for await (const item of iterable) out.push(item);
+  return out;
+}
+
+function assertInvalidField(err, field) {
+  assert.ok(err instanceof ProtoserveError, String(err));
+  assert.equal(err.code, grpc.status.INVALID_ARGUMENT);
+  assert.equal(err.reason, 'INVALID_PARAMETER');
+  assert.deepEqual(err.fieldViolations.map((v) => v.field), [field]);
+  return true;
+}
+
+test('embed returns one unit vector of 384 dimensions per text, in order', { skip }, async () => {
+  const response = await client.embed({ texts: ['A cat sits on the mat.', 'A kitten is on a rug.', 'Rates rose.'] });
+  assert.equal(response.dimensions, EMBEDDING_DIMENSIONS);
+  assert.deepEqual(response.embeddings.map((e) => e.index), [0, 1, 2]);
+  for (const { values } of response.embeddings) {
+    assert.equal(values.length, EMBEDDING_DIMENSIONS);
+    assert.ok(Math.abs(Math.hypot(...values) - 1) < 1e-4);
+  }
+  const dot = (a, b) => a.reduce((sum, x, i) => sum + x * b[i], 0);
+  const [cat, kitten, rates] = response.embeddings.map((e) => e.values);
+  assert.ok(dot(cat, kitten) > dot(cat, rates) + 0.2);
+  assert.ok(response.usage.prompt_tokens > 3);
+});
+
+test('documents: index, search finds them, get, list by pages, delete', { skip }, async () => {
+  const rag = userClient();
+  const stranger = userClient();
+  try {
+    const { documents: indexed } = await rag.indexDocuments({ documents: DOCUMENTS });
+    assert.deepEqual(indexed.map((d) => [d.document_id, d.chunks, d.replaced]), [['volcanoes', 1, false], ['bread', 1, false]]);
+    const again = await rag.indexDocuments({ documents: [DOCUMENTS[1]], chunking: { chunk_tokens: 64, overlap_tokens: 8 } });
+    assert.equal(again.documents[0].replaced, true);
+
+    const { chunks } = await rag.searchDocuments({ query: QUESTION, top_k: 2 });
+    assert.deepEqual(chunks.map((c) => c.document_id), ['volcanoes', 'bread']);
+    assert.ok(chunks[0].score > chunks[1].score);
+    assert.equal(chunks[0].text, DOCUMENTS[0].text.slice(chunks[0].start, chunks[0].end));
+    assert.deepEqual(chunks[0].metadata, { topic: 'geology' });
+    const filtered = await rag.searchDocuments({ query: QUESTION, filter: { topic: 'cooking' } });
+    assert.deepEqual(filtered.chunks.map((c) => c.document_id), ['bread']);
+
+    const stored = await rag.getDocument('volcanoes');
+    assert.equal(stored.text, DOCUMENTS[0].text);
+    assert.equal(stored.document.bytes, String(Buffer.byteLength(DOCUMENTS[0].text))); // int64 as a string
+    assert.equal(stored.chunks.length, 1);
+
+    const page = await rag.listDocuments({ page_size: 1 });
+    assert.deepEqual(page.documents.map((d) => d.document_id), ['volcanoes']);
+    assert.ok(page.next_page_token);
+    const all = await collect(rag.iterDocuments({ page_size: 1 }));
+    assert.deepEqual(all.map((d) => d.document_id), ['volcanoes', 'bread']);
+
+    assert.deepEqual((await stranger.searchDocuments({ query: QUESTION })).chunks, []);
+    await assert.rejects(stranger.getDocument('volcanoes'), (err) => {
+      assert.equal(err.code, grpc.status.NOT_FOUND);
+      assert.equal(err.reason, 'DOCUMENT_NOT_FOUND');
+      return true;
+    });
+
+    const deleted = await rag.deleteDocuments(['volcanoes', 'never-indexed']);
+    assert.deepEqual(deleted, { deleted: ['volcanoes'], not_found: ['never-indexed'] });
+    assert.deepEqual((await collect(rag.iterDocuments())).map((d) => d.document_id), ['bread']);
+    assert.throws(() => rag.deleteDocuments('bread'), TypeError);
+  } finally {
+    rag.close();
+    stranger.close();
+  }
+});
+
+test('top_k: 0 fails with INVALID_ARGUMENT naming top_k, in a stream too', { skip }, async () => {
+  await assert.rejects(client.searchDocuments({ query: QUESTION, top_k: 0 }), (err) => assertInvalidField(err, 'top_k'));
+  await assert.rejects(
+    collect(client.retrieveAndGenerateStream({ query: QUESTION, top_k: 0, sampling: RAG_GREEDY })),
+    (err) => assertInvalidField(err, 'top_k'),
+  );
+});
+
+test('retrieveAndGenerate cites its chunks; the stream sends citations first and final last', { skip }, async () => {
+  const rag = userClient();
+  try {
+    await rag.indexDocuments({ documents: DOCUMENTS });
+    const answer = await rag.retrieveAndGenerate({ query: QUESTION, top_k: 1, sampling: RAG_GREEDY });
+    assert.ok(answer.answer.length > 0);
+    assert.ok(['FINISH_REASON_LENGTH', 'FINISH_REASON_STOP'].includes(answer.finish_reason));
+    assert.ok(answer.usage.completion_tokens <= RAG_GREEDY.max_tokens);
+    assert.equal(answer.citations.length, 1);
+    assert.equal(answer.citations[0].number, 1);
+    assert.equal(answer.citations[0].chunk.document_id, 'volcanoes');
+
+    const events = await collect(rag.retrieveAndGenerateStream({ query: QUESTION, top_k: 2, sampling: RAG_GREEDY }));
+    assert.equal(events[0].event, 'citations');
+    assert.deepEqual(events[0].citations.citations.map((c) => c.chunk.document_id), ['volcanoes', 'bread']);
+    assert.equal(events.at(-1).event, 'final');
+    assert.ok(events.length > 2 && events.slice(1, -1).every((e) => e.event === 'text'));
+    assert.equal(new Set(events.map((e) => e.request_id)).size, 1);
+    assert.ok(events.at(-1).final.usage.completion_tokens <= RAG_GREEDY.max_tokens);
+  } finally {
+    rag.close();
+  }
+});
+
+test('runAgent calls the calculator and ends with an answer; listTools gives plain JSON Schema', { skip }, async () => {
+  const { tools } = await client.listTools();
+  const calculator = tools.find((t) => t.name === 'calculator');
+  assert.ok(calculator && calculator.description);
+  assert.equal(calculator.parameters.type, 'object');
+
+  const events = await collect(client.runAgent({
+    messages: [{ role: 'user', content: 'Use the calculator to compute 17*23.' }],
+    tools: ['calculator'],
+    tool_choice: 'required',
+    max_steps: 2,
+    sampling: { temperature: 0, max_tokens: 60 },
+  }));
+  const last = events.at(-1);
+  assert.equal(last.event, 'answer');
+  assert.equal(events.filter((e) => e.event === 'answer').length, 1);
+  assert.ok(['AGENT_STOP_REASON_ANSWERED', 'AGENT_STOP_REASON_MAX_STEPS'].includes(last.answer.stop_reason));
+  assert.ok(last.answer.steps <= 2);
+  assert.ok(last.run_id.startsWith('run-') && events.every((e) => e.run_id === last.run_id));
+  const call = events.find((e) => e.event === 'tool_call');
+  assert.equal(call.step, 1);
+  assert.equal(call.tool_call.name, 'calculator');
+  const result = events.find((e) => e.event === 'tool_result' && e.tool_result.id === call.tool_call.id);
+  assert.ok(result, JSON.stringify(events));
+  // Greedy decoding makes this the model's call every time, so the tool really ran.
+  assert.equal(result.tool_result.content, '391');
+  assert.equal(result.tool_result.is_error, false);
+});
+
 test('the example CLI runs generate, stream and the error demo', { skip }, async () => {
   const cli = path.join(__dirname, '..', 'client.js');
   // The CLI reads the key from the environment, as this suite does.

@@ -9,7 +9,16 @@ inside the protoserve repo has none and uses the repo's ``gen/python`` tree
 from __future__ import annotations
 
 try:
-    from protoserve_client._pb.protoserve.v1 import inference_pb2, inference_pb2_grpc
+    from protoserve_client._pb.protoserve.v1 import (
+        agent_pb2,
+        agent_pb2_grpc,
+        embeddings_pb2,
+        embeddings_pb2_grpc,
+        inference_pb2,
+        inference_pb2_grpc,
+        rag_pb2,
+        rag_pb2_grpc,
+    )
 except ModuleNotFoundError as packaged_missing:
     # Only a missing ``_pb`` means "no packaged copy"; any other missing module
     # (say google.api) is a broken install and must surface as is.
@@ -18,8 +27,14 @@ except ModuleNotFoundError as packaged_missing:
     try:
         # Type checkers see the packaged branch first; this one is its twin.
         from protoserve.v1 import (  # type: ignore  # noqa: PGH003 - checkers see one branch only
+            agent_pb2,
+            agent_pb2_grpc,
+            embeddings_pb2,
+            embeddings_pb2_grpc,
             inference_pb2,
             inference_pb2_grpc,
+            rag_pb2,
+            rag_pb2_grpc,
         )
     except ModuleNotFoundError as repo_missing:
         raise ImportError(
@@ -27,4 +42,13 @@ except ModuleNotFoundError as packaged_missing:
             "(pip install clients/python) or, inside the protoserve repo, run `make proto`"
         ) from repo_missing
 
-__all__ = ["inference_pb2", "inference_pb2_grpc"]
+__all__ = [
+    "agent_pb2",
+    "agent_pb2_grpc",
+    "embeddings_pb2",
+    "embeddings_pb2_grpc",
+    "inference_pb2",
+    "inference_pb2_grpc",
+    "rag_pb2",
+    "rag_pb2_grpc",
+]

@@ -11,11 +11,19 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, Unpack, cast
 
+from protoserve_client._stubs import agent_pb2 as apb
+from protoserve_client._stubs import embeddings_pb2 as epb
 from protoserve_client._stubs import inference_pb2 as pb
-from protoserve_client.types import ChatMessage, ContextPolicy, SamplingKwargs
+from protoserve_client._stubs import rag_pb2 as rpb
+from protoserve_client.types import AnswerSamplingKwargs, ChatMessage, ContextPolicy, Document, SamplingKwargs
 
 Message: TypeAlias = ChatMessage | Mapping[str, str] | pb.ChatMessage
 """A chat message: a ``ChatMessage``, a ``{"role", "content"[, "name"]}`` mapping or the proto."""
+
+DocumentLike: TypeAlias = Document | Mapping[str, Any] | rpb.Document
+"""A document to index: a ``Document``, a ``{"document_id", "text"[, "metadata"]}`` mapping or the proto."""
+
+_DOCUMENT_KEYS = frozenset({"document_id", "text", "metadata"})
 
 
 class GenerateKwargs(SamplingKwargs, total=False):
@@ -174,4 +182,171 @@ def detokenize_request(
     req = pb.DetokenizeRequest(model=model, token_ids=list(token_ids))
     if skip_special_tokens is not None:
         req.skip_special_tokens = skip_special_tokens
+    return req
+
+
+def _strings(value: Sequence[str], name: str) -> list[str]:
+    """A list of strings; a lone string is refused rather than split into characters."""
+    if isinstance(value, str):
+        raise TypeError(f"{name} must be a list of strings, not one string; wrap it as [{name[:-1]}]")
+    return list(value)
+
+
+def embed_request(
+    texts: Sequence[str] | None = None,
+    *,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    model: str = "",
+) -> epb.EmbedRequest:
+    """Build an ``EmbedRequest`` from exactly one of ``texts`` or ``token_ids`` (one id list per input).
+
+    Raises:
+        TypeError: when not exactly one input is given, or ``texts`` is a single string.
+    """
+    if (texts is None) == (token_ids is None):
+        raise TypeError("give exactly one of texts or token_ids")
+    req = epb.EmbedRequest(model=model)
+    if texts is not None:
+        req.texts.extend(_strings(texts, "texts"))
+    else:
+        assert token_ids is not None
+        for ids in token_ids:
+            req.token_ids.add().ids.extend(ids)
+    return req
+
+
+def document_proto(document: DocumentLike, index: int = 0) -> rpb.Document:
+    """Build a ``Document`` message from any accepted form.
+
+    Raises:
+        TypeError: for a mapping without ``document_id`` or ``text``, or with any other key.
+    """
+    if isinstance(document, rpb.Document):
+        return document
+    if isinstance(document, Document):
+        return rpb.Document(
+            document_id=document.document_id, text=document.text, metadata=dict(document.metadata)
+        )
+    unknown = sorted(set(document) - _DOCUMENT_KEYS)
+    if unknown:
+        raise TypeError(f"documents[{index}]: unknown keys {unknown}; known: {sorted(_DOCUMENT_KEYS)}")
+    missing = [k for k in ("document_id", "text") if k not in document]
+    if missing:
+        raise TypeError(f"documents[{index}]: missing {', '.join(missing)}")
+    return rpb.Document(
+        document_id=document["document_id"],
+        text=document["text"],
+        metadata=dict(document.get("metadata") or {}),
+    )
+
+
+def index_documents_request(
+    documents: Iterable[DocumentLike],
+    *,
+    chunk_tokens: int | None = None,
+    overlap_tokens: int | None = None,
+) -> rpb.IndexDocumentsRequest:
+    """Build an ``IndexDocumentsRequest``; unset chunking keeps the server's defaults."""
+    req = rpb.IndexDocumentsRequest(documents=[document_proto(d, i) for i, d in enumerate(documents)])
+    if chunk_tokens is not None:
+        req.chunking.chunk_tokens = chunk_tokens
+    if overlap_tokens is not None:
+        req.chunking.overlap_tokens = overlap_tokens
+    return req
+
+
+def search_documents_request(
+    query: str,
+    *,
+    top_k: int | None = None,
+    filter: Mapping[str, str] | None = None,
+    min_score: float | None = None,
+) -> rpb.SearchDocumentsRequest:
+    """Build a ``SearchDocumentsRequest``; unset options keep the server's defaults."""
+    req = rpb.SearchDocumentsRequest(query=query, filter=dict(filter or {}))
+    if top_k is not None:
+        req.top_k = top_k
+    if min_score is not None:
+        req.min_score = min_score
+    return req
+
+
+def list_documents_request(page_size: int | None = None, page_token: str = "") -> rpb.ListDocumentsRequest:
+    """Build a ``ListDocumentsRequest``; an unset page size keeps the server's default."""
+    req = rpb.ListDocumentsRequest(page_token=page_token)
+    if page_size is not None:
+        req.page_size = page_size
+    return req
+
+
+def delete_documents_request(document_ids: Sequence[str]) -> rpb.DeleteDocumentsRequest:
+    """Build a ``DeleteDocumentsRequest``.
+
+    Raises:
+        TypeError: when ``document_ids`` is a single string.
+    """
+    return rpb.DeleteDocumentsRequest(document_ids=_strings(document_ids, "document_ids"))
+
+
+def retrieve_and_generate_request(
+    query: str,
+    *,
+    top_k: int | None = None,
+    filter: Mapping[str, str] | None = None,
+    min_score: float | None = None,
+    system_prompt: str | None = None,
+    model: str = "",
+    sampling_top_k: int | None = None,
+    **sampling: Unpack[AnswerSamplingKwargs],
+) -> rpb.RetrieveAndGenerateRequest:
+    """Build a ``RetrieveAndGenerateRequest``.
+
+    ``top_k`` is the number of chunks put into the prompt; sampling's own
+    top-k is ``sampling_top_k``. The other keywords are sampling parameters.
+    """
+    params = sampling_params(**sampling)
+    if sampling_top_k is not None:
+        params.top_k = sampling_top_k
+    req = rpb.RetrieveAndGenerateRequest(query=query, model=model, filter=dict(filter or {}), sampling=params)
+    if top_k is not None:
+        req.top_k = top_k
+    if min_score is not None:
+        req.min_score = min_score
+    if system_prompt is not None:
+        req.system_prompt = system_prompt
+    return req
+
+
+def run_agent_request(
+    messages: Iterable[Message],
+    *,
+    tools: Sequence[str] | None = None,
+    tool_choice: str | None = None,
+    max_steps: int | None = None,
+    timeout_seconds: float | None = None,
+    tool_timeout_seconds: float | None = None,
+    parallel_tool_calls: bool | None = None,
+    model: str = "",
+    **sampling: Unpack[SamplingKwargs],
+) -> apb.RunAgentRequest:
+    """Build a ``RunAgentRequest``; unset options keep the server's defaults (every tool, "auto", ...).
+
+    Raises:
+        TypeError: when ``tools`` is a single string.
+    """
+    req = apb.RunAgentRequest(
+        model=model,
+        messages=chat_input(messages).messages,
+        tools=_strings(tools, "tools") if tools is not None else [],
+        tool_choice=tool_choice or "",
+        sampling=sampling_params(**sampling),
+    )
+    if max_steps is not None:
+        req.max_steps = max_steps
+    if timeout_seconds is not None:
+        req.timeout_seconds = timeout_seconds
+    if tool_timeout_seconds is not None:
+        req.tool_timeout_seconds = tool_timeout_seconds
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     return req

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack
+from typing import Any, Generic, Self, TypeVar, Unpack
 
 import grpc
 
@@ -18,49 +18,80 @@ from protoserve_client._common import (
     not_ready,
     probe_timeout,
 )
+from protoserve_client._stubs import agent_pb2 as apb
+from protoserve_client._stubs import agent_pb2_grpc as apb_grpc
+from protoserve_client._stubs import embeddings_pb2_grpc as epb_grpc
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client._stubs import inference_pb2_grpc as pb_grpc
+from protoserve_client._stubs import rag_pb2 as rpb
+from protoserve_client._stubs import rag_pb2_grpc as rpb_grpc
 from protoserve_client.builders import (
+    DocumentLike,
     GenerateKwargs,
     Message,
     batch_request,
+    delete_documents_request,
     detokenize_request,
+    embed_request,
     generate_request,
+    index_documents_request,
+    list_documents_request,
+    retrieve_and_generate_request,
+    run_agent_request,
+    search_documents_request,
     tokenize_request,
 )
 from protoserve_client.errors import ProtoserveError
 from protoserve_client.types import (
+    AgentAnswer,
+    AgentEvent,
+    AnswerSamplingKwargs,
+    ChunkHit,
+    DeleteResult,
+    DocumentInfo,
+    DocumentPage,
+    EmbedResult,
     GenerateResult,
     Health,
+    IndexedDocument,
     ModelInfo,
+    RagAnswer,
+    RagCitations,
+    RagDelta,
+    RagFinal,
+    RagStreamEvent,
+    SamplingKwargs,
+    StoredDocument,
     StreamEvent,
     StreamFinal,
     TokenizeResult,
+    ToolInfo,
+    agent_event_from_proto,
+    rag_stream_event_from_proto,
     stream_event_from_proto,
 )
 
 _Resp = TypeVar("_Resp")
+_Event = TypeVar("_Event")
 
 
-class GenerateStream:
-    """Events of one ``GenerateStream`` call: deltas, then one final; iterate it once.
+class ServerStream(Generic[_Event]):
+    """Events of one server-streaming call, converted as they arrive; iterate it once.
 
-    ``request_id`` is known before the first event, so another thread can pass
-    it to ``Client.cancel``. ``cancel()`` (or leaving a ``with`` block early)
-    abandons the call from this side instead; the server then stops the
-    request as it does for any client that goes away.
+    ``cancel()`` (or leaving a ``with`` block before the last event) abandons
+    the call from this side; the server then stops the work as it does for any
+    client that goes away, and iteration ends without an error.
     """
 
-    def __init__(self, call: Any, request_id: str) -> None:
+    def __init__(self, call: Any, convert: Callable[[Any], _Event]) -> None:
         self._call = call
-        self.request_id = request_id
-        self.final: StreamFinal | None = None
+        self._convert = convert
         self._cancelled = False
 
     def __iter__(self) -> Self:
         return self
 
-    def __next__(self) -> StreamEvent:
+    def __next__(self) -> _Event:
         try:
             msg = next(self._call)
         except grpc.RpcError as e:
@@ -68,10 +99,16 @@ class GenerateStream:
                 # We hung up ourselves; that is the end, not an error.
                 raise StopIteration from None
             raise ProtoserveError.from_rpc_error(e) from e
-        event = stream_event_from_proto(msg)
-        if isinstance(event, StreamFinal):
-            self.final = event
+        event = self._convert(msg)
+        self._seen(event)
         return event
+
+    def _seen(self, event: _Event) -> None:
+        """Record what later readers need (the final event); subclasses override."""
+
+    def _ended(self) -> bool:
+        """True once the call's last event has been read."""
+        return False
 
     def cancel(self) -> None:
         """Hang up the call; iteration then stops without an error."""
@@ -87,13 +124,85 @@ class GenerateStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # Leaving early must not leave the server generating for nobody.
-        if self.final is None and not self._call.done():
+        # Leaving early must not leave the server working for nobody.
+        if not self._ended() and not self._call.done():
             self.cancel()
 
 
+class GenerateStream(ServerStream[StreamEvent]):
+    """Events of one ``GenerateStream`` call: deltas, then one final; iterate it once.
+
+    ``request_id`` is known before the first event, so another thread can pass
+    it to ``Client.cancel``. ``cancel()`` (or leaving a ``with`` block early)
+    abandons the call from this side instead; the server then stops the
+    request as it does for any client that goes away.
+    """
+
+    def __init__(self, call: Any, request_id: str) -> None:
+        super().__init__(call, stream_event_from_proto)
+        self.request_id = request_id
+        self.final: StreamFinal | None = None
+
+    def _seen(self, event: StreamEvent) -> None:
+        if isinstance(event, StreamFinal):
+            self.final = event
+
+    def _ended(self) -> bool:
+        return self.final is not None
+
+
+class RagAnswerStream(ServerStream[RagStreamEvent]):
+    """Events of one ``RetrieveAndGenerateStream`` call: citations, text deltas, then one final.
+
+    After iterating, ``citations`` and ``final`` hold those events and
+    ``answer`` the text of every delta.
+    """
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(call, rag_stream_event_from_proto)
+        self.citations: RagCitations | None = None
+        self.final: RagFinal | None = None
+        self._text: list[str] = []
+
+    @property
+    def answer(self) -> str:
+        """The answer text read so far."""
+        return "".join(self._text)
+
+    def _seen(self, event: RagStreamEvent) -> None:
+        if isinstance(event, RagCitations):
+            self.citations = event
+        elif isinstance(event, RagDelta):
+            self._text.append(event.text)
+        else:
+            self.final = event
+
+    def _ended(self) -> bool:
+        return self.final is not None
+
+
+class AgentRun(ServerStream[AgentEvent]):
+    """Events of one ``RunAgent`` call: thoughts, tool calls and results, then one ``AgentAnswer``.
+
+    ``run_id`` and ``answer`` are known once their events have been read.
+    """
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(call, agent_event_from_proto)
+        self.run_id = ""
+        self.answer: AgentAnswer | None = None
+
+    def _seen(self, event: AgentEvent) -> None:
+        self.run_id = event.run_id
+        if isinstance(event, AgentAnswer):
+            self.answer = event
+
+    def _ended(self) -> bool:
+        return self.answer is not None
+
+
 class Client:
-    """Blocking client for ``protoserve.v1.InferenceService``.
+    """Blocking client for protoserve's gRPC services: inference, embeddings, RAG and agent runs.
 
     Args:
         target: ``host:port`` of the gRPC server.
@@ -134,6 +243,9 @@ class Client:
         self._channel = channel
         # The grpc plugin generates untyped code; the methods below type each response.
         self.stub = pb_grpc.InferenceServiceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
+        self.embedding_stub = epb_grpc.EmbeddingServiceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
+        self.rag_stub = rpb_grpc.RagServiceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
+        self.agent_stub = apb_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
         self._opts = CallOptions(api_key, user_id, timeout, metadata)
         self._wait_for_ready = wait_for_ready
 
@@ -170,6 +282,16 @@ class Client:
         except grpc.RpcError as e:
             raise ProtoserveError.from_rpc_error(e) from e
 
+    def _server_stream(
+        self, method: Callable[..., Any], request: Any, timeout: float | None, metadata: Metadata | None
+    ) -> Any:
+        return method(
+            request,
+            timeout=self._opts.call_timeout(timeout),
+            metadata=self._opts.call_metadata(metadata),
+            wait_for_ready=self._wait_for_ready,
+        )
+
     def generate(
         self,
         prompt: str | None = None,
@@ -201,11 +323,8 @@ class Client:
         Takes the same arguments as ``generate``. ``timeout`` bounds the whole stream.
         """
         req = generate_request(prompt, **kwargs)
-        call = self.stub.GenerateStream(
-            pb.GenerateStreamRequest(request=req),
-            timeout=self._opts.call_timeout(timeout),
-            metadata=self._opts.call_metadata(metadata),
-            wait_for_ready=self._wait_for_ready,
+        call = self._server_stream(
+            self.stub.GenerateStream, pb.GenerateStreamRequest(request=req), timeout, metadata
         )
         return GenerateStream(call, req.request_id)
 
@@ -289,6 +408,219 @@ class Client:
         """Readiness; raises UNAVAILABLE while the model loads or the server drains."""
         resp = self._unary(self.stub.CheckHealth, pb.CheckHealthRequest(), timeout, metadata)
         return Health.from_proto(resp)
+
+    # --- embeddings ---------------------------------------------------------
+
+    def embed(
+        self,
+        texts: Sequence[str] | None = None,
+        *,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        model: str = "",
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> EmbedResult:
+        """Unit-length vectors of ``texts`` (or of ``token_ids`` of the embedding model), in input order.
+
+        FAILED_PRECONDITION when the server runs without an embedding model.
+        """
+        req = embed_request(texts, token_ids=token_ids, model=model)
+        return EmbedResult.from_proto(self._unary(self.embedding_stub.Embed, req, timeout, metadata))
+
+    # --- RAG: the caller's documents -----------------------------------------
+
+    def index_documents(
+        self,
+        documents: Iterable[DocumentLike],
+        *,
+        chunk_tokens: int | None = None,
+        overlap_tokens: int | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> list[IndexedDocument]:
+        """Chunk, embed and store documents (an id indexed again is replaced); returns once they are durable.
+
+        Each document is a ``Document``, a ``{"document_id", "text"[, "metadata"]}``
+        dict or the proto. Documents belong to the caller (API key and ``user_id``).
+        """
+        req = index_documents_request(documents, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        resp: rpb.IndexDocumentsResponse = self._unary(self.rag_stub.IndexDocuments, req, timeout, metadata)
+        return [IndexedDocument.from_proto(d) for d in resp.documents]
+
+    def search_documents(
+        self,
+        query: str,
+        *,
+        top_k: int | None = None,
+        filter: Mapping[str, str] | None = None,
+        min_score: float | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> list[ChunkHit]:
+        """The caller's chunks most similar to ``query``, best first.
+
+        ``filter`` keeps documents whose metadata has all its pairs; ``min_score``
+        drops chunks less similar (cosine) than it.
+        """
+        req = search_documents_request(query, top_k=top_k, filter=filter, min_score=min_score)
+        resp: rpb.SearchDocumentsResponse = self._unary(self.rag_stub.SearchDocuments, req, timeout, metadata)
+        return [ChunkHit.from_proto(c) for c in resp.chunks]
+
+    def list_documents(
+        self,
+        page_size: int | None = None,
+        page_token: str = "",
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> DocumentPage:
+        """One page of the caller's documents, oldest first; pass ``next_page_token`` back for the next."""
+        req = list_documents_request(page_size, page_token)
+        return DocumentPage.from_proto(self._unary(self.rag_stub.ListDocuments, req, timeout, metadata))
+
+    def iter_documents(
+        self,
+        page_size: int | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> Iterator[DocumentInfo]:
+        """Every document of the caller, oldest first, fetching pages as it goes (``timeout`` is per page)."""
+        token = ""
+        while True:
+            page = self.list_documents(page_size, token, timeout=timeout, metadata=metadata)
+            yield from page.documents
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def get_document(
+        self, document_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> StoredDocument:
+        """One of the caller's documents with its text and chunks; NOT_FOUND when it has none by that id."""
+        req = rpb.GetDocumentRequest(document_id=document_id)
+        return StoredDocument.from_proto(self._unary(self.rag_stub.GetDocument, req, timeout, metadata))
+
+    def delete_documents(
+        self, document_ids: Sequence[str], *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> DeleteResult:
+        """Remove the caller's documents by id; ids it has no document for come back in ``not_found``."""
+        req = delete_documents_request(document_ids)
+        resp: rpb.DeleteDocumentsResponse = self._unary(self.rag_stub.DeleteDocuments, req, timeout, metadata)
+        return DeleteResult(list(resp.deleted), list(resp.not_found))
+
+    # --- RAG: answers -----------------------------------------------------------
+
+    def retrieve_and_generate(
+        self,
+        query: str,
+        *,
+        top_k: int | None = None,
+        filter: Mapping[str, str] | None = None,
+        min_score: float | None = None,
+        system_prompt: str | None = None,
+        model: str = "",
+        sampling_top_k: int | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling: Unpack[AnswerSamplingKwargs],
+    ) -> RagAnswer:
+        """Answer ``query`` from the caller's documents, with the chunks the model was given as citations.
+
+        ``top_k`` is how many chunks go into the prompt; ``system_prompt`` must
+        contain ``{context}``, where the numbered chunks go. The other keywords
+        are sampling parameters (``max_tokens``, ``temperature``, ...), with
+        sampling's own top-k as ``sampling_top_k``.
+        """
+        req = retrieve_and_generate_request(
+            query,
+            top_k=top_k,
+            filter=filter,
+            min_score=min_score,
+            system_prompt=system_prompt,
+            model=model,
+            sampling_top_k=sampling_top_k,
+            **sampling,
+        )
+        return RagAnswer.from_proto(self._unary(self.rag_stub.RetrieveAndGenerate, req, timeout, metadata))
+
+    def retrieve_and_generate_stream(
+        self,
+        query: str,
+        *,
+        top_k: int | None = None,
+        filter: Mapping[str, str] | None = None,
+        min_score: float | None = None,
+        system_prompt: str | None = None,
+        model: str = "",
+        sampling_top_k: int | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling: Unpack[AnswerSamplingKwargs],
+    ) -> RagAnswerStream:
+        """Stream an answer: iterate for ``RagCitations``, then ``RagDelta`` texts, then one ``RagFinal``.
+
+        Takes the same arguments as ``retrieve_and_generate``; ``timeout`` bounds the whole stream.
+        """
+        req = retrieve_and_generate_request(
+            query,
+            top_k=top_k,
+            filter=filter,
+            min_score=min_score,
+            system_prompt=system_prompt,
+            model=model,
+            sampling_top_k=sampling_top_k,
+            **sampling,
+        )
+        wrapped = rpb.RetrieveAndGenerateStreamRequest(request=req)
+        return RagAnswerStream(
+            self._server_stream(self.rag_stub.RetrieveAndGenerateStream, wrapped, timeout, metadata)
+        )
+
+    # --- agent ------------------------------------------------------------------
+
+    def run_agent(
+        self,
+        messages: Iterable[Message],
+        *,
+        tools: Sequence[str] | None = None,
+        tool_choice: str | None = None,
+        max_steps: int | None = None,
+        timeout_seconds: float | None = None,
+        tool_timeout_seconds: float | None = None,
+        parallel_tool_calls: bool | None = None,
+        model: str = "",
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling: Unpack[SamplingKwargs],
+    ) -> AgentRun:
+        """Run the server's ReAct loop; iterate the result for its events, ending with an ``AgentAnswer``.
+
+        ``messages`` are the conversation ending with the task (roles "system"
+        and "user"); ``tools`` names the registry's tools the run may use
+        (default: all); ``tool_choice="required"`` makes the first step call
+        one. ``timeout_seconds`` bounds the run on the server, ``timeout`` the
+        call. The other keywords sample each model step.
+        """
+        req = run_agent_request(
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_steps=max_steps,
+            timeout_seconds=timeout_seconds,
+            tool_timeout_seconds=tool_timeout_seconds,
+            parallel_tool_calls=parallel_tool_calls,
+            model=model,
+            **sampling,
+        )
+        return AgentRun(self._server_stream(self.agent_stub.RunAgent, req, timeout, metadata))
+
+    def list_tools(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> list[ToolInfo]:
+        """The tools an agent run of this caller may use, by name."""
+        resp: apb.ListToolsResponse = self._unary(
+            self.agent_stub.ListTools, apb.ListToolsRequest(), timeout, metadata
+        )
+        return [ToolInfo.from_proto(t) for t in resp.tools]
 
     def wait_until_ready(self, timeout: float = 120.0, *, interval: float = 0.25) -> Health:
         """Poll ``health()`` until the server is serving, for at most ``timeout`` seconds.
