@@ -109,7 +109,7 @@ run: install
 	@echo ""
 	@echo "  .venv/bin/python -c \"from protoserve_client import Client; print(Client('127.0.0.1:50051').generate('The capital of France is', max_tokens=16, temperature=0).text)\""
 	@echo ""
-	$(VENV)/bin/protoserve serve
+	$(VENV)/bin/protoserve serve --data-dir ./data
 
 bench: install
 	$(PY) -m bench.run

@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -28,8 +29,10 @@ from protoserve.server import exit_codes
 from protoserve.server.agent.service import AgentService
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryError
 from protoserve.server.auth import Authenticator
+from protoserve.server.embeddings import EmbeddingService, Retrieval, ServedEmbedder
 from protoserve.server.event_loop import loop_name
 from protoserve.server.health import Readiness
+from protoserve.server.identity_secret import default_data_dir
 from protoserve.server.inference_service import InferenceService
 from protoserve.server.inflight import InflightRequests
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
@@ -39,6 +42,7 @@ from protoserve.server.metrics_service import MetricsService
 from protoserve.server.model_registry import ModelRegistry
 from protoserve.server.openai_service import OpenAIService
 from protoserve.server.ports import PortUnavailable, check_can_listen
+from protoserve.server.rag.service import RagService
 from protoserve.server.rate_limit import RateLimiter
 from protoserve.server.reflection import enable_reflection
 from protoserve.server.request_decoding import RequestDecodingInterceptor
@@ -50,10 +54,14 @@ from protoserve.server.usage import UsageLedger
 from protoserve.v1 import (
     agent_pb2,
     agent_pb2_grpc,
+    embeddings_pb2,
+    embeddings_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
     metrics_pb2,
     metrics_pb2_grpc,
+    rag_pb2,
+    rag_pb2_grpc,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +80,8 @@ SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+    embeddings_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
+    rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name,
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
 )
 
@@ -110,7 +120,9 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     api_keys_file: str | None = None
     admin_keys_file: str | None = None  # admin keys are API keys that also see every identity's usage
-    data_dir: str | None = None  # where the identity secret is kept; None: server.identity_secret's default
+    data_dir: str | None = (
+        None  # the identity secret and RAG's documents; None: server.identity_secret's default
+    )
     identity_secret_file: str | None = None  # the identity secret itself, instead of the data dir's
     rate_limit_rpm: int = 0  # requests per minute per caller (server.rate_limit); 0: no limit
     rate_limit_tpm: int = 0  # tokens per minute per caller; 0: no limit
@@ -126,6 +138,12 @@ class ServerConfig:
     # model's own recommendation for requests that leave the field unset.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     tool_parser: str | None = None  # the model's tool-call format; None: read off its chat template
+    embeddings: bool = True  # load an embedding model (EmbeddingService, /v1/embeddings, RAG)
+    embedding_model: str | None = None  # its directory; None: the packaged all-MiniLM-L6-v2
+    rag_partitions: int = 16  # identity mod N picks a caller's partition (its directory and indexes)
+    rag_index: str = "flat"  # "flat" (exact) or "hnsw"
+    rag_max_documents: int = 10_000  # per identity; 0: no limit
+    rag_max_bytes: int = 256 * 1024 * 1024  # text bytes per identity; 0: no limit
 
 
 class ServerApp:
@@ -166,6 +184,7 @@ class ServerApp:
         )
         self.inflight = InflightRequests(self.usage, self.telemetry, self.rate_limiter)
         self.readiness = Readiness(SERVICE_NAMES)
+        self.retrieval = Retrieval()  # the embedding model and the RAG store, once loaded
         # The agent's tools: built-ins and the `protoserve.tools` entry points installed here.
         self.tools = ToolRegistry.load()
         self.http_gateway = http_gateway
@@ -209,9 +228,15 @@ class ServerApp:
         )
         services = (self.models, self.auth, self.inflight, self.readiness)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
-        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(*services), server)
+        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(
+            OpenAIService(*services, retrieval=self.retrieval), server
+        )
+        embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(
+            EmbeddingService(*services, retrieval=self.retrieval), server
+        )
+        rag_pb2_grpc.add_RagServiceServicer_to_server(RagService(*services, retrieval=self.retrieval), server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentService(*services, registry=self.tools), server
+            AgentService(*services, registry=self.tools, retrieval=self.retrieval), server
         )
         metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
             MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
@@ -273,6 +298,8 @@ class ServerApp:
         )
         engine.start()
         self._owns_engine = True
+        if self.config.embeddings:
+            await self.load_retrieval()
         card = ModelCard(
             dtype=self.config.dtype,
             quantization=engine.quantization,
@@ -281,6 +308,36 @@ class ServerApp:
             sampling_defaults=engine.sampling_defaults,
         )
         await self.attach_engine(engine, card)
+
+    async def load_retrieval(self) -> None:
+        """Load the embedding model and open the RAG store (indexes rebuilt from SQLite if need be)."""
+        from protoserve.engine.embedding.model import EmbeddingModel
+        from protoserve.engine.embedding.worker import EmbeddingWorker
+        from protoserve.engine.loader.errors import ModelLoadError
+        from protoserve.server.rag.store import Quotas, RagStore
+
+        model = await asyncio.to_thread(EmbeddingModel.load, self.config.embedding_model)
+        root = Path(self.config.data_dir).expanduser() if self.config.data_dir else default_data_dir()
+        try:
+            store = await asyncio.to_thread(
+                RagStore,
+                root / "rag",
+                partitions=self.config.rag_partitions,
+                dimensions=model.dimensions,
+                index_kind=self.config.rag_index,
+                quotas=Quotas(self.config.rag_max_documents, self.config.rag_max_bytes),
+            )
+        except (RuntimeError, OSError) as exc:
+            # Another server holding the directory, or one it cannot write: the operator's to fix.
+            raise ModelLoadError(root / "rag", f"cannot open the RAG store: {exc}") from None
+        self.retrieval.embedder = ServedEmbedder(model, EmbeddingWorker(model))
+        self.retrieval.store = store
+        log.info(
+            "embedding model %s ready; RAG data in %s (%d partitions)",
+            model.name,
+            root / "rag",
+            self.config.rag_partitions,
+        )
 
     async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
@@ -319,6 +376,12 @@ class ServerApp:
             self._server = None
         if self.engine is not None and self._owns_engine:
             await self.engine.shutdown()
+        if self.retrieval.store is not None:
+            await asyncio.to_thread(self.retrieval.store.close)  # writes the index snapshots
+            self.retrieval.store = None
+        if self.retrieval.embedder is not None:
+            self.retrieval.embedder.worker.close()
+            self.retrieval.embedder = None
 
 
 def _free_port(host: str) -> int:

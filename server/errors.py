@@ -156,6 +156,25 @@ def no_chat_template(model: str) -> ServiceError:
     )
 
 
+def feature_disabled(message: str) -> ServiceError:
+    """FAILED_PRECONDITION: the server was started without what the call needs."""
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, inference_pb2.ERROR_REASON_FEATURE_DISABLED, message)
+
+
+def document_not_found(document_id: str) -> ServiceError:
+    """NOT_FOUND for a document id the caller does not have."""
+    return ServiceError(
+        grpc.StatusCode.NOT_FOUND,
+        inference_pb2.ERROR_REASON_DOCUMENT_NOT_FOUND,
+        f"the caller has no document {echo(document_id)}",
+    )
+
+
+def quota_exceeded(message: str) -> ServiceError:
+    """RESOURCE_EXHAUSTED: storing this would pass the caller's quota (no retry helps)."""
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, inference_pb2.ERROR_REASON_QUOTA_EXCEEDED, message)
+
+
 def unauthenticated(message: str) -> ServiceError:
     """UNAUTHENTICATED for a missing or unknown API key."""
     return ServiceError(grpc.StatusCode.UNAUTHENTICATED, inference_pb2.ERROR_REASON_UNAUTHENTICATED, message)

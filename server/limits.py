@@ -48,6 +48,20 @@ MAX_COMPLETION_PROMPTS = MAX_BATCH_REQUESTS
 # a few template tokens, so more than this cannot fit any context the server runs; the cap stops
 # a long list before the chat template renders it.
 MAX_CHAT_MESSAGES = 2048
+# Inputs of one embeddings request (OpenAI's own limit); each is a forward row of the embedding model.
+MAX_EMBEDDING_INPUTS = 2048
+# Documents of one IndexDocuments call, and the UTF-8 bytes of one document's text.
+MAX_INDEX_DOCUMENTS = 256
+MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
+# Chunks a search may return, and chunks retrieve-and-generate may put into a prompt.
+MAX_SEARCH_TOP_K = 100
+MAX_RAG_CONTEXT_CHUNKS = 20
+# Characters of a document id, a metadata key or value, and metadata entries per document.
+MAX_DOCUMENT_ID_CHARS = 256
+MAX_METADATA_CHARS = 256
+MAX_METADATA_ENTRIES = 64
+# Documents per ListDocuments page.
+MAX_PAGE_SIZE = 1000
 # Tools of one chat request, OpenAI's own limit; each is rendered into the prompt and the call grammar.
 MAX_TOOLS = 128
 # Entries of a logit_bias map; the engine applies every entry to every sequence at every step.

@@ -11,6 +11,7 @@ EOS or the context is full).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import hashlib
@@ -36,6 +37,7 @@ from protoserve.openai.v1 import openai_pb2_grpc
 from protoserve.server import errors
 from protoserve.server.admission import AdmittingServicer
 from protoserve.server.auth import Identity
+from protoserve.server.embeddings import Retrieval, embeddings_disabled
 from protoserve.server.inference_service import call_deadline
 from protoserve.server.inflight import Call
 from protoserve.server.limits import (
@@ -245,6 +247,23 @@ def _chat_delta(event: Content | CallStart | CallArguments) -> oa.ChatCompletion
     return oa.ChatCompletionDelta(tool_calls=[piece])
 
 
+def _embedding_inputs(value: Any, violations: list[tuple[str, str]]) -> tuple[list[str], list[list[int]] | None]:
+    """OpenAI's input forms: a string, strings, token ids, or lists of token ids (texts, or ids)."""
+    if isinstance(value, str):
+        return [value], None
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return value, None
+        ids = _as_token_ids(value)
+        if ids is not None:
+            return [], [ids]
+        lists = [_as_token_ids(item) if isinstance(item, list) else None for item in value]
+        if all(item is not None for item in lists):
+            return [], lists
+    violations.append(("input", "must be a string, a list of strings, token ids or lists of token ids"))
+    return [], None
+
+
 async def _merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several streams as they come, tagged with the stream's index.
 
@@ -331,7 +350,11 @@ class _OffsetTracker:
 
 
 class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
-    """OpenAI-compatible completions, chat completions and models over gRPC."""
+    """OpenAI-compatible completions, chat completions, embeddings and models over gRPC."""
+
+    def __init__(self, *services: Any, retrieval: Retrieval | None = None) -> None:
+        super().__init__(*services)
+        self.retrieval = retrieval or Retrieval()
 
     # ---- request preparation -----------------------------------------------------------
 
@@ -826,6 +849,50 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             inner.stream_options.include_usage,
             roles,
             chunk_choices,
+        )
+
+    # ---- embeddings -----------------------------------------------------------------------------
+
+    @errors.reports_errors
+    async def CreateEmbedding(
+        self, request: oa.CreateEmbeddingRequest, context: grpc.aio.ServicerContext
+    ) -> oa.CreateEmbeddingResponse:
+        """OpenAI's embeddings: a vector per input, as floats or base64 float32s."""
+        self._admit(context)
+        embedder = self.retrieval.embedder
+        if embedder is None:
+            raise embeddings_disabled()
+        embedder.check_model(request.model)
+        violations: list[tuple[str, str]] = []
+        if request.encoding_format not in ("", "float", "base64"):
+            violations.append(("encoding_format", 'must be "float" or "base64"'))
+        if request.HasField("dimensions") and request.dimensions != embedder.dimensions:
+            violations.append((
+                "dimensions",
+                f"model {embedder.name} returns {embedder.dimensions} dimensions and cannot shorten them",
+            ))
+        value = _python_value(request.input) if request.HasField("input") else None
+        texts, ids = _embedding_inputs(value, violations)
+        if violations:
+            raise errors.invalid_argument(violations)
+        path = "input"
+        if ids is not None:
+            done = await embedder.embed_token_ids(ids, path)
+        else:
+            done = await embedder.embed_texts(texts, path)
+        data = []
+        for i, vector in enumerate(done.vectors):
+            embedding = struct_pb2.Value()
+            if request.encoding_format == "base64":
+                embedding.string_value = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+            else:
+                embedding.list_value.values.extend(struct_pb2.Value(number_value=x) for x in vector.tolist())
+            data.append(oa.EmbeddingObject(object="embedding", index=i, embedding=embedding))
+        return oa.CreateEmbeddingResponse(
+            object="list",
+            data=data,
+            model=embedder.name,
+            usage=oa.EmbeddingUsage(prompt_tokens=done.total_tokens, total_tokens=done.total_tokens),
         )
 
     # ---- models ---------------------------------------------------------------------------------

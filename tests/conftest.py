@@ -153,10 +153,13 @@ def start_server_process(
         "--no-progress",
         *extra_args,
     ]
+    # A data directory of its own (identity secret, RAG store) unless the test names one: a RAG store
+    # is open in one process at a time, and tests run several servers at once.
+    data_dir = tempfile.mkdtemp(prefix="protoserve-server-data-", dir=os.environ["PROTOSERVE_DATA_DIR"])
     process = subprocess.Popen(
         args,
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PROTOSERVE_DATA_DIR": data_dir, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,

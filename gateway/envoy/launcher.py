@@ -34,7 +34,13 @@ TEMPLATE = Path(__file__).with_name("envoy.yaml.template")
 # Not OpenAIService: Envoy refuses to load RetrieveModel's `response_body: "model"` (only
 # google.api.HttpBody fields are supported there), and the OpenAI routes need
 # our gateway anyway (see gateway/README.md).
-DEFAULT_SERVICES = ("protoserve.v1.InferenceService", "protoserve.v1.MetricsService")
+DEFAULT_SERVICES = (
+    "protoserve.v1.InferenceService",
+    "protoserve.v1.MetricsService",
+    "protoserve.v1.EmbeddingService",
+    "protoserve.v1.RagService",
+    "protoserve.v1.AgentService",
+)
 
 
 def envoy_binary() -> Path:

@@ -39,9 +39,12 @@ from protoserve.server.agent.loop import (
     run_agent,
 )
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolSelectionError
+from protoserve.server.auth import Identity
+from protoserve.server.embeddings import Retrieval
 from protoserve.server.inference_service import call_deadline
 from protoserve.server.inflight import Call
 from protoserve.server.limits import MAX_CHAT_MESSAGES
+from protoserve.server.rag.search_tool import search_tool
 from protoserve.server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
 from protoserve.server.tool_calls.call import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from protoserve.server.tool_calls.parsers import parse_output
@@ -68,6 +71,7 @@ class _Run:
     """A checked RunAgentRequest: what every step of the run shares."""
 
     served: ServedModel
+    registry: ToolRegistry  # the server's tools, plus this caller's document search when RAG is on
     specs: list[ToolSpec]
     options: AgentOptions
     sampling: SamplingParams
@@ -77,21 +81,28 @@ class _Run:
 class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
     """RunAgent and ListTools over the server's tool registry."""
 
-    def __init__(self, *services: Any, registry: ToolRegistry) -> None:
+    def __init__(self, *services: Any, registry: ToolRegistry, retrieval: Retrieval | None = None) -> None:
         super().__init__(*services)
         self.registry = registry
+        self.retrieval = retrieval or Retrieval()
+
+    def _registry(self, identity: Identity) -> ToolRegistry:
+        """The tools a run of ``identity`` may use: the server's, and a search of its own documents."""
+        if self.retrieval.store is None:
+            return self.registry
+        return self.registry.with_tools([(search_tool(identity.id, self.retrieval), "built-in (RAG)")])
 
     @errors.reports_errors
     async def ListTools(self, request: apb.ListToolsRequest, context: grpc.aio.ServicerContext):
-        """The registry's tools, by name."""
-        self._admit(context)
-        return apb.ListToolsResponse(tools=[_tool_info(spec) for spec in self.registry.specs()])
+        """The tools a run of the caller may use, by name."""
+        identity = self._admit(context)
+        return apb.ListToolsResponse(tools=[_tool_info(spec) for spec in self._registry(identity).specs()])
 
     @errors.reports_errors
     async def RunAgent(self, request: apb.RunAgentRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream a run's events, ending with its answer."""
         identity = self._admit(context)
-        run = await self._checked(request)
+        run = await self._checked(request, self._registry(identity))
         run_id = new_request_id("run")
         deadline = asyncio.get_running_loop().time() + run.options.timeout_s
         client_deadline = call_deadline(context)
@@ -101,7 +112,7 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
             step = self._model_step(call, run, run_id)
             try:
                 async with contextlib.aclosing(
-                    run_agent(step, self.registry, run.messages, run.options)
+                    run_agent(step, run.registry, run.messages, run.options)
                 ) as events:
                     async for event in events:
                         await context.write(_response(run_id, event))
@@ -110,12 +121,12 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
 
     # ---- the request --------------------------------------------------------------------
 
-    async def _checked(self, request: apb.RunAgentRequest) -> _Run:
+    async def _checked(self, request: apb.RunAgentRequest, registry: ToolRegistry) -> _Run:
         served = self.models.get(request.model)
         violations: list[tuple[str, str]] = []
         messages = _messages(request, violations)
         try:
-            specs = self.registry.specs(list(request.tools) or None)
+            specs = registry.specs(list(request.tools) or None)
         except ToolSelectionError as exc:
             violations.append((f"tools[{exc.index}]", str(exc)))
             specs = []
@@ -163,7 +174,7 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
             )
         served.sampling.check(params, lambda f: f"sampling.{f}", violations)
         assert options is not None  # a bad option was a violation, raised just above
-        return _Run(served, specs, options, params, messages)
+        return _Run(served, registry, specs, options, params, messages)
 
     # ---- one model step --------------------------------------------------------------------
 

@@ -148,6 +148,14 @@ class ToolRegistry:
             is_async=inspect.iscoroutinefunction(tool.call),
         )
 
+    def with_tools(self, tools: Iterable[tuple[AgentTool, str]]) -> ToolRegistry:
+        """A registry with these tools added (one run's own, say a search bound to its caller)."""
+        registry = ToolRegistry()
+        registry._entries = dict(self._entries)
+        for tool, source in tools:
+            registry._add(tool, source)
+        return registry
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 

@@ -12,8 +12,14 @@ searches with an ID selector, HNSW scans its flat storage with one.
 
 from __future__ import annotations
 
-import faiss
-import numpy as np
+import logging
+
+# FAISS's loader logs every CPU variant it tries at INFO, tracebacks' text included: noise in the
+# server's log for what is a normal fallback.
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
 
 INDEX_KINDS = ("flat", "hnsw")
 HNSW_NEIGHBOURS = 32

@@ -104,7 +104,8 @@ def run(stub, question: str, **fields) -> list[apb.RunAgentResponse]:
 
 def test_list_tools_has_the_builtin_and_the_installed_tools(stub):
     tools = {t.name: t for t in stub.ListTools(apb.ListToolsRequest(), timeout=10).tools}
-    assert {"calculator", "get_weather", "get_time", "wait_for_it"} <= set(tools)
+    # search_documents is the caller's own RAG search, on since the server has an embedding model.
+    assert {"calculator", "get_weather", "get_time", "wait_for_it", "search_documents"} <= set(tools)
     assert tools["get_weather"].parameters["required"] == ["city"]
 
 

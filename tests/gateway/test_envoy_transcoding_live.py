@@ -86,3 +86,25 @@ def test_errors_become_status_json(envoy):
 
     unknown = envoy.get("/v1/nothing")
     assert unknown.status_code == 404  # Envoy answers unknown routes itself (plain text)
+
+
+def test_rag_and_embedding_routes_match_our_gateway(envoy, ours):
+    # Both gateways front one server and one caller (no auth, no x-user-id): the same documents.
+    document = {"document_id": "envoy-doc", "text": "Envoy transcodes JSON to gRPC.", "metadata": {"via": "envoy"}}
+    indexed = envoy.post("/v1/rag/index", json={"documents": [document]})
+    assert indexed.status_code == 200, indexed.text
+    assert indexed.json()["documents"][0]["document_id"] == "envoy-doc"
+    query = {"query": "What does Envoy transcode?", "top_k": 1, "filter": {"via": "envoy"}}
+    found = envoy.post("/v1/rag/search", json=query)
+    assert found.status_code == 200 and found.json()["chunks"][0]["document_id"] == "envoy-doc"
+    theirs, mine = found.json()["chunks"][0], ours.post("/v1/rag/search", json=query).json()["chunks"][0]
+    # Envoy prints a float field with float32 digits, json_format with the double's: equal as floats.
+    assert theirs.pop("score") == pytest.approx(mine.pop("score"), abs=1e-6) and theirs == mine
+    got = envoy.get("/v1/rag/documents/envoy-doc")
+    assert got.status_code == 200 and got.json()["text"] == document["text"]
+    missing = envoy.get("/v1/rag/documents/no-such-doc")
+    assert missing.status_code == 404 and missing.json()["code"] == 5
+    embedded = envoy.post("/v1/embed", json={"texts": ["hello"]})
+    assert embedded.status_code == 200 and embedded.json()["dimensions"] == 384
+    deleted = envoy.post("/v1/rag/documents:delete", json={"document_ids": ["envoy-doc"]})
+    assert deleted.json() == {"deleted": ["envoy-doc"], "not_found": []}
