@@ -407,3 +407,27 @@ def test_without_an_embedding_model_rag_is_failed_precondition(spawn_server):
         f"http://127.0.0.1:{server.http_port}/v1/embeddings", json={"model": "m", "input": "hi"}
     )
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_quotas_are_resource_exhausted_and_write_nothing(spawn_server):
+    server = spawn_server("--rag-max-documents", "2", env={"PROTOSERVE_API_KEYS": KEYS[0]})
+    channel, stub = stubs(server)
+    md = metadata(KEYS[0], "quota")
+    try:
+        index(stub, md, ("a", "first"), ("b", "second"))
+        with pytest.raises(grpc.RpcError) as exc:
+            index(stub, md, ("c", "third"))
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "documents" in exc.value.details()
+        index(stub, md, ("a", "first, replaced"))  # a replacement adds no document
+        listed = stub.ListDocuments(rpb.ListDocumentsRequest(), metadata=md).documents
+        assert sorted(d.document_id for d in listed) == ["a", "b"]
+        # Another identity has its own quota.
+        index(stub, metadata(KEYS[0], "someone-else"), ("c", "third"))
+    finally:
+        channel.close()
+    response = httpx.post(
+        f"http://127.0.0.1:{server.http_port}/v1/rag/index",
+        json={"documents": [{"document_id": "c", "text": "third"}]},
+        headers={"authorization": f"Bearer {KEYS[0]}", "x-user-id": "quota"},
+    )
+    assert response.status_code == 429 and response.json()["details"]
