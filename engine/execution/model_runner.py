@@ -37,7 +37,9 @@ def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_s
         pos = positions[query_start_loc[i] : query_start_loc[i + 1]]
         slot_mapping[query_start_loc[i] : query_start_loc[i + 1]] = table[pos // block_size] * block_size + pos % block_size
         if seq_lens[i] == s.num_tokens:  # the last known token is computed: its logits give the next one
-            logits_indices.append(int(query_start_loc[i + 1]) - 1)
+            # A speculative row also wants the logits after each of its drafts, to verify them.
+            end = int(query_start_loc[i + 1])
+            logits_indices.extend(range(end - 1 - s.num_draft_tokens, end))
     return ForwardBatch(
         input_ids=torch.from_numpy(input_ids),
         positions=torch.from_numpy(positions),

@@ -134,6 +134,14 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)
         block_table.clear()
 
+    def truncate(self, block_table: list[int], num_blocks: int) -> None:
+        """Drop the table's blocks past the first ``num_blocks`` (speculative rollback: their K/V are
+        of rejected drafts, and a block past a sequence's final tokens never carries a hash)."""
+        tail = block_table[num_blocks:]
+        if tail:
+            del block_table[num_blocks:]
+            self.free(tail)
+
     def cache_block(self, block_id: int, h: bytes) -> None:
         """Publish a full, computed block under its hash so later prefixes can reuse it.
 

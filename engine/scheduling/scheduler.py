@@ -97,8 +97,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens:  # drafts that do not fit the budget are dropped, not chunked
+                seq.take_drafts(keep=max(0, seq.num_draft_tokens - (seq.num_uncomputed_tokens - n)))
             preempted_self = False
             while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
+                if seq.num_draft_tokens:  # drafts never cost another sequence its blocks
+                    seq.take_drafts()
+                    n = min(seq.num_uncomputed_tokens, budget)
+                    continue
                 # Everything after position i is lower in order and not yet scheduled this step.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -112,6 +118,8 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
+        for seq in self.running[i:]:  # left out of this step: their drafts go stale
+            seq.take_drafts()
 
         if not batch.preempted:
             self._admit_waiting(batch, budget)
@@ -152,6 +160,7 @@ class Scheduler:
         return self.block_manager.match_prefix(hashes[:usable])
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.take_drafts()
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
@@ -167,10 +176,20 @@ class Scheduler:
             seq.num_computed_tokens += n
             self._cache_full_blocks(seq)
 
+    def rollback_drafts(self, seq: Sequence) -> None:
+        """After verification replaced a row's drafts by the accepted tokens and one sampled token:
+        only the tokens before that last one have valid K/V. Blocks past them (written for rejected
+        drafts, never hashed) go back to the pool; full blocks of accepted tokens are published."""
+        assert seq.num_draft_tokens == 0, "take the drafts before rolling back"
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        self.block_manager.truncate(seq.block_table, self.block_manager.blocks_for(seq.num_computed_tokens))
+        self._cache_full_blocks(seq)
+
     def _cache_full_blocks(self, seq: Sequence) -> None:
         if not self.block_manager.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # A block holding a draft is not final: verification may replace its tokens.
+        num_full = min(seq.num_computed_tokens, seq.num_final_tokens) // self.block_size
         if num_full <= seq.num_cached_blocks:
             return
         hashes = seq.full_block_hashes(self.block_size)

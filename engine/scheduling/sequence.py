@@ -60,6 +60,10 @@ class Sequence:
     # lives with the sequence, so preemption (which keeps the tokens and recomputes their K/V) keeps it.
     matcher: LLMatcher | None = None
     mirostat_mu: float = 0.0  # Mirostat's running target; 2 * tau before the first token
+    # Drafted (speculative) tokens at the end of ``token_ids`` during one step: scheduled and
+    # computed with the last sampled token, then replaced by what verification accepts. They are
+    # never hashed into the prefix cache and never survive the step.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +85,34 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    @property
+    def num_final_tokens(self) -> int:
+        """Tokens that are the sequence's own: all but this step's drafts."""
+        return len(self.token_ids) - self.num_draft_tokens
+
     def full_block_hashes(self, block_size: int) -> list[bytes]:
-        """Chained hashes of every full block of tokens; tokens only grow, so earlier hashes stay valid."""
-        return chain_hashes(self.cache_salt, self.token_ids, block_size, self.block_hashes)
+        """Chained hashes of every full block of final tokens; those only grow, so earlier hashes stay valid.
+
+        Drafts are left out: a block holding a draft may yet change, and a name once given is kept.
+        """
+        tokens = self.token_ids[: self.num_final_tokens] if self.num_draft_tokens else self.token_ids
+        return chain_hashes(self.cache_salt, tokens, block_size, self.block_hashes)
+
+    def add_drafts(self, draft_ids: list[int]) -> None:
+        """Append proposed tokens for this step's verification."""
+        assert self.num_draft_tokens == 0, "drafts of an earlier step were not taken"
+        self.token_ids.extend(draft_ids)
+        self.num_draft_tokens = len(draft_ids)
+
+    def take_drafts(self, keep: int = 0) -> list[int]:
+        """Remove the drafts past the first ``keep`` (those stay, still drafts); return the removed ones."""
+        drop = self.num_draft_tokens - keep
+        if drop <= 0:
+            return []
+        removed = self.token_ids[len(self.token_ids) - drop :]
+        del self.token_ids[len(self.token_ids) - drop :]
+        self.num_draft_tokens = keep
+        return removed
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
