@@ -113,6 +113,10 @@ class RequestStats:
     kv_bytes: int = 0
     preemptions: int = 0
     truncated_prompt_tokens: int = 0
+    # Speculative decoding (all choices): verification steps with drafts, tokens drafted, drafts accepted.
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # Seconds between consecutive steps that gave this request tokens (all choices together).
     inter_token_latencies_s: list[float] = field(default_factory=list)
 
