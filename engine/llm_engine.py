@@ -20,6 +20,7 @@ from protoserve.engine.config import EngineConfig, resolve_max_model_len
 from protoserve.engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
 from protoserve.engine.execution.model_runner import ModelRunner
 from protoserve.engine.loader.load import LoadedModel, load_model
+from protoserve.engine.lora.stack import AdapterStack, adapter_problems
 from protoserve.engine.request import FinishReason, RequestOutput, TokenizedRequest
 from protoserve.engine.running_request import RunningRequest
 from protoserve.engine.sampling.constraints.compiler import (
@@ -35,6 +36,8 @@ from protoserve.engine.sampling.stop_checker import check_token_stop
 from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from protoserve.engine.scheduling.sequence import Sequence
+from protoserve.engine.speculative.params import SpeculativeParams
+from protoserve.engine.speculative.proposer import NgramProposer, Proposer
 from protoserve.engine.stats import EngineStats
 from protoserve.engine.tracing import RequestSpan
 
@@ -54,6 +57,10 @@ class RequestCounters:
     truncated_prompt_tokens: int = 0
     finished: int = 0
     cancelled: int = 0
+    # Speculative decoding, as vLLM's spec_decode counters: verifications with drafts, drafted, accepted.
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -71,9 +78,16 @@ class AdmittedRequest:
 class LLMEngine:
     """Batches every live request into one forward per step."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 speculative: SpeculativeParams | None = None) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
+        bad = speculative.validate() if speculative is not None else []
+        if bad:
+            raise ValueError("; ".join(f"{field} {problem}" for field, problem in bad))
+        # For requests that leave SamplingParams.speculative unset and have no constraint.
+        self.speculative_default = speculative
+        self.proposer: Proposer = NgramProposer()
         self.model_config = loaded.config
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
         self.num_parameters = loaded.num_parameters
@@ -82,6 +96,7 @@ class LLMEngine:
         loaded.model.set_deterministic(self.config.deterministic)
         self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization)
         self.kv_cache_dtype = str(self.runner.kv_dtype).removeprefix("torch.")  # "auto" resolved
+        self.adapters: AdapterStack | None = None  # LoRA adapters, once enable_lora is called
         self.max_model_len = resolve_max_model_len(
             self.config, loaded.config.max_position_embeddings, self.runner.num_blocks
         )
@@ -111,11 +126,23 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, model_path: str | None = None, *, dtype: str = "float32", quantization: str = "none",
-                        config: EngineConfig | None = None, progress: bool = True) -> LLMEngine:
+                        config: EngineConfig | None = None, progress: bool = True,
+                        speculative: SpeculativeParams | None = None) -> LLMEngine:
         config = config or EngineConfig()
         loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
                             deterministic=config.deterministic)
-        return cls(loaded, config)
+        return cls(loaded, config, speculative)
+
+    def enable_lora(self, max_loras: int) -> AdapterStack:
+        """Serve LoRA adapters from ``max_loras`` slots (engine/lora); returns the stack to load them into."""
+        if self.adapters is None:
+            self.adapters = AdapterStack(self.model_config, self.runner.model.dtype, max_loras)
+            self.runner.model.adapters = self.adapters
+            self.runner.lora_slots_of = self._lora_slots
+        return self.adapters
+
+    def _lora_slots(self, seqs: list[Sequence]) -> list[int]:
+        return [self.adapters.slot_of(self.requests[s.request_id].request.adapter) for s in seqs]
 
     # -- requests ------------------------------------------------------------
 
@@ -133,6 +160,7 @@ class LLMEngine:
             bad.append(("prompt_token_ids", "must not be empty"))
         elif any(not 0 <= t < self.vocab_size for t in prompt):
             bad.append(("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})"))
+        bad.extend(adapter_problems(self.adapters, request.adapter))
         if sp.n > self.config.max_num_seqs:  # its choices could never run together
             bad.append(("n", f"must not exceed the engine's max_num_seqs ({self.config.max_num_seqs})"))
         if bad:
@@ -180,6 +208,8 @@ class LLMEngine:
             raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFullError(len(self.scheduler.waiting))
+        if req.adapter is not None:  # pinned until the request leaves (_collect_outputs)
+            self.adapters.acquire(req.adapter)
         state = RunningRequest(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
                              self._special_ids)
         if req.trace is not None:
@@ -204,7 +234,8 @@ class LLMEngine:
             seq_id=next(self._seq_ids), request_id=req.request_id, index=index,
             token_ids=list(state.prompt_token_ids), num_prompt_tokens=len(state.prompt_token_ids),
             max_len=max_len, sampling=req.sampling, generator=state.generators[index], priority=req.priority,
-            arrival_order=next(self._arrivals) if arrival is None else arrival, cache_salt=req.cache_salt,
+            arrival_order=next(self._arrivals) if arrival is None else arrival,
+            cache_salt=self.adapters.cache_salt(req.cache_salt, req.adapter) if req.adapter else req.cache_salt,
             matcher=matcher, mirostat_mu=2.0 * req.sampling.mirostat_tau,
         )
         state.seqs.append(seq)
@@ -230,7 +261,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
-        batch = self.scheduler.schedule()
+        self._propose_drafts()
+        batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
         for seq in batch.preempted:
             self.requests[seq.request_id].note_preempted()
         if not batch.is_empty:
@@ -240,11 +272,79 @@ class LLMEngine:
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
             self.scheduler.finish_step(batch)
             bitmask = masks.result() if masks is not None else None  # before forks copy the matchers it reads
-            seqs, rows = self._fork_choices(sampling)
-            samples = self.sampler(logits[rows], seqs, bitmask[rows] if bitmask is not None else None)
+            # Each sampling sequence owns 1 + drafts logits rows, in order; plain rows take their first.
+            first_row = list(itertools.accumulate((1 + s.num_draft_tokens for s in sampling), initial=0))
+            plain = [j for j, s in enumerate(sampling) if not s.num_draft_tokens]
+            seqs, rows = self._fork_choices([sampling[j] for j in plain])
+            masks_rows = [plain[r] for r in rows]
+            samples = self.sampler(logits[[first_row[j] for j in masks_rows]], seqs,
+                                   bitmask[masks_rows] if bitmask is not None else None)
             self._postprocess(seqs, samples)
+            for j, seq in enumerate(sampling):
+                if seq.num_draft_tokens:
+                    self._verify(seq, logits[first_row[j] : first_row[j + 1]])
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
+
+    # -- speculative decoding ------------------------------------------------
+
+    def speculative_params(self, seq: Sequence) -> SpeculativeParams | None:
+        """The sequence's speculative options: its request's own, else the engine default (never for a
+        constrained request, which may not opt in)."""
+        sp = seq.sampling
+        params = sp.speculative if sp.speculative is not None else (
+            self.speculative_default if sp.constraint is None else None)
+        return params if params is not None and params.enabled else None
+
+    def _propose_drafts(self) -> None:
+        """Draft for every running sequence about to decode (one uncomputed token) with speculation on."""
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending_forks:
+                continue
+            params = self.speculative_params(seq)
+            if params is None:
+                continue
+            # Each accepted draft plus the final sampled token is output: never run past max_len.
+            room = seq.max_len - seq.num_tokens - 1
+            if room < 1:
+                continue
+            drafts = self.proposer.propose(seq, params, room)
+            if drafts:
+                seq.add_drafts(drafts[:room])
+
+    def _verify(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """Emit the tokens verification keeps from a draft row's logits ``[1 + drafts, vocab]``.
+
+        Row i is the target's next-token logits after the last sampled token and drafts 1..i. The
+        sampler runs on the rows in order, each as a plain decode step would (penalties, min_tokens,
+        logprobs and Mirostat's mu see exactly the tokens emitted so far, one draw from the
+        sequence's generator per token): draft i+1 is accepted when the token drawn from row i
+        equals it, and the first token that differs ends the row (after all drafts, row k gives a
+        bonus token). For n-gram drafts q is a point mass, and drawing x ~ p and accepting iff
+        x == draft is exactly rejection sampling's rule (accept with probability p(draft), else a
+        token from p with the draft removed, renormalised), so output is the target's distribution;
+        it consumes the same draws as decoding without drafts, so greedy and seeded output are
+        token-for-token what they would be without speculation.
+        """
+        drafts = seq.take_drafts()
+        state = self.requests[seq.request_id]
+        now = time.monotonic()
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            [sample] = self.sampler(rows[i : i + 1], [seq])
+            self._postprocess([seq], [sample], now)
+            matched = i < len(drafts) and sample.token_id == drafts[i]
+            accepted += matched
+            if not matched or seq.is_finished:
+                break
+        self.counters.spec_num_drafts += 1
+        self.counters.spec_draft_tokens += len(drafts)
+        self.counters.spec_accepted_tokens += accepted
+        state.stats.spec_num_drafts += 1
+        state.stats.spec_draft_tokens += len(drafts)
+        state.stats.spec_accepted_tokens += accepted
+        if not seq.is_finished:
+            self.scheduler.rollback_drafts(seq)
 
     def _start_masks(self, sampling: list[Sequence]) -> Future[torch.Tensor] | None:
         """Start filling the grammar masks of this step's constrained rows; they fill while the forward runs.
@@ -281,8 +381,8 @@ class LLMEngine:
                 seq.num_pending_forks = 0
         return seqs, rows
 
-    def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult]) -> None:
-        now = time.monotonic()
+    def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         for seq, sample in zip(seqs, samples, strict=True):
             state = self.requests[seq.request_id]
             choice = state.choices[seq.index]
@@ -338,6 +438,8 @@ class LLMEngine:
                 if state.span is not None:
                     state.span.finish(out.stats, [c.finish_reason for c in state.choices])
                 del self.requests[request_id]
+                if state.request.adapter is not None:
+                    self.adapters.release(state.request.adapter)
                 if not state.cancelled:
                     self.counters.finished += 1
         self._touched.clear()
@@ -360,6 +462,8 @@ class LLMEngine:
             truncated_prompt_tokens_total=self.counters.truncated_prompt_tokens,
             requests_finished_total=self.counters.finished, requests_cancelled_total=self.counters.cancelled,
             num_steps=self.scheduler.num_steps, last_step_tokens=tokens, last_step_seqs=seqs,
-            last_step_time_s=seconds,
+            last_step_time_s=seconds, spec_decode_num_drafts=self.counters.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.counters.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self.counters.spec_accepted_tokens,
         )
 

@@ -31,3 +31,7 @@ class EngineStats:
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     last_step_time_s: float = 0.0
+    # Speculative decoding (vLLM's vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.speculative.params import SpeculativeParams
 
 
 class ContextPolicy(StrEnum):
@@ -30,6 +31,9 @@ class SamplingParams:
     choice (whether it compiles is checked by ``LLMEngine.prepare``).
     ``mirostat_mode`` 1 or 2 replaces top-n-sigma/top-k/top-p/typical-p/min-p with llama.cpp's
     Mirostat v1/v2 (target surprise ``mirostat_tau`` bits, learning rate ``mirostat_eta``).
+    ``speculative`` opts the request in to speculative decoding (None: the engine's default, off);
+    it changes how many tokens a step yields, never which: every feature but a constraint combines
+    with it exactly (see LLMEngine._verify).
     """
 
     max_tokens: int | None = 16
@@ -56,6 +60,7 @@ class SamplingParams:
     mirostat_mode: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    speculative: SpeculativeParams | None = None
 
     def validate(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
         """Return (field, problem) pairs for every invalid parameter; empty when valid."""
@@ -100,6 +105,12 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= 20:
             bad.append(("top_logprobs", "must be in [0, 20]"))
         bad += self._mirostat_problems()
+        if self.speculative is not None:
+            bad += self.speculative.validate()
+            if self.speculative.enabled and self.constraint is not None:
+                # A draft row's grammar mask depends on the drafts before it; not built yet.
+                bad.append(("speculative", "cannot be combined with a constraint yet: set speculative.method "
+                                           "to \"off\" or drop the constraint"))
         if self.constraint is not None:
             bad += self.constraint.validate()
             if self.ignore_eos:
