@@ -110,3 +110,100 @@ def test_output_identical_with_drafts(spec_tiny_loaded, corrupt):
         assert 0 < accepted < drafted
     assert sum(c.stats.generated_tokens for c in done) == sum(c.stats.generated_tokens for c in ref_done)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_speculative_row_beside_plain_rows_and_prefills(spec_tiny_loaded):
+    """Batch invariance: one speculative request among plain ones (some still in prefill) gets the tokens
+    it gets alone without speculation, and so do its neighbours."""
+    reqs = varied_requests(10, seed=1)
+    ref_done, ref = reference(spec_tiny_loaded, reqs[:1], max_num_batched_tokens=4096)
+    eng = engine(spec_tiny_loaded, max_num_batched_tokens=24)  # long prompts chunk beside the drafts
+    eng.proposer = OracleProposer(ref, corrupt=3)
+    mixed = speculative(reqs[:1]) + [replace(r, sampling=replace(r.sampling)) for r in reqs[1:]]
+    done = LLM(engine=eng).run(mixed)
+    assert tokens(done[0]) == tokens(ref_done[0])
+    assert done[0].stats.spec_accepted_tokens > 0
+    plain_done, _ = reference(spec_tiny_loaded, reqs[1:])
+    assert [tokens(c) for c in done[1:]] == [tokens(c) for c in plain_done]
+
+
+def test_preemption_drops_drafts_and_recomputes(spec_tiny_loaded):
+    reqs = [TokenizedRequest(f"p{i}", [10 + i] * 20, SamplingParams(max_tokens=40, temperature=0.0))
+            for i in range(6)]
+    ref_done, ref = reference(spec_tiny_loaded, reqs)
+    eng = engine(spec_tiny_loaded, max_kv_blocks=40)  # 6 x 60 tokens need 90 blocks of 4
+    eng.proposer = OracleProposer(ref, corrupt=4)
+    done = LLM(engine=eng).run(speculative(reqs))
+    assert eng.stats().preemptions_total > 0
+    assert eng.stats().spec_decode_num_accepted_tokens > 0
+    assert [tokens(c) for c in done] == [tokens(c) for c in ref_done]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_stop_string_and_stop_token_inside_accepted_drafts(spec_tiny_loaded):
+    base = TokenizedRequest("s", list(b"stop strings"), SamplingParams(max_tokens=30, temperature=0.0))
+    [full], ref = reference(spec_tiny_loaded, [base])
+    out = full.choices[0].token_ids
+    # A stop token and a stop string (one whole token's text) from the middle of the reference output.
+    stop_token = out[12]
+    stop_text = bytes([out[9]]).decode("latin-1") if out[9] < 128 else None
+    sp = replace(base.sampling, stop_token_ids=[stop_token])
+    if stop_text is not None and stop_text.isprintable():
+        sp = replace(sp, stop=[stop_text])
+    req = replace(base, sampling=sp)
+    [want], _ = reference(spec_tiny_loaded, [req])
+    eng = engine(spec_tiny_loaded)
+    eng.proposer = OracleProposer(ref)  # drafts run past the stop: what follows must be dropped
+    [got] = LLM(engine=eng).run(speculative([req]))
+    assert want.choices[0].finish_reason == FinishReason.STOP
+    assert tokens(got) == tokens(want)
+    assert (got.choices[0].text, got.choices[0].stop_reason) == (want.choices[0].text, want.choices[0].stop_reason)
+    assert len(tokens(got)[0]) < len(out)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_max_tokens_is_never_overrun(spec_tiny_loaded):
+    reqs = [TokenizedRequest(f"m{i}", list(b"abcabcabc"), SamplingParams(max_tokens=i, temperature=0.0))
+            for i in range(1, 9)]
+    _, ref = reference(spec_tiny_loaded, [replace(r, sampling=replace(r.sampling, max_tokens=20)) for r in reqs])
+    eng = engine(spec_tiny_loaded)
+    eng.proposer = OracleProposer(ref)
+    done = LLM(engine=eng).run(speculative(reqs))
+    for r, c in zip(reqs, done, strict=True):
+        assert tokens(c)[0] == ref[(r.request_id, 0)][: r.sampling.max_tokens]
+
+
+def test_rollback_keeps_prefix_cache_right(spec_tiny_loaded):
+    """Rejected drafts filled whole blocks (k=8, block 4): none of them may be cached under a name, and
+    a later request sharing the prompt and output gets the logprobs a fresh engine gives."""
+    prompt = list(b"prefix cache and speculation")
+    first = TokenizedRequest("a", prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    [ref_a], ref = reference(spec_tiny_loaded, [first])
+    eng = engine(spec_tiny_loaded)
+    eng.proposer = OracleProposer(ref, corrupt=2)
+    spec8 = SpeculativeParams(num_speculative_tokens=8)
+    [a] = LLM(engine=eng).run([replace(first, sampling=replace(first.sampling, speculative=spec8))])
+    assert tokens(a) == tokens(ref_a) and a.stats.spec_draft_tokens > a.stats.spec_accepted_tokens > 0
+    final = prompt + ref_a.choices[0].token_ids
+    named = set(chain_hashes(b"", final, 4, []))
+    assert eng.block_manager.cached and set(eng.block_manager.cached) <= named, "a block of drafts was cached"
+    follow = TokenizedRequest("b", final[:-3], SamplingParams(max_tokens=6, temperature=0.0, logprobs=True,
+                                                              top_logprobs=5))
+    [b] = LLM(engine=eng).run([follow])
+    assert b.stats.cached_prompt_tokens > len(prompt)
+    [fresh] = reference(spec_tiny_loaded, [follow])[0]
+    assert tokens(b) == tokens(fresh) and b.choices[0].logprobs == fresh.choices[0].logprobs
+
+
+def test_refusals_name_the_field(spec_tiny_loaded):
+    eng = engine(spec_tiny_loaded)
+    bad = SamplingParams(speculative=SpeculativeParams(num_speculative_tokens=0))
+    with pytest.raises(InvalidRequestError) as exc:
+        eng.add_request(TokenizedRequest("x", [1, 2], bad))
+    assert "speculative.num_speculative_tokens" in str(exc.value)
+    constrained = SamplingParams(speculative=SPEC, constraint=Constraint(kind="regex", text="[ab]+"))
+    with pytest.raises(InvalidRequestError) as exc:
+        eng.add_request(TokenizedRequest("y", [1, 2], constrained))
+    assert "speculative" in str(exc.value) and "constraint" in str(exc.value)
+    with pytest.raises(ValueError, match="speculative.method"):
+        LLMEngine(spec_tiny_loaded, EngineConfig(max_kv_blocks=8), SpeculativeParams(method="medusa"))
