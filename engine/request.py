@@ -35,6 +35,8 @@ class TokenizedRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     trace: RequestTrace | None = None
     sampling_checked: bool = False
+    # The LoRA adapter (by name, see engine/lora) the request runs under; None: the base model.
+    adapter: str | None = None
 
 
 class FinishReason(StrEnum):

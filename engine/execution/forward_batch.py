@@ -31,6 +31,8 @@ class ForwardBatch:
     # Host-side copies, so attention can loop over sequences without device syncs.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # [T] int64 LoRA slot of each token's sequence (engine/lora; -1: the base model alone); None: no adapters.
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,8 @@ row for each sequence whose new tokens reach its last token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -17,8 +19,12 @@ from protoserve.engine.models.kv_cache import PagedKVCache
 from protoserve.engine.scheduling.sequence import Sequence
 
 
-def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_size: int) -> ForwardBatch:
-    """Flatten one step: sequence i computes tokens ``[computed_i, computed_i + new_i)`` of its own."""
+def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
+                        lora_slots: list[int] | None = None) -> ForwardBatch:
+    """Flatten one step: sequence i computes tokens ``[computed_i, computed_i + new_i)`` of its own.
+
+    ``lora_slots`` gives each sequence's LoRA slot (engine/lora), repeated onto its tokens.
+    """
     query_lens = list(num_new_tokens)
     starts = [s.num_computed_tokens for s in seqs]
     seq_lens = [c + n for c, n in zip(starts, query_lens, strict=True)]
@@ -50,6 +56,8 @@ def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_s
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         query_lens_list=query_lens,
         seq_lens_list=seq_lens,
+        lora_slots=None if lora_slots is None else torch.from_numpy(
+            np.repeat(np.asarray(lora_slots, dtype=np.int64), query_lens)),
     )
 
 
@@ -76,6 +84,8 @@ class ModelRunner:
                  dtype: torch.dtype, quantization: str = "none") -> None:
         self.model = model
         self.model_config = model_config
+        # Each sequence's LoRA slot, set by LLMEngine.enable_lora; None: no adapters.
+        self.lora_slots_of: Callable[[list[Sequence]], list[int]] | None = None
         self.block_size = config.block_size
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, quantization)
         self.block_bytes = PagedKVCache.block_bytes(
@@ -94,5 +104,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
         """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""
-        batch = build_forward_batch(seqs, num_new_tokens, self.block_size)
+        lora_slots = self.lora_slots_of(seqs) if self.lora_slots_of is not None else None
+        batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots)
         return self.model(batch, self.kv_cache).float()

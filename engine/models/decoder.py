@@ -24,17 +24,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.lora.batch import LayerLora, lora_batch
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
 from protoserve.engine.models.linear import KernelPackable, Linear
 from protoserve.kernels.cpu import norm_rope
+
+if TYPE_CHECKING:
+    from protoserve.engine.lora.stack import AdapterStack
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -139,10 +144,14 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add("qkv_proj", x, qkv)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -153,8 +162,10 @@ class Attention(nn.Module):
             norm_rope.rope_(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = kv_cache.attend(self.layer_idx, q, k, v, meta, self.scale)
-        return self.o_proj(out.reshape(t, q_size))
+        out = kv_cache.attend(self.layer_idx, q, k, v, meta, self.scale).reshape(t, q_size)
+        if lora is not None:
+            return lora.add("o_proj", out, self.o_proj(out))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -166,9 +177,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = lora.add("gate_up_proj", x, self.gate_up_proj(x)).split(self.intermediate_size, dim=-1)
+        h = F.silu(gate) * up
+        return lora.add("down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -188,14 +203,15 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, lora)
         if _fused(x):  # x += attn and the second norm in one pass; x is this forward's own buffer
             h = norm_rope.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
                                         self.post_attention_layernorm.eps)
-            return x.add_(self.mlp(h))
+            return x.add_(self.mlp(h, lora))
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class Decoder(nn.Module):
@@ -224,6 +240,7 @@ class Decoder(nn.Module):
         )
         self.deterministic = True
         self.fused_step: FusedStep | None = None  # set by pack_for_kernels where it can run
+        self.adapters: AdapterStack | None = None  # LoRA adapters the batch's lora_slots name (engine/lora)
 
     def set_deterministic(self, enabled: bool) -> None:
         """Batch-invariant kernels (slower) or shape-dependent fast ones, for every layer."""
@@ -253,7 +270,9 @@ class Decoder(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Next-token logits [len(batch.logits_indices), vocab] float32; writes the batch's K/V."""
         x = self.embed_tokens(batch.input_ids)
-        if self.fused_step is not None and self.fused_step.accepts(kv_cache):
+        lora = lora_batch(batch.lora_slots, self.adapters, self.deterministic)
+        # A batch with adapter rows takes the module path, whose base rows equal the fused step's bit for bit.
+        if lora is None and self.fused_step is not None and self.fused_step.accepts(kv_cache):
             # The fused step computes in float32 whatever the weights' dtype (see FusedStep).
             cos, sin = rope_cos_sin(batch.positions, self.inv_freq, torch.float32)
             return self.fused_step(batch, kv_cache, x.float(), cos, sin, self.config.sliding_window)
@@ -264,8 +283,8 @@ class Decoder(nn.Module):
             sliding_window=self.config.sliding_window,
             deterministic=self.deterministic,
         )
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache, meta, None if lora is None else lora.layer(i))
         x = self.norm(x[batch.logits_indices])
         return self.lm_head(x).float()
 

@@ -1,0 +1,209 @@
+"""A PEFT LoRA adapter read from disk, checked against the base model, in the decoder's fused layout.
+
+PEFT saves ``adapter_config.json`` and ``adapter_model.safetensors`` whose tensors are
+named ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight``:
+``A`` is ``[r, in_features]``, ``B`` is ``[out_features, r]`` and the layer computes
+``base(x) + scale * (x @ A.T) @ B.T`` with ``scale = lora_alpha / r`` (``/ sqrt(r)``
+under rsLoRA).
+
+The decoder fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``, so each
+fused layer gets one ``A`` (the targets' ``A`` stacked, ``[targets * r, in]``) and one
+block-diagonal ``B`` (``[fused out, targets * r]``, the scale folded in): one pair of
+small GEMMs per fused layer, whichever of its projections the adapter targets.
+
+Only what this computes exactly is accepted; anything else (DoRA, trained biases,
+``modules_to_save``, per-module ranks, targets outside the seven projections, missing or
+extra tensors, shapes that do not match the base) is an AdapterError naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from protoserve.engine.models.config import ModelConfig
+
+MAX_RANK = 64
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The decoder's fused layer each projection lives in.
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter this engine will not load; the message names the file, field or tensor at fault."""
+
+
+@dataclass(frozen=True)
+class FusedDelta:
+    """The low-rank update of one fused layer: ``delta = (x @ a.T) @ b.T``, scale folded into ``b``."""
+
+    a: torch.Tensor  # [targets * r, in_features]
+    b: torch.Tensor  # [out_features, targets * r], block-diagonal over the targets' output slices
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One loaded adapter: per (layer index, fused layer name) its FusedDelta."""
+
+    name: str
+    path: Path
+    rank: int
+    alpha: float
+    scale: float
+    target_modules: tuple[str, ...]
+    digest: bytes  # sha256 of the config and weights files: what keys its prefix-cache blocks
+    deltas: dict[tuple[int, str], FusedDelta]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.a.numel() * d.a.element_size() + d.b.numel() * d.b.element_size() for d in self.deltas.values())
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each Hugging Face projection."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size), "v_proj": (kv, c.hidden_size),
+            "o_proj": (c.hidden_size, q), "gate_proj": (c.intermediate_size, c.hidden_size),
+            "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
+
+
+def output_offsets(config: ModelConfig) -> dict[str, int]:
+    """Where each projection's rows start in its fused layer's output."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"q_proj": 0, "k_proj": q, "v_proj": q + kv, "o_proj": 0,
+            "gate_proj": 0, "up_proj": c.intermediate_size, "down_proj": 0}
+
+
+def read_adapter_config(path: Path) -> dict:
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(f"{file}: no {CONFIG_FILE} (a PEFT LoRA adapter directory has one)")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{file}: must hold a JSON object")
+    return cfg
+
+
+def check_adapter_config(cfg: dict) -> tuple[int, float, bool, tuple[str, ...]]:
+    """(rank, alpha, use_rslora, targets) of a PEFT LoRA config this engine computes exactly."""
+    where = CONFIG_FILE
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_RANK:
+        raise AdapterError(f"{where}: r must be an integer in [1, {MAX_RANK}], got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
+    if cfg.get("use_dora"):
+        raise AdapterError(f"{where}: use_dora (DoRA) is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"{where}: bias {cfg.get('bias')!r} is not supported (only 'none': no trained biases)")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"{where}: modules_to_save {cfg['modules_to_save']!r} is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise AdapterError(f"{where}: {key} is not supported (one rank and alpha for every module)")
+    if cfg.get("fan_in_fan_out"):
+        raise AdapterError(f"{where}: fan_in_fan_out is not supported (Conv1D-style weights)")
+    if cfg.get("layers_to_transform") is not None:
+        raise AdapterError(f"{where}: layers_to_transform is not supported (the adapter must cover every layer)")
+    targets = cfg.get("target_modules")
+    if targets == "all-linear":
+        targets = list(PROJECTIONS)
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{where}: target_modules must be a non-empty list of module names, got {targets!r}")
+    unknown = sorted(set(targets) - set(PROJECTIONS))
+    if unknown:
+        raise AdapterError(f"{where}: target_modules {unknown} are not supported (only {list(PROJECTIONS)})")
+    return r, float(alpha), bool(cfg.get("use_rslora", False)), tuple(p for p in PROJECTIONS if p in targets)
+
+
+def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise AdapterError(f"{file}: missing (PEFT saves the weights as {WEIGHTS_FILE})")
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+def tensor_name(layer: int, proj: str, which: str) -> str:
+    return f"{_PREFIX}model.layers.{layer}.{PARENT[proj]}.{proj}.lora_{which}.weight"
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter for a base model of ``config``; its deltas in ``dtype``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(f"{path}: not a directory (a PEFT adapter is a directory with {CONFIG_FILE} "
+                           f"and {WEIGHTS_FILE})")
+    cfg = read_adapter_config(path)
+    r, alpha, rslora, targets = check_adapter_config(cfg)
+    scale = alpha / math.sqrt(r) if rslora else alpha / r
+    tensors = read_adapter_tensors(path)
+    shapes = projection_shapes(config)
+    offsets = output_offsets(config)
+    expected = {tensor_name(i, p, w) for i in range(config.num_layers) for p in targets for w in "AB"}
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise AdapterError(f"{WEIGHTS_FILE}: missing {len(missing)} tensor(s) the config's target_modules need, "
+                           f"e.g. {missing[0]!r}")
+    extra = sorted(tensors.keys() - expected)
+    if extra:
+        raise AdapterError(f"{WEIGHTS_FILE}: tensor {extra[0]!r} is not a LoRA A/B of a target module of this "
+                           f"base model ({len(extra)} such)")
+    deltas: dict[tuple[int, str], FusedDelta] = {}
+    for i in range(config.num_layers):
+        by_fused: dict[str, list[str]] = {}
+        for p in targets:
+            out_f, in_f = shapes[p]
+            a, b = tensors[tensor_name(i, p, "A")], tensors[tensor_name(i, p, "B")]
+            if tuple(a.shape) != (r, in_f):
+                raise AdapterError(f"{WEIGHTS_FILE}: {tensor_name(i, p, 'A')} has shape {list(a.shape)}, the base "
+                                   f"model needs [{r}, {in_f}] (r={r}, {p} in_features={in_f})")
+            if tuple(b.shape) != (out_f, r):
+                raise AdapterError(f"{WEIGHTS_FILE}: {tensor_name(i, p, 'B')} has shape {list(b.shape)}, the base "
+                                   f"model needs [{out_f}, {r}] ({p} out_features={out_f}, r={r})")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise AdapterError(f"{WEIGHTS_FILE}: layer {i} {p} has non-finite weights")
+            by_fused.setdefault(FUSED[p], []).append(p)
+        for fused, projs in by_fused.items():
+            fused_out = sum(shapes[p][0] for p in PROJECTIONS if FUSED[p] == fused)
+            a_cat = torch.cat([tensors[tensor_name(i, p, "A")].float() for p in projs])
+            b_full = torch.zeros(fused_out, r * len(projs))
+            for j, p in enumerate(projs):
+                rows = slice(offsets[p], offsets[p] + shapes[p][0])
+                b_full[rows, j * r : (j + 1) * r] = tensors[tensor_name(i, p, "B")].float() * scale
+            deltas[(i, fused)] = FusedDelta(a_cat.to(dtype).contiguous(), b_full.to(dtype).contiguous())
+    return LoraAdapter(name=name, path=path, rank=r, alpha=alpha, scale=scale, target_modules=targets,
+                       digest=adapter_digest(path), deltas=deltas)
+
+
+def adapter_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        h.update((path / file).read_bytes())
+    return h.digest()
