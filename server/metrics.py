@@ -35,6 +35,12 @@ protoserve_identity_input_tokens_total    counter    their prompt tokens by ``id
 protoserve_identity_output_tokens_total   counter    their generated tokens by ``identity`` (opt-in)
 ========================================  =========  ==============================================
 
+Speculative decoding adds three counters, vLLM's ``vllm:spec_decode_*`` under the same
+prefix: ``protoserve_spec_decode_num_drafts_total`` (verification steps that had drafts),
+``protoserve_spec_decode_num_draft_tokens_total`` (tokens drafted) and
+``protoserve_spec_decode_num_accepted_tokens_total`` (drafts accepted); acceptance rate is
+accepted / draft tokens, mean acceptance length 1 + accepted / drafts.
+
 The registry also carries prometheus-client's process and Python collectors
 (``process_*``, ``python_info``, ``python_gc_*``), and no ``*_created``
 series: they double the series count and no dashboard reads them.
@@ -142,6 +148,9 @@ class EngineCollector(Collector):
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         preemptions = counter("num_preemptions", "Preemptions.")
+        drafts = counter("spec_decode_num_drafts", "Speculative verification steps with drafted tokens.")
+        draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens drafted.")
+        accepted = counter("spec_decode_num_accepted_tokens", "Speculative drafted tokens accepted.")
         for served in self.models.all():
             stats, label = served.engine.stats(), [served.name]
             running.add_metric(label, stats.running)
@@ -153,7 +162,11 @@ class EngineCollector(Collector):
             queries.add_metric(label, stats.prefix_cache_queries)
             hits.add_metric(label, stats.prefix_cache_hits)
             preemptions.add_metric(label, stats.preemptions_total)
-        return [running, waiting, capacity, kv, prompt, generation, queries, hits, preemptions]
+            drafts.add_metric(label, stats.spec_decode_num_drafts)
+            draft_tokens.add_metric(label, stats.spec_decode_num_draft_tokens)
+            accepted.add_metric(label, stats.spec_decode_num_accepted_tokens)
+        return [running, waiting, capacity, kv, prompt, generation, queries, hits, preemptions,
+                drafts, draft_tokens, accepted]
 
 
 class IdentityUsageCollector(Collector):
