@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protoserve.engine.speculative.params import SpeculativeParams
+
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -37,6 +39,9 @@ class EngineConfig:
     # A waiting or running sequence gains one priority level per this many steps
     # it has existed, so a steady stream of high-priority work cannot starve it. 0 disables.
     priority_aging_steps: int = 512
+    # Speculative decoding for requests that leave SamplingParams.speculative unset and have no
+    # constraint (a constrained request may not opt in); None: off unless a request asks.
+    speculative: SpeculativeParams | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""
@@ -58,6 +63,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated)")
         if self.priority_aging_steps < 0:
             raise ValueError("priority_aging_steps must be non-negative")
+        for field, problem in self.speculative.validate() if self.speculative is not None else []:
+            raise ValueError(f"{field} {problem}")
 
 
 def resolve_num_blocks(config: EngineConfig, block_bytes: int) -> int:

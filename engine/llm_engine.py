@@ -78,15 +78,9 @@ class AdmittedRequest:
 class LLMEngine:
     """Batches every live request into one forward per step."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 speculative: SpeculativeParams | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
-        bad = speculative.validate() if speculative is not None else []
-        if bad:
-            raise ValueError("; ".join(f"{field} {problem}" for field, problem in bad))
-        # For requests that leave SamplingParams.speculative unset and have no constraint.
-        self.speculative_default = speculative
         self.proposer: Proposer = NgramProposer()
         self.model_config = loaded.config
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
@@ -126,12 +120,11 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, model_path: str | None = None, *, dtype: str = "float32", quantization: str = "none",
-                        config: EngineConfig | None = None, progress: bool = True,
-                        speculative: SpeculativeParams | None = None) -> LLMEngine:
+                        config: EngineConfig | None = None, progress: bool = True) -> LLMEngine:
         config = config or EngineConfig()
         loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
                             deterministic=config.deterministic)
-        return cls(loaded, config, speculative)
+        return cls(loaded, config)
 
     def enable_lora(self, max_loras: int) -> AdapterStack:
         """Serve LoRA adapters from ``max_loras`` slots (engine/lora); returns the stack to load them into."""
@@ -293,7 +286,7 @@ class LLMEngine:
         constrained request, which may not opt in)."""
         sp = seq.sampling
         params = sp.speculative if sp.speculative is not None else (
-            self.speculative_default if sp.constraint is None else None)
+            self.config.speculative if sp.constraint is None else None)
         return params if params is not None and params.enabled else None
 
     def _propose_drafts(self) -> None:

@@ -31,7 +31,7 @@ def chat(tokenizer, text: str) -> list[int]:
 
 
 def run(loaded, requests: list[TokenizedRequest], speculative: SpeculativeParams | None):
-    engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=256), speculative)
+    engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=256, speculative=speculative))
     start = time.perf_counter()
     done = LLM(engine=engine).run([replace(r, sampling=replace(r.sampling)) for r in requests])
     return done, time.perf_counter() - start, engine

@@ -206,4 +206,4 @@ def test_refusals_name_the_field(spec_tiny_loaded):
         eng.add_request(TokenizedRequest("y", [1, 2], constrained))
     assert "speculative" in str(exc.value) and "constraint" in str(exc.value)
     with pytest.raises(ValueError, match="speculative.method"):
-        LLMEngine(spec_tiny_loaded, EngineConfig(max_kv_blocks=8), SpeculativeParams(method="medusa"))
+        LLMEngine(spec_tiny_loaded, EngineConfig(max_kv_blocks=8, speculative=SpeculativeParams(method="medusa")))
