@@ -2,7 +2,7 @@
 
     python -m bench.run                    # default run: a few minutes on 2 cores
     python -m bench.run --full             # the thorough run
-    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation)
+    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, constrained, rag)
     python -m bench.run --json-out r.json  # also write every figure (and the run's metadata) here
 
 Prints a table, then one JSON line per figure, on stdout; progress goes to
@@ -31,7 +31,7 @@ from bench.profile import PROFILES, Profile
 from bench.report import format_table, json_lines
 from bench.roofline import LinearWork, RooflineInputs, roofline_figures
 from bench.runner import Step, run_steps
-from bench.sections import constrained, decode, isolation, offline, prefill, serving
+from bench.sections import constrained, decode, isolation, offline, prefill, rag, serving
 from bench.targets import targets_for
 
 SECTIONS = {
@@ -41,6 +41,7 @@ SECTIONS = {
     "serving": serving.steps,
     "isolation": isolation.steps,
     "constrained": constrained.steps,
+    "rag": rag.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")
