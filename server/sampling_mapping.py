@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 
 from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
 from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.server import errors
 from protoserve.server.limits import (
     MAX_CONSTRAINT_CHARS,
@@ -132,6 +133,15 @@ def constraint_from_proto(message: Message) -> Constraint | None:
     if kind == ConstraintKind.CHOICE:
         return Constraint.choice(list(message.choice.values))
     return Constraint(ConstraintKind(kind), getattr(message, kind))
+
+
+def speculative_from_proto(message: Message) -> SpeculativeParams:
+    """The engine SpeculativeParams of a ``protoserve.v1.SpeculativeOptions``: unset fields take
+    SpeculativeParams' defaults; a set zero stays zero, for validation to refuse on its field."""
+    default = SpeculativeParams()
+    values = {name: getattr(message, name) if message.HasField(name) else getattr(default, name)
+              for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}
+    return SpeculativeParams(method=message.method or default.method, **values)
 
 
 def constraint_problems(constraint: Constraint | None) -> list[Violation]:

@@ -25,7 +25,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from protoserve.engine.errors import ContextLengthError, InvalidRequestError
@@ -48,7 +48,7 @@ from protoserve.server.limits import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
 )
-from protoserve.server.sampling_mapping import PathMap, SamplingMapping, path_function
+from protoserve.server.sampling_mapping import PathMap, SamplingMapping, path_function, speculative_from_proto
 from protoserve.server.tool_calls.call import ToolCall, ToolSpec
 from protoserve.server.tool_calls.rendering import (
     ToolTemplate,
@@ -142,7 +142,15 @@ def stats_to_proto(stats: RequestStats | None) -> pb.RequestStats:
         kv_bytes=stats.kv_bytes,
         preemptions=stats.preemptions,
         truncated_prompt_tokens=stats.truncated_prompt_tokens,
+        **_spec_stats(stats),
     )
+
+
+def _spec_stats(stats: RequestStats) -> dict[str, int]:
+    """The speculative counts, where the generated RequestStats has them (gen/ from before them lacks them)."""
+    names = ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+    fields = pb.RequestStats.DESCRIPTOR.fields_by_name
+    return {name: getattr(stats, name) for name in names if name in fields}
 
 
 @dataclass
@@ -486,6 +494,8 @@ class ServedModel:
             violations.append(("context_policy", f"unknown value {req.context_policy}"))
         # Unset, max_tokens is "until the context is full".
         params = self.sampling.params(req.sampling, api_defaults={"max_tokens": None})
+        if "speculative" in req.DESCRIPTOR.fields_by_name and req.HasField("speculative"):
+            params = replace(params, speculative=speculative_from_proto(req.speculative))
         if params.top_logprobs and not params.logprobs:
             violations.append(("sampling.top_logprobs", "requires sampling.logprobs"))
         if len(params.stop) > MAX_STOP_STRINGS:
@@ -497,7 +507,8 @@ class ServedModel:
             )
         policy = CONTEXT_POLICIES.get(req.context_policy)
         try:
-            self.sampling.check(params, lambda f: f"sampling.{f}", violations)
+            # The speculative options sit beside sampling on the request, not inside it.
+            self.sampling.check(params, lambda f: f if f.startswith("speculative") else f"sampling.{f}", violations)
             await self.check_constraint(params.constraint, lambda f: f"sampling.{f}")
             prompt_ids, source = await self.prompt_from_proto(req, policy)
         except errors.ServiceError as exc:
