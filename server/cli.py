@@ -18,6 +18,7 @@ from protoserve.engine.errors import EngineError
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.request import RequestStats, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.server import exit_codes
 from protoserve.server.app import HttpGatewayStarter, ServerConfig, serve
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
@@ -117,6 +118,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             setattr(config, attr, value)
     if getattr(args, "no_deterministic", False):
         config.deterministic = False
+    k = getattr(args, "speculative_ngram", None)
+    if k is not None:
+        config.speculative = SpeculativeParams(num_speculative_tokens=k)
+        for _, problem in config.speculative.validate():
+            raise CliError(f"--speculative-ngram {problem}")
     try:
         config.validate()
     except ValueError as exc:
@@ -151,6 +157,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="faster kernels whose results may change with the batch a request runs in "
         "[deterministic: a request's tokens never depend on other traffic]",
+    )
+    parser.add_argument(
+        "--speculative-ngram",
+        type=int,
+        metavar="K",
+        help="speculative decoding by prompt lookup for requests that leave GenerateRequest.speculative unset "
+        "(and have no constraint): draft up to K tokens (1-16) per step from the prompt and output, verify them "
+        "in one forward; output is unchanged [off]",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     parser.add_argument(

@@ -1,0 +1,16 @@
+"""serve --speculative-ngram K sets the engine's default speculation (no model load)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protoserve.engine.speculative.params import SpeculativeParams
+from protoserve.server.cli import CliError, _engine_config, build_parser
+
+
+def test_speculative_ngram_flag_sets_the_engine_default():
+    assert _engine_config(build_parser().parse_args(["serve"])).speculative is None
+    config = _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "6"]))
+    assert config.speculative == SpeculativeParams(num_speculative_tokens=6)
+    with pytest.raises(CliError, match=r"--speculative-ngram must be in \[1, 16\]"):
+        _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "0"]))
