@@ -17,4 +17,3 @@ def test_spec_decode_counters_are_exposed():
     assert samples["protoserve_spec_decode_num_drafts_total"] == ({"model_name": "m"}, 3)
     assert samples["protoserve_spec_decode_num_draft_tokens_total"] == ({"model_name": "m"}, 12)
     assert samples["protoserve_spec_decode_num_accepted_tokens_total"] == ({"model_name": "m"}, 9)
-
