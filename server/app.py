@@ -42,6 +42,7 @@ from protoserve.server.metrics_service import MetricsService
 from protoserve.server.model_registry import ModelRegistry
 from protoserve.server.openai_service import OpenAIService
 from protoserve.server.ports import PortUnavailable, check_can_listen
+from protoserve.server.adapter_service import AdapterService, load_startup_adapters
 from protoserve.server.rag.service import RagService
 from protoserve.server.rate_limit import RateLimiter
 from protoserve.server.reflection import enable_reflection
@@ -52,6 +53,8 @@ from protoserve.server.served_model import ModelCard, ServedModel
 from protoserve.server.telemetry import Telemetry, installed_tracer_provider
 from protoserve.server.usage import UsageLedger
 from protoserve.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
     agent_pb2,
     agent_pb2_grpc,
     embeddings_pb2,
@@ -82,6 +85,7 @@ SERVICE_NAMES = (
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     embeddings_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
     rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name,
+    adapters_pb2.DESCRIPTOR.services_by_name["AdapterService"].full_name,
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
 )
 
@@ -144,6 +148,8 @@ class ServerConfig:
     rag_index: str = "flat"  # "flat" (exact) or "hnsw"
     rag_max_documents: int = 10_000  # per identity; 0: no limit
     rag_max_bytes: int = 256 * 1024 * 1024  # text bytes per identity; 0: no limit
+    loras: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter loaded at start (--lora)
+    max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0: DEFAULT_MAX_LORAS if loras, else off
 
 
 class ServerApp:
@@ -235,6 +241,7 @@ class ServerApp:
             EmbeddingService(*services, retrieval=self.retrieval), server
         )
         rag_pb2_grpc.add_RagServiceServicer_to_server(RagService(*services, retrieval=self.retrieval), server)
+        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterService(*services), server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentService(*services, registry=self.tools, retrieval=self.retrieval), server
         )
@@ -296,6 +303,8 @@ class ServerApp:
             progress=self.config.progress,
             model_name=self.config.model_name,
         )
+        if self.config.loras or self.config.max_loras:
+            await asyncio.to_thread(load_startup_adapters, engine.engine, self.config.loras, self.config.max_loras)
         engine.start()
         self._owns_engine = True
         if self.config.embeddings:

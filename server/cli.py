@@ -227,6 +227,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="load no embedding model: embeddings and RAG answer FAILED_PRECONDITION",
     )
     s.add_argument(
+        "--lora",
+        action="append",
+        type=_lora_spec,
+        default=[],
+        metavar="NAME=PATH",
+        help="load the PEFT LoRA adapter directory PATH at start, served as NAME (repeatable); requests "
+        "name it in GenerateRequest.adapter or as the OpenAI model",
+    )
+    s.add_argument(
+        "--max-loras",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="LoRA adapters held in memory at once, least recently used idle ones evicted; "
+        "0: 4 when --lora is given, else no adapters [0]",
+    )
+    s.add_argument(
         "--rag-partitions",
         type=_positive_int,
         default=16,
@@ -415,6 +432,14 @@ def _sampling_defaults(args: argparse.Namespace) -> dict[str, float | int]:
     return defaults
 
 
+def _lora_spec(value: str) -> tuple[str, str]:
+    """``--lora NAME=PATH`` as (name, path)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path or any(c.isspace() for c in name):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a name without spaces), got {value!r}")
+    return name, path
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     try:
         loop = loop_factory(args.event_loop)
@@ -451,6 +476,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         rag_index=args.rag_index,
         rag_max_documents=args.rag_max_documents,
         rag_max_bytes=args.rag_max_bytes,
+        loras=tuple(args.lora),
+        max_loras=args.max_loras,
     )
     from protoserve.server.request_log import use_json_lines
     from protoserve.server.tracing_setup import configure_tracing

@@ -42,3 +42,12 @@ class ModelRegistry:
             return self._models[name]
         except KeyError:
             raise errors.model_not_found(name, self._models) from None
+
+    def resolve(self, name: str) -> tuple[ServedModel, str | None]:
+        """(model, LoRA adapter) that ``name`` asks for: a model's name (or "") gives it alone, an
+        adapter's name gives the model holding that adapter (OpenAI's ``model`` names either)."""
+        if name and name not in self._models:
+            for served in self._models.values():
+                if served.adapters is not None and name in served.adapters:
+                    return served, name
+        return self.get(name), None

@@ -318,6 +318,7 @@ class _Prepared:
     sampling: SamplingParams
     echo: bool = False
     tools: ToolPlan | None = None  # set when the model may call tools: its output is parsed for calls
+    adapter: str | None = None  # the LoRA adapter `model` named, if it named one
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     # ---- request preparation -----------------------------------------------------------
 
     async def _prepare_completion(self, req: oa.CreateCompletionRequest, *, streaming: bool) -> _Prepared:
-        served = self.models.get(req.model)
+        served, adapter = self.models.resolve(req.model)
         violations = _stream_field_violations(req, streaming)
         prompts = await self._completion_prompts(served, req, violations)
         if req.HasField("logprobs") and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -380,7 +381,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         paths["top_logprobs"] = "logprobs"
         served.sampling.check(sampling, paths, violations)
         await served.check_constraint(sampling.constraint, paths)
-        return _Prepared(served, prompts, sampling, echo=req.echo)
+        return _Prepared(served, prompts, sampling, echo=req.echo, adapter=adapter)
 
     async def _completion_prompts(
         self, served: ServedModel, req: oa.CreateCompletionRequest, violations: list[tuple[str, str]]
@@ -418,7 +419,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         return prompts
 
     async def _prepare_chat(self, req: oa.CreateChatCompletionRequest, *, streaming: bool) -> _Prepared:
-        served = self.models.get(req.model)
+        served, adapter = self.models.resolve(req.model)
         violations = _stream_field_violations(req, streaming)
         turns = self._chat_turns(req, violations)
         if req.HasField("top_logprobs") and req.top_logprobs and not req.logprobs:
@@ -442,7 +443,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         prompt_ids = await served.chat_ids(
             turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP, tools=offered
         )
-        return _Prepared(served, [_Prompt(prompt_ids, "")], sampling, tools=plan)
+        return _Prepared(served, [_Prompt(prompt_ids, "")], sampling, tools=plan, adapter=adapter)
 
     @staticmethod
     def _tool_plan(
@@ -529,6 +530,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 context_policy=ContextPolicy.ALLOW_CONTEXT_STOP,
                 cache_salt=identity.cache_salt,
                 sampling_checked=True,
+                adapter=prepared.adapter,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]
@@ -898,16 +900,22 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     # ---- models ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _model(served: ServedModel) -> oa.Model:
+    def _model(served: ServedModel, adapter: str | None = None) -> oa.Model:
+        """A model, or one of its LoRA adapters with ``parent`` naming it (as vLLM lists adapters)."""
         return oa.Model(
-            id=served.name, object="model", created=int(served.card.loaded_at), owned_by="protoserve"
+            id=adapter or served.name, object="model", created=int(served.card.loaded_at), owned_by="protoserve",
+            parent=served.name if adapter else "",
         )
 
     @errors.reports_errors
     async def ListModels(self, request: oa.ListModelsRequest, context: grpc.aio.ServicerContext):
-        """OpenAI's model list."""
+        """OpenAI's model list: every model, then its LoRA adapters."""
         self._admit(context)
-        return oa.ListModelsResponse(object="list", data=[self._model(f) for f in self.models.all()])
+        data = []
+        for served in self.models.all():
+            data.append(self._model(served))
+            data.extend(self._model(served, a) for a in (served.adapters.names() if served.adapters else []))
+        return oa.ListModelsResponse(object="list", data=data)
 
     @errors.reports_errors
     async def RetrieveModel(self, request: oa.RetrieveModelRequest, context: grpc.aio.ServicerContext):
@@ -915,4 +923,4 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         self._admit(context)
         if not request.model:
             raise errors.invalid_argument([("model", "is required")])
-        return oa.RetrieveModelResponse(model=self._model(self.models.get(request.model)))
+        return oa.RetrieveModelResponse(model=self._model(*self.models.resolve(request.model)))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from protoserve.engine.errors import ContextLengthError, InvalidRequestError
+from protoserve.engine.lora.stack import AdapterStack, adapter_problems
 from protoserve.engine.request import (
     Choice,
     CompletionDelta,
@@ -234,6 +235,11 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def adapters(self) -> AdapterStack | None:
+        """The engine's LoRA adapters (engine/lora), None when it serves none."""
+        return getattr(self.engine.engine, "adapters", None)
 
     @property
     def max_model_len(self) -> int:
@@ -506,6 +512,7 @@ class ServedModel:
                 ("sampling.constraint.json_object", "must be true (unset constraint: free text)")
             )
         policy = CONTEXT_POLICIES.get(req.context_policy)
+        violations.extend(adapter_problems(self.adapters, req.adapter or None))
         try:
             # The speculative options sit beside sampling on the request, not inside it.
             self.sampling.check(params, lambda f: f if f.startswith("speculative") else f"sampling.{f}", violations)
@@ -525,6 +532,7 @@ class ServedModel:
             priority=req.priority,
             cache_salt=cache_salt,
             sampling_checked=True,
+            adapter=req.adapter or None,
         )
 
     async def check_constraint(self, constraint: Constraint | None, paths: PathMap) -> None:
