@@ -902,10 +902,11 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     @staticmethod
     def _model(served: ServedModel, adapter: str | None = None) -> oa.Model:
         """A model, or one of its LoRA adapters with ``parent`` naming it (as vLLM lists adapters)."""
-        return oa.Model(
-            id=adapter or served.name, object="model", created=int(served.card.loaded_at), owned_by="protoserve",
-            parent=served.name if adapter else "",
-        )
+        model = oa.Model(id=adapter or served.name, object="model", created=int(served.card.loaded_at),
+                         owned_by="protoserve")
+        if adapter:
+            model.parent = served.name
+        return model
 
     @errors.reports_errors
     async def ListModels(self, request: oa.ListModelsRequest, context: grpc.aio.ServicerContext):
