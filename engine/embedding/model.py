@@ -27,11 +27,17 @@ from protoserve.engine.embedding.default_model import DEFAULT_EMBEDDING_NAME, de
 from protoserve.engine.embedding.errors import EmbeddingInputTooLong
 from protoserve.engine.embedding.layout import SentenceModelLayout, read_layout
 from protoserve.engine.embedding.pooling import l2_normalize, pool
+from protoserve.engine.execution.compute_gate import CPU_GATE
 from protoserve.engine.loader.errors import ModelLoadError
 
 __all__ = ["EmbeddingInputTooLong", "EmbeddingModel", "TextChunk"]
 
 DEFAULT_BATCH_SIZE = 32
+# Padded tokens per forward. Each encoder layer of a forward takes one turn at the cores the engine's
+# decode loop shares (CPU_GATE), so while the engine decodes, a forward is one window's worth: a decode
+# step then waits at most one layer over one chunk. Idle, larger forwards use the cores better.
+BUSY_UNIT_TOKENS = 256
+IDLE_UNIT_TOKENS = 4096
 MIN_CHUNK_TOKENS = 16
 
 
@@ -186,9 +192,14 @@ class EmbeddingModel:
         out = np.empty((len(ids), self.dimensions), dtype=np.float32)
         # Longest first (as sentence-transformers does): a batch pads only to its own longest member.
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        for at in range(0, len(order), batch_size):
-            batch = order[at : at + batch_size]
+        lengths = [len(ids[i]) for i in order]
+        at = 0
+        while at < len(order):
+            # Sized as each forward starts, so a forward begun while the engine idles is the only big one.
+            unit = BUSY_UNIT_TOKENS if CPU_GATE.engine_active() else IDLE_UNIT_TOKENS
+            batch = _first_batch(order[at:], lengths[at:], batch_size, unit)
             out[batch] = self._forward([ids[i] for i in batch]).numpy()
+            at += len(batch)
         return out
 
     @torch.inference_mode()
@@ -199,7 +210,15 @@ class EmbeddingModel:
         for r, row in enumerate(rows):
             input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[r, : len(row)] = 1
-        vectors = pool(self._encoder(input_ids, mask), mask, self._layout.pooling)
+        # One layer at a time, each a turn at the cores the engine's decode loop shares (CPU_GATE).
+        encoder = self._encoder
+        key_mask = mask.bool()[:, None, None, :]
+        with CPU_GATE.background():
+            hidden = encoder.embeddings(input_ids)
+        for layer in encoder.layers:
+            with CPU_GATE.background():
+                hidden = layer(hidden, key_mask)
+        vectors = pool(hidden, mask, self._layout.pooling)
         if self._layout.normalize:
             vectors = l2_normalize(vectors)
         return vectors.float()
@@ -263,3 +282,12 @@ def _default_dir_or_none() -> Path | None:
         return default_embedding_model_dir().resolve()
     except ModelLoadError:
         return None
+
+
+def _first_batch(order: list[int], lengths: list[int], max_rows: int, max_tokens: int) -> list[int]:
+    """The first rows of ``order`` (longest first) that fit ``max_rows`` rows and ``max_tokens`` padded
+    tokens (rows x the longest); at least one row, however long."""
+    rows = 1
+    while rows < min(max_rows, len(order)) and (rows + 1) * lengths[0] <= max_tokens:
+        rows += 1
+    return order[:rows]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from protoserve.engine.config import EngineConfig, resolve_num_blocks
+from protoserve.engine.execution.compute_gate import CPU_GATE
 from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.kv_cache import PagedKVCache
@@ -106,4 +107,5 @@ class ModelRunner:
         """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""
         lora_slots = self.lora_slots_of(seqs) if self.lora_slots_of is not None else None
         batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots)
-        return self.model(batch, self.kv_cache).float()
+        with CPU_GATE.engine():  # background work (embedding) waits for the forward, not beside it
+            return self.model(batch, self.kv_cache).float()

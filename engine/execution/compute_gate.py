@@ -1,0 +1,77 @@
+"""ComputeGate: whose work runs on the CPU's cores right now, the engine's forward or background work.
+
+The engine's decode loop and the embedding model share a few cores. Run together, each with its own
+OpenMP team, they slow each other down several times over, and every decode step of every stream
+waits on a whole embedding batch: streams stalled for most of a second while documents were being
+indexed. So they take turns instead: background work (embedding) runs in small units (one encoder
+layer over a micro-batch), each unit inside ``background()``; the engine's forward runs inside
+``engine()``. The engine goes first whenever it waits, but after each of its forwards a waiting
+background unit gets one turn, so indexing keeps moving while streams decode, one unit per step,
+and a decode step waits at most one unit. With the engine idle, background work runs back to back.
+
+One gate per process (``CPU_GATE``): every engine and embedding model in a process shares its cores.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# The engine counts as decoding while its last forward started less than this long ago.
+ENGINE_ACTIVE_S = 0.5
+
+
+class ComputeGate:
+    """Mutual exclusion between engine forwards and background units, engine first, alternating."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._engine_waiting = 0
+        self._background_waiting = 0
+        self._background_turn = False  # set when an engine forward ends with background work waiting
+        self._engine_started = float("-inf")  # monotonic time of the last engine forward's start
+
+    def engine_active(self) -> bool:
+        """Whether the engine is decoding now: background work then keeps its units small."""
+        return time.monotonic() - self._engine_started < ENGINE_ACTIVE_S
+
+    @contextmanager
+    def engine(self) -> Iterator[None]:
+        """Hold the cores for one engine forward."""
+        with self._cond:
+            self._engine_waiting += 1
+            while self._busy or (self._background_turn and self._background_waiting):
+                self._cond.wait()
+            self._engine_waiting -= 1
+            self._busy = True
+            self._engine_started = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._background_turn = self._background_waiting > 0
+                self._cond.notify_all()
+
+    @contextmanager
+    def background(self) -> Iterator[None]:
+        """Hold the cores for one small unit of background work."""
+        with self._cond:
+            self._background_waiting += 1
+            while self._busy or (self._engine_waiting and not self._background_turn):
+                self._cond.wait()
+            self._background_waiting -= 1
+            self._busy = True
+            self._background_turn = False
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+CPU_GATE = ComputeGate()
