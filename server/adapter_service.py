@@ -22,8 +22,7 @@ from protoserve.server.admission import AdmittingServicer
 from protoserve.server.auth import Identity
 from protoserve.server.served_model import ServedModel
 from protoserve.v1 import adapters_pb2 as pb
-from protoserve.v1 import adapters_pb2_grpc
-from protoserve.v1 import inference_pb2
+from protoserve.v1 import adapters_pb2_grpc, inference_pb2
 
 if TYPE_CHECKING:
     from protoserve.engine.llm_engine import LLMEngine

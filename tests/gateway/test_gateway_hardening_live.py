@@ -202,7 +202,7 @@ def test_declared_no_op_fields_and_nulls_are_accepted(client, model):
 
 
 @pytest.mark.parametrize(
-    ("method", "path"), [("GET", "/v1/nope"), ("POST", "/v1/embeddings"), ("GET", "/v1/")]
+    ("method", "path"), [("GET", "/v1/nope"), ("POST", "/v1/images/generations"), ("GET", "/v1/")]
 )
 def test_unknown_v1_paths_answer_in_openai_style(http, method, path):
     error = openai_error(http.request(method, path), 404)
@@ -223,7 +223,7 @@ def test_wrong_methods_on_openai_paths_are_405_in_openai_style(http, client):
         response = http.request(method, path)
         assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
-        client.embeddings.create(model="m", input="hi")
+        client.images.generate(prompt="a cat")
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,7 @@ def test_router_picks_route_and_reports_404_405_in_the_likely_style():
         router.resolve("GET", "/v1/chat/unknown")
     assert unknown.value.http_status == 404 and unknown.value.style is ErrorStyle.OPENAI
     with pytest.raises(RoutingError) as unknown:
-        router.resolve("POST", "/v1/embeddings")  # shared by both styles: OpenAI clients need theirs
+        router.resolve("POST", "/v1/images/generations")  # shared by both styles: OpenAI clients need theirs
     assert unknown.value.style is ErrorStyle.OPENAI
     with pytest.raises(RoutingError) as unknown:
         router.resolve("GET", "/nothing/here")  # shares nothing: google.rpc.Status

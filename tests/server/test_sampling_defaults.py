@@ -68,7 +68,9 @@ def tiny_model(tmp_path_factory) -> tuple[Path, int]:
 
 async def serving(model_dir: Path, **defaults: float) -> ServerApp:
     config = ServerConfig(model_path=str(model_dir), port=0, http_port=None, grace_period_s=1.0, progress=False,
-                          quantization="none", sampling_defaults=defaults)
+                          quantization="none", sampling_defaults=defaults,
+                          # Several apps of this module are up at once; a RAG store opens in one at a time.
+                          embeddings=False)
     app = ServerApp(config, auth=Authenticator())
     await app.start()
     await app.load_model()
