@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
+# Most decoding steps a sequence skips drafting after verifications that accepted nothing.
+MAX_SPEC_COOLDOWN = 32
 GrammarState = Literal["open", "complete", "refused"]  # a constrained choice after its latest token
 
 
@@ -297,6 +299,9 @@ class LLMEngine:
             params = self.speculative_params(seq)
             if params is None:
                 continue
+            if seq.spec_cooldown:
+                seq.spec_cooldown -= 1
+                continue
             # Each accepted draft plus the final sampled token is output: never run past max_len.
             room = seq.max_len - seq.num_tokens - 1
             if room < 1:
@@ -336,6 +341,11 @@ class LLMEngine:
         state.stats.spec_num_drafts += 1
         state.stats.spec_draft_tokens += len(drafts)
         state.stats.spec_accepted_tokens += accepted
+        if accepted:
+            seq.spec_misses = 0
+        else:
+            seq.spec_misses += 1
+            seq.spec_cooldown = min(2 ** seq.spec_misses, MAX_SPEC_COOLDOWN)
         if not seq.is_finished:
             self.scheduler.rollback_drafts(seq)
 

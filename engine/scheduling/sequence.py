@@ -64,6 +64,10 @@ class Sequence:
     # computed with the last sampled token, then replaced by what verification accepts. They are
     # never hashed into the prefix cache and never survive the step.
     num_draft_tokens: int = 0
+    # Back-off after verifications that accepted nothing: drafting is skipped for ``spec_cooldown``
+    # more steps, doubling with each miss in a row (text that does not repeat stops paying for drafts).
+    spec_misses: int = 0
+    spec_cooldown: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -7,8 +7,8 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from protoserve.server.sampling_mapping import speculative_from_proto
 from protoserve.engine.speculative.params import SpeculativeParams
+from protoserve.server.sampling_mapping import speculative_from_proto
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 
@@ -47,9 +47,10 @@ async def _violations(target: str, request: pb.GenerateRequest) -> set[str]:
 
 async def test_generate_with_speculation_same_tokens_and_stats(inproc_server):
     sampling = pb.SamplingParams(max_tokens=24, temperature=0)
-    plain = await _generate(inproc_server.grpc_target, pb.GenerateRequest(prompt=COPY, sampling=sampling))
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content=COPY)])
+    plain = await _generate(inproc_server.grpc_target, pb.GenerateRequest(chat=chat, sampling=sampling))
     spec = await _generate(inproc_server.grpc_target, pb.GenerateRequest(
-        prompt=COPY, sampling=sampling, speculative=pb.SpeculativeOptions(num_speculative_tokens=4)))
+        chat=chat, sampling=sampling, speculative=pb.SpeculativeOptions(num_speculative_tokens=4)))
     assert list(spec.choices[0].token_ids) == list(plain.choices[0].token_ids)
     assert spec.stats.spec_draft_tokens > 0 and spec.stats.spec_num_drafts > 0
     assert 0 < spec.stats.spec_accepted_tokens <= spec.stats.spec_draft_tokens

@@ -207,3 +207,18 @@ def test_refusals_name_the_field(spec_tiny_loaded):
     assert "speculative" in str(exc.value) and "constraint" in str(exc.value)
     with pytest.raises(ValueError, match="speculative.method"):
         LLMEngine(spec_tiny_loaded, EngineConfig(max_kv_blocks=8, speculative=SpeculativeParams(method="medusa")))
+
+
+def test_drafts_back_off_while_nothing_is_accepted(spec_tiny_loaded):
+    """Every draft wrong: output unchanged, and drafting backs off (1, 2, 4, ... steps skipped) instead of
+    paying for k wasted positions each step."""
+    req = TokenizedRequest("w", list(b"backoff"), SamplingParams(max_tokens=60, temperature=0.0))
+    [want], ref = reference(spec_tiny_loaded, [req])
+    eng = engine(spec_tiny_loaded)
+    eng.proposer = OracleProposer(ref, corrupt=1)
+    [got] = LLM(engine=eng).run(speculative([req]))
+    assert tokens(got) == tokens(want)
+    s = got.stats
+    assert s.spec_accepted_tokens == 0
+    # Verifications at decode steps 1, 4, 9, 18, 35: each miss doubles the skip (2, 4, 8, 16, ...).
+    assert s.spec_num_drafts == 5, s
