@@ -160,7 +160,7 @@ class AdapterStack:
                 try:
                     adapter = load_adapter(name, entry.path, self.config, self.dtype)
                 except AdapterError as exc:  # the files changed or vanished since it was loaded
-                    raise InvalidRequestError([("adapter", f"adapter {name!r} could not be read back: {exc}")])
+                    raise InvalidRequestError([("adapter", f"adapter {name!r} could not be read back: {exc}")]) from None
                 if adapter.digest != entry.digest:
                     raise InvalidRequestError([("adapter", f"adapter {name!r} changed on disk since it was loaded; "
                                                            "load it again")])

@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from protoserve.v1 import adapters_pb2 as apb
-from protoserve.v1 import adapters_pb2_grpc
+from protoserve.v1 import adapters_pb2_grpc, inference_pb2_grpc
 from protoserve.v1 import inference_pb2 as pb
-from protoserve.v1 import inference_pb2_grpc
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers.
 SHAPES = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
