@@ -121,15 +121,18 @@ def test_a_two_tool_step_runs_its_tools_concurrently_and_the_agent_answers(stub)
             sampling=pb.SamplingParams(temperature=0.8, seed=seed, max_tokens=120),
         )
         calls = [e for e in events if e.step == 1 and e.WhichOneof("event") == "tool_call"]
-        if len(calls) >= 2:
+        results = [e for e in events if e.step == 1 and e.WhichOneof("event") == "tool_result"]
+        # Two calls that both ran (a call can still fail, e.g. a repeated id or a tool error).
+        if len([r for r in results if not r.tool_result.is_error]) >= 2:
             break
     else:
         pytest.fail("no seed gave two calls in the first step")
-    results = [e for e in events if e.step == 1 and e.WhichOneof("event") == "tool_result"]
     assert {r.tool_result.id for r in results} == {c.tool_call.id for c in calls}
-    assert all(not r.tool_result.is_error and r.duration_s >= 1.0 for r in results), results
+    ran = [r for r in results if not r.tool_result.is_error]
+    assert all(r.duration_s >= 1.0 for r in ran), ran
     # Each tool sleeps 1 s: one after the other, the step's tools would take 2 s or more.
-    tools_s = max(r.elapsed_s for r in results) - min(c.elapsed_s for c in calls)
+    started = min(c.elapsed_s for c in calls if c.tool_call.id in {r.tool_result.id for r in ran})
+    tools_s = max(r.elapsed_s for r in ran) - started
     assert tools_s < 1.5, tools_s
     answer = events[-1]
     assert answer.WhichOneof("event") == "answer" and answer.answer.steps >= 2
