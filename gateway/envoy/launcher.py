@@ -40,6 +40,7 @@ DEFAULT_SERVICES = (
     "protoserve.v1.EmbeddingService",
     "protoserve.v1.RagService",
     "protoserve.v1.AgentService",
+    "protoserve.v1.AdapterService",
 )
 
 
