@@ -42,6 +42,10 @@ class EngineConfig:
     # Speculative decoding for requests that leave SamplingParams.speculative unset and have no
     # constraint (a constrained request may not opt in); None: off unless a request asks.
     speculative: SpeculativeParams | None = None
+    # A draft model for speculative method "draft": a checkpoint path, or "default" for the default
+    # model, loaded with speculative_model_quantization; it must share the target's vocabulary.
+    speculative_model: str | None = None
+    speculative_model_quantization: str = "int4"
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""
@@ -65,6 +69,8 @@ class EngineConfig:
             raise ValueError("priority_aging_steps must be non-negative")
         for field, problem in self.speculative.validate() if self.speculative is not None else []:
             raise ValueError(f"{field} {problem}")
+        if self.speculative is not None and self.speculative.method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative.method \"draft\" needs speculative_model")
 
 
 def resolve_num_blocks(config: EngineConfig, block_bytes: int) -> int:

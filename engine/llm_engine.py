@@ -36,6 +36,7 @@ from protoserve.engine.sampling.stop_checker import check_token_stop
 from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from protoserve.engine.scheduling.sequence import Sequence
+from protoserve.engine.speculative.draft_model import DraftModelProposer
 from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.engine.speculative.proposer import NgramProposer, Proposer
 from protoserve.engine.stats import EngineStats
@@ -84,6 +85,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         self.proposer: Proposer = NgramProposer()
+        self.draft_proposer: DraftModelProposer | None = None  # set by enable_draft_model
         self.model_config = loaded.config
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
         self.num_parameters = loaded.num_parameters
@@ -126,7 +128,20 @@ class LLMEngine:
         config = config or EngineConfig()
         loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
                             deterministic=config.deterministic)
-        return cls(loaded, config)
+        engine = cls(loaded, config)
+        if config.speculative_model is not None:
+            path = None if config.speculative_model == "default" else config.speculative_model
+            engine.enable_draft_model(load_model(path, dtype=dtype, quantization=config.speculative_model_quantization,
+                                                 progress=progress, deterministic=config.deterministic,
+                                                 load_tokenizer=False))
+        return engine
+
+    def enable_draft_model(self, draft: LoadedModel) -> None:
+        """Serve speculative method "draft" with ``draft`` (same vocabulary), its KV pool as large as ours."""
+        if draft.config.vocab_size != self.vocab_size:
+            raise ValueError(f"speculative_model has a vocabulary of {draft.config.vocab_size} tokens, the model "
+                             f"{self.vocab_size}: a draft model must share the target's tokenizer")
+        self.draft_proposer = DraftModelProposer(draft, self.config.block_size, self.runner.num_blocks)
 
     def enable_lora(self, max_loras: int) -> AdapterStack:
         """Serve LoRA adapters from ``max_loras`` slots (engine/lora); returns the stack to load them into."""
@@ -156,6 +171,10 @@ class LLMEngine:
         elif any(not 0 <= t < self.vocab_size for t in prompt):
             bad.append(("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})"))
         bad.extend(adapter_problems(self.adapters, request.adapter))
+        spec = sp.speculative
+        if spec is not None and spec.method == "draft" and self.draft_proposer is None:
+            bad.append(("speculative.method", "\"draft\" needs a draft model, and this server has none "
+                                              "(serve --speculative-model)"))
         if sp.n > self.config.max_num_seqs:  # its choices could never run together
             bad.append(("n", f"must not exceed the engine's max_num_seqs ({self.config.max_num_seqs})"))
         if bad:
@@ -293,6 +312,7 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Draft for every running sequence about to decode (one uncomputed token) with speculation on."""
+        by_model: list[tuple[Sequence, int]] = []
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens != 1 or seq.num_pending_forks:
                 continue
@@ -306,9 +326,18 @@ class LLMEngine:
             room = seq.max_len - seq.num_tokens - 1
             if room < 1:
                 continue
+            if params.method == "draft":  # refused at admission when there is no draft model
+                if self.draft_proposer is not None:
+                    by_model.append((seq, min(params.num_speculative_tokens, room)))
+                continue
             drafts = self.proposer.propose(seq, params, room)
             if drafts:
                 seq.add_drafts(drafts[:room])
+        if self.draft_proposer is not None and (by_model or self.draft_proposer.states):
+            live = {s.seq_id for s in self.scheduler.running}
+            for (seq, _), drafts in zip(by_model, self.draft_proposer.propose_batch(by_model, live), strict=True):
+                if drafts:
+                    seq.add_drafts(drafts)
 
     def _verify(self, seq: Sequence, rows: torch.Tensor) -> None:
         """Emit the tokens verification keeps from a draft row's logits ``[1 + drafts, vocab]``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "off")
+METHODS = ("ngram", "draft", "off")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per step; more mostly adds rejected work
 MAX_NGRAM = 16
 
@@ -12,8 +12,9 @@ MAX_NGRAM = 16
 @dataclass(frozen=True)
 class SpeculativeParams:
     """``method="ngram"`` drafts up to ``num_speculative_tokens`` tokens per step by prompt lookup with
-    suffix sizes ``prompt_lookup_max`` down to ``prompt_lookup_min`` (vLLM's names); ``"off"`` decodes
-    one token per step (a request may turn off a server default this way)."""
+    suffix sizes ``prompt_lookup_max`` down to ``prompt_lookup_min`` (vLLM's names); ``"draft"`` drafts
+    them with the engine's draft model (``EngineConfig.speculative_model``); ``"off"`` decodes one
+    token per step (a request may turn off a server default this way)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

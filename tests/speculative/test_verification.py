@@ -222,3 +222,40 @@ def test_drafts_back_off_while_nothing_is_accepted(spec_tiny_loaded):
     assert s.spec_accepted_tokens == 0
     # Verifications at decode steps 1, 4, 9, 18, 35: each miss doubles the skip (2, 4, 8, 16, ...).
     assert s.spec_num_drafts == 5, s
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_draft(spec_tiny_loaded):
+    """The tiny model's own weights at int4: close to the target, not equal (some drafts miss)."""
+    from protoserve.engine.loader.load import load_model
+
+    return load_model(str(spec_tiny_loaded.source), dtype="float32", quantization="int4", progress=False,
+                      load_tokenizer=False)
+
+
+def test_draft_model_drafts_change_no_token(spec_tiny_loaded, tiny_int4_draft):
+    reqs = varied_requests(10, seed=2)
+    ref_done, _ = reference(spec_tiny_loaded, reqs)
+    eng = engine(spec_tiny_loaded, max_num_batched_tokens=32)
+    eng.enable_draft_model(tiny_int4_draft)
+    draft = SpeculativeParams(method="draft", num_speculative_tokens=4)
+    done = LLM(engine=eng).run([replace(r, request_id=r.request_id + "-spec",
+                                        sampling=replace(r.sampling, speculative=draft)) for r in reqs])
+    for r, a, b in zip(reqs, ref_done, done, strict=True):
+        assert tokens(a) == tokens(b), r.request_id
+        assert [ch.logprobs for ch in a.choices] == [ch.logprobs for ch in b.choices], r.request_id
+    stats = eng.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    eng.step()  # the next step frees the draft model's K/V of finished sequences
+    assert not eng.draft_proposer.states
+    assert eng.draft_proposer.blocks.num_free_blocks == eng.draft_proposer.blocks.num_blocks
+
+
+def test_draft_method_needs_a_draft_model(spec_tiny_loaded):
+    eng = engine(spec_tiny_loaded)
+    sp = SamplingParams(speculative=SpeculativeParams(method="draft"))
+    with pytest.raises(InvalidRequestError, match="speculative.method"):
+        eng.add_request(TokenizedRequest("d", [1, 2], sp))
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        EngineConfig(speculative=SpeculativeParams(method="draft")).validate()
