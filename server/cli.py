@@ -119,10 +119,16 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if getattr(args, "no_deterministic", False):
         config.deterministic = False
     k = getattr(args, "speculative_ngram", None)
+    draft = getattr(args, "speculative_model", None)
+    if k is not None and draft is not None:
+        raise CliError("give --speculative-ngram or --speculative-model, not both: each sets the default method")
     if k is not None:
         config.speculative = SpeculativeParams(num_speculative_tokens=k)
         for _, problem in config.speculative.validate():
             raise CliError(f"--speculative-ngram {problem}")
+    if draft is not None:
+        config.speculative_model = draft
+        config.speculative = SpeculativeParams(method="draft")
     try:
         config.validate()
     except ValueError as exc:
@@ -165,6 +171,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding by prompt lookup for requests that leave GenerateRequest.speculative unset "
         "(and have no constraint): draft up to K tokens (1-16) per step from the prompt and output, verify them "
         "in one forward; output is unchanged [off]",
+    )
+    parser.add_argument(
+        "--speculative-model",
+        metavar="PATH",
+        help="draft model for speculative decoding (same tokenizer; 'default' for the default model), loaded "
+        "int4; requests that leave GenerateRequest.speculative unset draft 4 tokens a step with it [none]",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     parser.add_argument(

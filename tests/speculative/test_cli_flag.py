@@ -14,3 +14,10 @@ def test_speculative_ngram_flag_sets_the_engine_default():
     assert config.speculative == SpeculativeParams(num_speculative_tokens=6)
     with pytest.raises(CliError, match=r"--speculative-ngram must be in \[1, 16\]"):
         _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "0"]))
+
+
+def test_speculative_model_flag_loads_a_draft_and_makes_it_the_default():
+    config = _engine_config(build_parser().parse_args(["serve", "--speculative-model", "default"]))
+    assert config.speculative_model == "default" and config.speculative == SpeculativeParams(method="draft")
+    with pytest.raises(CliError, match="not both"):
+        _engine_config(build_parser().parse_args(["serve", "--speculative-model", "x", "--speculative-ngram", "3"]))
