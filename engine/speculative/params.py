@@ -18,7 +18,7 @@ class SpeculativeParams:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2  # 1-token matches in free text draft mostly wrong tokens
     prompt_lookup_max: int = 3
 
     @property
