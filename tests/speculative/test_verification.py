@@ -69,7 +69,7 @@ def speculative(requests: list[TokenizedRequest]) -> list[TokenizedRequest]:
 
 
 def varied_requests(count: int, seed: int = 0) -> list[TokenizedRequest]:
-    """Greedy and seeded rows with penalties, bias, min_tokens, logprobs and n > 1 mixed in."""
+    """Greedy and seeded rows with penalties, bias, min_tokens, logprobs, Mirostat and n > 1 mixed in."""
     rng = random.Random(seed)
     reqs = []
     for i in range(count):
@@ -83,6 +83,8 @@ def varied_requests(count: int, seed: int = 0) -> list[TokenizedRequest]:
             sp = replace(sp, min_tokens=5, logit_bias={65: 3.0})
         if i % 5 == 2:
             sp = replace(sp, n=3)
+        if i % 7 == 3 and i % 2:  # sampled rows only: Mirostat's mu must move once per emitted token
+            sp = replace(sp, mirostat_mode=2, top_k=0, top_p=1.0)
         reqs.append(TokenizedRequest(f"r{i}", prompt, sp))
     return reqs
 
