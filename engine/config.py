@@ -46,6 +46,9 @@ class EngineConfig:
     # model, loaded with speculative_model_quantization; it must share the target's vocabulary.
     speculative_model: str | None = None
     speculative_model_quantization: str = "int4"
+    # No drafting in steps that start with more running sequences than this (vLLM's
+    # disable_by_batch_size): batched decode already uses the compute a verification would.
+    speculative_disable_by_batch_size: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ValueError("priority_aging_steps must be non-negative")
         for field, problem in self.speculative.validate() if self.speculative is not None else []:
             raise ValueError(f"{field} {problem}")
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size must be at least 1")
         if self.speculative is not None and self.speculative.method == "draft" and self.speculative_model is None:
             raise ValueError("speculative.method \"draft\" needs speculative_model")
 

@@ -313,6 +313,9 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Draft for every running sequence about to decode (one uncomputed token) with speculation on."""
         by_model: list[tuple[Sequence, int]] = []
+        limit = self.config.speculative_disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens != 1 or seq.num_pending_forks:
                 continue

@@ -21,3 +21,13 @@ def test_speculative_model_flag_loads_a_draft_and_makes_it_the_default():
     assert config.speculative_model == "default" and config.speculative == SpeculativeParams(method="draft")
     with pytest.raises(CliError, match="not both"):
         _engine_config(build_parser().parse_args(["serve", "--speculative-model", "x", "--speculative-ngram", "3"]))
+
+
+def test_disable_by_batch_size_flag():
+    assert _engine_config(build_parser().parse_args(["serve"])).speculative_disable_by_batch_size is None
+    draft = _engine_config(build_parser().parse_args(["serve", "--speculative-model", "default"]))
+    assert draft.speculative_disable_by_batch_size == 1
+    args = ["serve", "--speculative-ngram", "4", "--speculative-disable-by-batch-size", "8"]
+    assert _engine_config(build_parser().parse_args(args)).speculative_disable_by_batch_size == 8
+    with pytest.raises(CliError, match="at least 1"):
+        _engine_config(build_parser().parse_args(["serve", "--speculative-disable-by-batch-size", "0"]))

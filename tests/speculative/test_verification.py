@@ -261,3 +261,16 @@ def test_draft_method_needs_a_draft_model(spec_tiny_loaded):
         eng.add_request(TokenizedRequest("d", [1, 2], sp))
     with pytest.raises(ValueError, match="needs speculative_model"):
         EngineConfig(speculative=SpeculativeParams(method="draft")).validate()
+
+
+def test_no_drafts_above_the_batch_size_limit(spec_tiny_loaded):
+    reqs = [TokenizedRequest(f"b{i}", [20 + i] * 8, SamplingParams(max_tokens=12, temperature=0.0)) for i in range(3)]
+    ref_done, ref = reference(spec_tiny_loaded, reqs)
+    busy = engine(spec_tiny_loaded, speculative_disable_by_batch_size=2)
+    busy.proposer = OracleProposer(ref)
+    assert [tokens(c) for c in LLM(engine=busy).run(speculative(reqs))] == [tokens(c) for c in ref_done]
+    assert busy.stats().spec_decode_num_drafts == 0  # three running all along
+    roomy = engine(spec_tiny_loaded, speculative_disable_by_batch_size=3)
+    roomy.proposer = OracleProposer(ref)
+    LLM(engine=roomy).run(speculative(reqs))
+    assert roomy.stats().spec_decode_num_drafts > 0
