@@ -52,6 +52,11 @@ USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 INPUT_MESSAGES = "gen_ai.input.messages"
 OUTPUT_MESSAGES = "gen_ai.output.messages"
 ENGINE_REQUEST_ID = "protoserve.engine.request_id"
+# Speculative decoding's counts for the request (set only when it drafted): drafts verified, tokens
+# drafted, tokens accepted; acceptance rate = accepted / drafted.
+SPEC_NUM_DRAFTS = "protoserve.spec_decode.num_drafts"
+SPEC_DRAFT_TOKENS = "protoserve.spec_decode.num_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "protoserve.spec_decode.num_accepted_tokens"
 
 TEXT_COMPLETION = "text_completion"
 CHAT = "chat"
@@ -163,6 +168,14 @@ class RequestSpan:
                     USAGE_CACHE_READ_INPUT_TOKENS: stats.cached_prompt_tokens,
                 }
             )
+            if stats.spec_num_drafts:
+                self.span.set_attributes(
+                    {
+                        SPEC_NUM_DRAFTS: stats.spec_num_drafts,
+                        SPEC_DRAFT_TOKENS: stats.spec_draft_tokens,
+                        SPEC_ACCEPTED_TOKENS: stats.spec_accepted_tokens,
+                    }
+                )
             if self.capture_content:
                 messages = [
                     {

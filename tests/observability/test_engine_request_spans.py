@@ -73,3 +73,28 @@ def test_untraced_requests_make_no_spans(loaded, tracing):
     [completion] = LLM(engine=engine).run([TokenizedRequest("plain", [1, 2, 3], SamplingParams(max_tokens=3))])
     assert completion.choices[0].token_ids
     assert exporter.get_finished_spans() == ()
+
+
+def test_a_speculative_requests_span_carries_its_draft_counts(loaded, tracing):
+    from protoserve.engine.speculative.params import SpeculativeParams
+
+    class AlwaysDrafts:
+        """Drafts two fixed tokens every step: some are accepted or not, but every step verifies a draft."""
+
+        def propose(self, seq, params, max_drafts):
+            return [3, 4][:max_drafts]
+
+    tracer, exporter = tracing
+    engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=64))
+    engine.proposer = AlwaysDrafts()
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                              speculative=SpeculativeParams(num_speculative_tokens=2))
+    request = TokenizedRequest("s", [1, 2, 3, 4, 5], sampling,
+                               trace=RequestTrace(tracer, None, model="tiny", response_id="spec"))
+    [completion] = LLM(engine=engine).run([request])
+    [span] = exporter.get_finished_spans()
+    stats = completion.stats
+    assert stats.spec_num_drafts > 0 and stats.spec_draft_tokens >= stats.spec_num_drafts
+    assert span.attributes["protoserve.spec_decode.num_drafts"] == stats.spec_num_drafts
+    assert span.attributes["protoserve.spec_decode.num_draft_tokens"] == stats.spec_draft_tokens
+    assert span.attributes["protoserve.spec_decode.num_accepted_tokens"] == stats.spec_accepted_tokens
