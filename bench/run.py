@@ -31,7 +31,7 @@ from bench.profile import PROFILES, Profile
 from bench.report import format_table, json_lines
 from bench.roofline import LinearWork, RooflineInputs, roofline_figures
 from bench.runner import Step, run_steps
-from bench.sections import constrained, decode, isolation, lora, offline, prefill, rag, serving
+from bench.sections import constrained, decode, isolation, lora, offline, prefill, rag, serving, speculative
 from bench.targets import targets_for
 
 SECTIONS = {
@@ -43,6 +43,7 @@ SECTIONS = {
     "constrained": constrained.steps,
     "rag": rag.steps,
     "lora": lora.steps,
+    "speculative": speculative.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")
