@@ -2,7 +2,7 @@
 
     python -m bench.run                    # default run: a few minutes on 2 cores
     python -m bench.run --full             # the thorough run
-    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, constrained, rag)
+    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, constrained, rag, speculative, lora)
     python -m bench.run --json-out r.json  # also write every figure (and the run's metadata) here
 
 Prints a table, then one JSON line per figure, on stdout; progress goes to
