@@ -16,7 +16,7 @@ from bench.load_result import LoadResult
 from bench.timeline import RequestTimeline
 from bench.transports import Transport
 from bench.workload import RequestSpec
-from protoserve.server.event_loop import loop_factory
+from protoserve.server.runtime.event_loop import loop_factory
 
 T = TypeVar("T")
 

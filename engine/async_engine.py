@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from protoserve.engine.config import EngineConfig
 from protoserve.engine.errors import EngineError, EngineStoppedError, InvalidRequestError, QueueFullError
 from protoserve.engine.llm_engine import AdmittedRequest, LLMEngine
+from protoserve.engine.lora.stack import AdapterStack
 from protoserve.engine.request import RequestOutput, TokenizedRequest
 from protoserve.engine.stats import EngineStats
 
@@ -56,6 +57,11 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+
+    @property
+    def adapters(self) -> AdapterStack | None:
+        """The engine's LoRA adapters (engine/lora), None when it serves none."""
+        return self.engine.adapters
 
     @classmethod
     def from_pretrained(

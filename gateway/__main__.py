@@ -1,6 +1,6 @@
 """``python -m protoserve.gateway --grpc-target HOST:PORT``: run the REST/JSON gateway on its own.
 
-Tracing follows the standard ``OTEL_*`` variables (see server.tracing_setup);
+Tracing follows the standard ``OTEL_*`` variables (see server.observability.tracing_setup);
 ``GET /metrics`` serves the gateway's own HTTP metrics, since the engine's
 live in the server process (``protoserve serve --metrics-port``).
 """
@@ -41,7 +41,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The SDK setup is shared with the server CLI; imported here only, so the
     # gateway library itself depends on the OpenTelemetry API alone.
-    from protoserve.server.tracing_setup import configure_tracing
+    from protoserve.server.observability.tracing_setup import configure_tracing
 
     try:
         configure_tracing("protoserve-gateway")

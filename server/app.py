@@ -27,32 +27,32 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protoserve.engine.config import EngineConfig
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
 from protoserve.server import exit_codes
-from protoserve.server.adapter_service import AdapterService, load_startup_adapters
 from protoserve.server.agent.service import AgentService
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryError
-from protoserve.server.auth import Authenticator
-from protoserve.server.embeddings import EmbeddingService, Retrieval, ServedEmbedder
-from protoserve.server.event_loop import loop_name
-from protoserve.server.health import Readiness
-from protoserve.server.identity_secret import default_data_dir
-from protoserve.server.inference_service import InferenceService
-from protoserve.server.inflight import InflightRequests
+from protoserve.server.calls.inflight import InflightRequests
+from protoserve.server.calls.request_decoding import RequestDecodingInterceptor
+from protoserve.server.calls.request_scope import RequestScopeInterceptor
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
-from protoserve.server.metrics import ServerMetrics
-from protoserve.server.metrics_http import MetricsHttpServer
-from protoserve.server.metrics_service import MetricsService
-from protoserve.server.model_registry import ModelRegistry
-from protoserve.server.openai_service import OpenAIService
-from protoserve.server.ports import PortUnavailable, check_can_listen
+from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.models.sampling_mapping import served_defaults
+from protoserve.server.models.served_model import ModelCard, ServedModel
+from protoserve.server.observability.metrics import ServerMetrics
+from protoserve.server.observability.metrics_http import MetricsHttpServer
+from protoserve.server.observability.telemetry import Telemetry, installed_tracer_provider
+from protoserve.server.observability.usage import UsageLedger
 from protoserve.server.rag.service import RagService
-from protoserve.server.rate_limit import RateLimiter
-from protoserve.server.reflection import enable_reflection
-from protoserve.server.request_decoding import RequestDecodingInterceptor
-from protoserve.server.request_scope import RequestScopeInterceptor
-from protoserve.server.sampling_mapping import served_defaults
-from protoserve.server.served_model import ModelCard, ServedModel
-from protoserve.server.telemetry import Telemetry, installed_tracer_provider
-from protoserve.server.usage import UsageLedger
+from protoserve.server.runtime.event_loop import loop_name
+from protoserve.server.runtime.health import Readiness
+from protoserve.server.runtime.ports import PortUnavailable, check_can_listen
+from protoserve.server.runtime.reflection import enable_reflection
+from protoserve.server.security.auth import Authenticator
+from protoserve.server.security.identity_secret import default_data_dir
+from protoserve.server.security.rate_limit import RateLimiter
+from protoserve.server.services.adapter_service import AdapterService, load_startup_adapters
+from protoserve.server.services.embeddings import EmbeddingService, Retrieval, ServedEmbedder
+from protoserve.server.services.inference_service import InferenceService
+from protoserve.server.services.metrics_service import MetricsService
+from protoserve.server.services.openai_service import OpenAIService
 from protoserve.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -126,10 +126,10 @@ class ServerConfig:
     api_keys_file: str | None = None
     admin_keys_file: str | None = None  # admin keys are API keys that also see every identity's usage
     data_dir: str | None = (
-        None  # the identity secret and RAG's documents; None: server.identity_secret's default
+        None  # the identity secret and RAG's documents; None: server.security.identity_secret's default
     )
     identity_secret_file: str | None = None  # the identity secret itself, instead of the data dir's
-    rate_limit_rpm: int = 0  # requests per minute per caller (server.rate_limit); 0: no limit
+    rate_limit_rpm: int = 0  # requests per minute per caller (server.security.rate_limit); 0: no limit
     rate_limit_tpm: int = 0  # tokens per minute per caller; 0: no limit
     rate_limits_file: str | None = None  # per-API-key overrides (TOML)
     cors_origins: tuple[str, ...] = ()  # origins the REST gateway allows cross-origin ("*": any); (): no CORS
@@ -213,7 +213,7 @@ class ServerApp:
         interceptors: list[Any] = []
         if self.telemetry.tracer_provider is not None:
             # Imported only when tracing: the instrumentation is not free to import.
-            from protoserve.server.grpc_tracing import tracing_interceptors
+            from protoserve.server.observability.grpc_tracing import tracing_interceptors
 
             interceptors += tracing_interceptors(self.telemetry.tracer_provider)
         interceptors.append(RequestDecodingInterceptor())  # outside the request scope, which reads requests

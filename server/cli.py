@@ -22,10 +22,10 @@ from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.server import exit_codes
 from protoserve.server.app import HttpGatewayStarter, ServerConfig, serve
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
-from protoserve.server.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
-from protoserve.server.sampling_mapping import default_problems
-from protoserve.server.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
+from protoserve.server.models.sampling_mapping import default_problems
+from protoserve.server.models.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
+from protoserve.server.runtime.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
 from protoserve.server.tool_calls.parsers import FORMATS
 
 log = logging.getLogger("protoserve")
@@ -509,8 +509,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         loras=tuple(args.lora),
         max_loras=args.max_loras,
     )
-    from protoserve.server.request_log import use_json_lines
-    from protoserve.server.tracing_setup import configure_tracing
+    from protoserve.server.observability.request_log import use_json_lines
+    from protoserve.server.observability.tracing_setup import configure_tracing
 
     # Before the server starts: ServerApp and the gateway pick up the installed provider.
     try:

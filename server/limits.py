@@ -20,7 +20,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 # protobuf's decoder (upb) refuses a message whose messages nest deeper than this below the
 # top-level one; not ours to change. Such a request, like any undecodable one, is refused with
-# INVALID_ARGUMENT (server/request_decoding.py). In JSON, each array level of a free-form field
+# INVALID_ARGUMENT (server/calls/request_decoding.py). In JSON, each array level of a free-form field
 # (``prompt``, ``stop``, ``content``) takes 2 levels, each object level 3.
 MAX_MESSAGE_DEPTH = 100
 

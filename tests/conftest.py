@@ -284,8 +284,8 @@ class InProcessServer:
         from protoserve.engine.config import EngineConfig
         from protoserve.engine.loader.default_model import default_model_path
         from protoserve.server.app import ServerApp, ServerConfig
-        from protoserve.server.auth import Authenticator
-        from protoserve.server.served_model import ModelCard
+        from protoserve.server.models.served_model import ModelCard
+        from protoserve.server.security.auth import Authenticator
 
         path = default_model_path()
         config = EngineConfig(max_num_seqs=2, max_queue=2)

@@ -21,7 +21,6 @@ from google.protobuf import json_format
 from protoserve.engine.request import FinishReason, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.server import errors
-from protoserve.server.admission import AdmittingServicer
 from protoserve.server.agent.loop import (
     DEFAULT_MAX_STEPS,
     DEFAULT_TIMEOUT_S,
@@ -39,13 +38,14 @@ from protoserve.server.agent.loop import (
     run_agent,
 )
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolSelectionError
-from protoserve.server.auth import Identity
-from protoserve.server.embeddings import Retrieval
-from protoserve.server.inference_service import call_deadline
-from protoserve.server.inflight import Call
+from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.calls.inflight import Call
 from protoserve.server.limits import MAX_CHAT_MESSAGES
+from protoserve.server.models.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
 from protoserve.server.rag.search_tool import search_tool
-from protoserve.server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.security.auth import Identity
+from protoserve.server.services.embeddings import Retrieval
+from protoserve.server.services.inference_service import call_deadline
 from protoserve.server.tool_calls.call import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from protoserve.server.tool_calls.parsers import parse_output
 from protoserve.server.tool_calls.request import ToolPlan, tool_constraint

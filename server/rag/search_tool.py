@@ -10,8 +10,8 @@ import asyncio
 from typing import Any
 
 from protoserve.server.agent.tool_registry import FunctionTool
-from protoserve.server.embeddings import Retrieval
 from protoserve.server.errors import ServiceError
+from protoserve.server.services.embeddings import Retrieval
 from protoserve.server.tool_calls.call import ToolSpec
 
 SPEC = ToolSpec(

@@ -19,10 +19,7 @@ import grpc
 from protoserve.engine.request import TokenizedRequest
 from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.server import errors
-from protoserve.server.admission import AdmittingServicer
-from protoserve.server.auth import Identity
-from protoserve.server.embeddings import Retrieval, ServedEmbedder
-from protoserve.server.inference_service import call_deadline
+from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.limits import (
     MAX_DOCUMENT_BYTES,
     MAX_DOCUMENT_ID_CHARS,
@@ -33,13 +30,16 @@ from protoserve.server.limits import (
     MAX_RAG_CONTEXT_CHUNKS,
     MAX_SEARCH_TOP_K,
 )
-from protoserve.server.served_model import (
+from protoserve.server.models.served_model import (
     FINISH_REASONS,
     ChatTurn,
     CollectedOutput,
     ServedModel,
     new_request_id,
 )
+from protoserve.server.security.auth import Identity
+from protoserve.server.services.embeddings import Retrieval, ServedEmbedder
+from protoserve.server.services.inference_service import call_deadline
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import rag_pb2 as rpb
 from protoserve.v1 import rag_pb2_grpc

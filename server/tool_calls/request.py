@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_TOOLS
-from protoserve.server.sampling_mapping import json_text
+from protoserve.server.models.sampling_mapping import json_text
 from protoserve.server.tool_calls.call import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from protoserve.server.tool_calls.forcing import auto_strict_grammar, forced_grammar
 from protoserve.server.tool_calls.parsers import ToolCallFormat

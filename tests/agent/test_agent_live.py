@@ -129,7 +129,7 @@ def test_a_two_tool_step_runs_its_tools_concurrently_and_the_agent_answers(stub)
         pytest.fail("no seed gave two calls in the first step")
     assert {r.tool_result.id for r in results} == {c.tool_call.id for c in calls}
     ran = [r for r in results if not r.tool_result.is_error]
-    assert all(r.duration_s >= 1.0 for r in ran), ran
+    assert all(r.duration_s >= 0.95 for r in ran), ran  # asyncio.sleep(1) may wake a hair early
     # Each tool sleeps 1 s: one after the other, the step's tools would take 2 s or more.
     started = min(c.elapsed_s for c in calls if c.tool_call.id in {r.tool_result.id for r in ran})
     tools_s = max(r.elapsed_s for r in ran) - started

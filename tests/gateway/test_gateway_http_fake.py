@@ -278,6 +278,7 @@ def test_path_variables_response_body_and_get_routes(http, fake_backend):
         "object": "model",
         "created": 1,
         "owned_by": "protoserve",
+        "parent": None,  # a base model: vLLM's null (an adapter names its base model here)
     }
     assert http.get("/v1/models/nope").status_code == 404
     assert http.get("/v1/inference/models/fake").json()["model"]["name"] == "fake"

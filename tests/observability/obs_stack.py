@@ -152,8 +152,8 @@ class ObsStack:
     async def start_app(self, **config: Any) -> Any:
         """Another ServerApp (auth on, traced) on the same engine; ``config`` overrides ServerConfig fields."""
         from protoserve.server.app import ServerApp, ServerConfig
-        from protoserve.server.auth import Authenticator
-        from protoserve.server.served_model import ModelCard
+        from protoserve.server.models.served_model import ModelCard
+        from protoserve.server.security.auth import Authenticator
 
         server_config = ServerConfig(port=0, http_port=None, grace_period_s=1.0, **config)
         app = ServerApp(server_config, auth=Authenticator(API_KEYS), tracer_provider=self.provider)

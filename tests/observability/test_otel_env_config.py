@@ -24,8 +24,8 @@ import pytest
 from obs_stack import parse_metrics, sample
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from protoserve.server.grpc_tracing import traced_calls_filter
-from protoserve.server.tracing_setup import (
+from protoserve.server.observability.grpc_tracing import traced_calls_filter
+from protoserve.server.observability.tracing_setup import (
     build_tracer_provider,
     otlp_protocol,
     requested_exporters,
@@ -99,7 +99,7 @@ def test_tracing_off_imports_no_sdk():
     """With no OTEL_* settings, configuring tracing and building the server load no SDK."""
     code = (
         "import sys\n"
-        "from protoserve.server.tracing_setup import configure_tracing\n"
+        "from protoserve.server.observability.tracing_setup import configure_tracing\n"
         "from protoserve.server.app import ServerApp, ServerConfig\n"
         "assert configure_tracing() is None\n"
         "app = ServerApp(ServerConfig())\n"

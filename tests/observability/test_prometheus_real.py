@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from protoserve.server.metrics import TOKEN_LATENCY_BUCKETS
+from protoserve.server.observability.metrics import TOKEN_LATENCY_BUCKETS
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from obs_stack import API_KEYS, MODEL_NAME, auth_headers, grpc_metadata
 
-from protoserve.server.request_log import LOGGER_NAME
-from protoserve.server.request_scope import operation_of
+from protoserve.server.calls.request_scope import operation_of
+from protoserve.server.observability.request_log import LOGGER_NAME
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from protoserve.server.event_loop import EventLoopUnavailable, loop_factory, loop_name
+from protoserve.server.runtime.event_loop import EventLoopUnavailable, loop_factory, loop_name
 
 REPO = Path(__file__).resolve().parents[2]
 

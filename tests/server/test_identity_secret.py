@@ -1,4 +1,4 @@
-"""Caller identities are keyed hashes under a server secret that lives in the data dir (server/identity_secret.py).
+"""Caller identities are keyed hashes under a server secret that lives in the data dir (server/security/identity_secret.py).
 
 Unit tests cover where the secret comes from and how it is stored; the live
 tests start ``protoserve serve`` (without waiting for the model: a refused call
@@ -17,8 +17,8 @@ import time
 import grpc
 import pytest
 
-from protoserve.server.auth import Authenticator, identity_hash
-from protoserve.server.identity_secret import (
+from protoserve.server.security.auth import Authenticator, identity_hash
+from protoserve.server.security.identity_secret import (
     SECRET_ENV,
     SECRET_FILE_NAME,
     default_data_dir,

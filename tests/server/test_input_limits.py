@@ -34,8 +34,8 @@ from protoserve.server.limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
-from protoserve.server.model_registry import ModelRegistry
-from protoserve.server.served_model import ModelCard, ServedModel
+from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.models.served_model import ModelCard, ServedModel
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""Per-caller rate limits (server/rate_limit.py) and who sees whose usage (server/metrics_service.py).
+"""Per-caller rate limits (server/security/rate_limit.py) and who sees whose usage (server/services/metrics_service.py).
 
 The token bucket and the limiter run on a fake clock. The live tests run one
 ``protoserve serve`` with API keys, an admin key, ``--rate-limit-rpm 2``, a
@@ -22,8 +22,8 @@ import pytest
 from grpc_status import rpc_status
 
 from protoserve.server import errors
-from protoserve.server.auth import Authenticator, identity_hash
-from protoserve.server.rate_limit import Limits, RateLimiter, TokenBucket, load_key_limits
+from protoserve.server.security.auth import Authenticator, identity_hash
+from protoserve.server.security.rate_limit import Limits, RateLimiter, TokenBucket, load_key_limits
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
 

@@ -22,8 +22,8 @@ from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, h
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
 from protoserve.server.app import ServerApp, ServerConfig
-from protoserve.server.auth import Authenticator
-from protoserve.server.sampling_mapping import served_defaults
+from protoserve.server.models.sampling_mapping import served_defaults
+from protoserve.server.security.auth import Authenticator
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 

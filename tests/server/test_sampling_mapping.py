@@ -13,7 +13,12 @@ from protoserve.engine.sampling.sampling_params import SamplingParams
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.errors import ServiceError
 from protoserve.server.limits import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_CHOICES
-from protoserve.server.sampling_mapping import DEFAULTABLE, ENGINE_FIELDS, SamplingMapping, shared_fields
+from protoserve.server.models.sampling_mapping import (
+    DEFAULTABLE,
+    ENGINE_FIELDS,
+    SamplingMapping,
+    shared_fields,
+)
 from protoserve.v1 import inference_pb2 as pb
 
 REQUEST_TYPES = (pb.SamplingParams, oa.CreateCompletionRequest, oa.CreateChatCompletionRequest)

@@ -16,8 +16,8 @@ from grpc_status_helpers import failure_of, read_all
 from server_engine_double import EngineDouble
 
 from protoserve.server.app import ServerApp, ServerConfig
-from protoserve.server.auth import Authenticator
-from protoserve.server.served_model import ModelCard
+from protoserve.server.models.served_model import ModelCard
+from protoserve.server.security.auth import Authenticator
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 
@@ -209,9 +209,9 @@ async def test_the_servers_own_deadline_fails_the_request_instead_of_answering_w
     from protoserve.engine.request import FinishReason, TokenizedRequest
     from protoserve.engine.sampling.sampling_params import SamplingParams
     from protoserve.server import errors
-    from protoserve.server.auth import Authenticator
-    from protoserve.server.inflight import InflightRequests
-    from protoserve.server.usage import UsageLedger
+    from protoserve.server.calls.inflight import InflightRequests
+    from protoserve.server.observability.usage import UsageLedger
+    from protoserve.server.security.auth import Authenticator
 
     engine = EngineDouble(step_s=0.02, max_model_len=4096)
     inflight = InflightRequests(UsageLedger())

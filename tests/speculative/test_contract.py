@@ -8,7 +8,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from protoserve.engine.speculative.params import SpeculativeParams
-from protoserve.server.sampling_mapping import speculative_from_proto
+from protoserve.server.models.sampling_mapping import speculative_from_proto
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from protoserve.engine.stats import EngineStats
-from protoserve.server.metrics import EngineCollector
+from protoserve.server.observability.metrics import EngineCollector
 
 
 def test_spec_decode_counters_are_exposed():

@@ -34,7 +34,7 @@ class RequestRecord:
     """What one request did: who asked, what for, what it took, and how it ended."""
 
     request_id: str
-    identity_id: str  # server.auth.Identity.id (a keyed hash); "" when the caller could not be identified
+    identity_id: str  # server.security.auth.Identity.id (a keyed hash); "" when the caller could not be identified
     method: str = ""  # the gRPC method it came through, e.g. "/protoserve.v1.InferenceService/Generate"
     operation: str = TEXT_COMPLETION  # gen_ai.operation.name: "chat" or "text_completion"
     model: str = ""  # the model that served it ("" until one was chosen)

@@ -18,9 +18,9 @@ import grpc
 from protoserve.engine.lora.adapter import AdapterError
 from protoserve.engine.lora.stack import AdapterInfo, AdapterInUseError, AdapterStack, UnknownAdapterError
 from protoserve.server import errors
-from protoserve.server.admission import AdmittingServicer
-from protoserve.server.auth import Identity
-from protoserve.server.served_model import ServedModel
+from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.models.served_model import ServedModel
+from protoserve.server.security.auth import Identity
 from protoserve.v1 import adapters_pb2 as pb
 from protoserve.v1 import adapters_pb2_grpc, inference_pb2
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from protoserve.server.auth import Authenticator, Identity
-from protoserve.server.health import Readiness
-from protoserve.server.inflight import InflightRequests
-from protoserve.server.model_registry import ModelRegistry
+from protoserve.server.calls.inflight import InflightRequests
+from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.runtime.health import Readiness
+from protoserve.server.security.auth import Authenticator, Identity
 
 
 class AdmittingServicer:

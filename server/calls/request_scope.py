@@ -22,8 +22,8 @@ from google.protobuf.message import Message
 
 from protoserve.engine.tracing import CHAT, TEXT_COMPLETION
 from protoserve.openai.v1 import openai_pb2
+from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.errors import ServiceError
-from protoserve.server.request_record import RequestRecord
 from protoserve.v1 import agent_pb2, inference_pb2
 
 _INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]

@@ -2,7 +2,7 @@
 
 A bucket holds up to one minute's allowance and refills continuously, so a
 caller may burst up to its per-minute limit and then proceeds at the steady
-rate. Limits count against the caller's quota id (server.auth.Identity): the
+rate. Limits count against the caller's quota id (server.security.auth.Identity): the
 API key when auth is on, the user id when it is off.
 
 * Requests: every generating call takes one (each item of a Batch is a call).
@@ -44,7 +44,7 @@ from protoserve.v1 import inference_pb2
 
 if TYPE_CHECKING:
     from protoserve.engine.request import TokenizedRequest
-    from protoserve.server.auth import Authenticator, Identity
+    from protoserve.server.security.auth import Authenticator, Identity
 
 # A bucket refills from empty in one minute, so one untouched that long is full:
 # dropping it loses nothing, and callers that come and go cannot grow the table.
@@ -139,7 +139,7 @@ class RateLimiter:
         overrides: Mapping[str, Limits] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``overrides`` are keyed by quota id (server.auth.Identity.quota_id)."""
+        """``overrides`` are keyed by quota id (server.security.auth.Identity.quota_id)."""
         self.default = default
         self.overrides = dict(overrides or {})
         self._clock = clock

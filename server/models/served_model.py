@@ -49,7 +49,12 @@ from protoserve.server.limits import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
 )
-from protoserve.server.sampling_mapping import PathMap, SamplingMapping, path_function, speculative_from_proto
+from protoserve.server.models.sampling_mapping import (
+    PathMap,
+    SamplingMapping,
+    path_function,
+    speculative_from_proto,
+)
 from protoserve.server.tool_calls.call import ToolCall, ToolSpec
 from protoserve.server.tool_calls.rendering import (
     ToolTemplate,
@@ -213,7 +218,7 @@ class ServedModel:
         sampling_defaults: Mapping[str, float | int] | None = None,
         tool_parser: str | None = None,
     ) -> None:
-        """``sampling_defaults``: what requests that leave those fields unset get (server/sampling_mapping.py);
+        """``sampling_defaults``: what requests that leave those fields unset get (server/models/sampling_mapping.py);
         ``tool_parser``: the tool-call format (``--tool-parser``), else read off the chat template."""
         self.engine = engine
         self._tool_parser = tool_parser
@@ -239,7 +244,8 @@ class ServedModel:
     @property
     def adapters(self) -> AdapterStack | None:
         """The engine's LoRA adapters (engine/lora), None when it serves none."""
-        return getattr(self.engine.engine, "adapters", None)
+        # Not every engine behind a ServedModel serves adapters (a test double need not).
+        return getattr(self.engine, "adapters", None)
 
     @property
     def max_model_len(self) -> int:

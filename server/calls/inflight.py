@@ -15,7 +15,7 @@ Each call is one request for accounting: it carries a RequestRecord that its
 engine requests fill in, and when it ends (however it ends) its usage goes to
 the ledger and the record to telemetry (metrics and the request log).
 
-Rate limits (server.rate_limit) are charged here, where every generating RPC
+Rate limits (server.security.rate_limit) are charged here, where every generating RPC
 passes: opening a call takes one request (so each Batch item counts), and each
 engine request holds its token reservation while it runs.
 """
@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING
 
 from protoserve.engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
 from protoserve.server import errors
-from protoserve.server.auth import Identity
-from protoserve.server.rate_limit import RateLimiter, reserved_tokens
-from protoserve.server.request_record import RequestRecord
-from protoserve.server.request_scope import current_scope
-from protoserve.server.usage import UsageLedger
+from protoserve.server.calls.request_record import RequestRecord
+from protoserve.server.calls.request_scope import current_scope
+from protoserve.server.observability.usage import UsageLedger
+from protoserve.server.security.auth import Identity
+from protoserve.server.security.rate_limit import RateLimiter, reserved_tokens
 
 if TYPE_CHECKING:
     from protoserve.engine.async_engine import AsyncEngine
-    from protoserve.server.telemetry import Telemetry
+    from protoserve.server.observability.telemetry import Telemetry
 
 # How many finished (identity, request id) pairs to remember so that a late
 # Cancel answers cancelled=false instead of NOT_FOUND.

@@ -2,7 +2,7 @@
 
 The identity (not the user id) is the key, so the count cannot be spoofed by
 a request body; the metrics service reads these totals, each caller only its
-own unless it has an admin key (server.metrics_service).
+own unless it has an admin key (server.services.metrics_service).
 """
 
 from __future__ import annotations

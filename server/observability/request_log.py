@@ -24,9 +24,9 @@ import logging
 import sys
 from typing import TextIO
 
+from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.errors import MAX_MESSAGE_BYTES, clip
 from protoserve.server.limits import MAX_MODEL_NAME_CHARS, MAX_REQUEST_ID_CHARS
-from protoserve.server.request_record import RequestRecord
 
 LOGGER_NAME = "protoserve.requests"
 log = logging.getLogger(LOGGER_NAME)

@@ -13,10 +13,10 @@ from opentelemetry import trace
 
 from protoserve.engine.request import RequestStats
 from protoserve.engine.tracing import RequestTrace
-from protoserve.server.metrics import ServerMetrics
-from protoserve.server.model_registry import ModelRegistry
-from protoserve.server.request_log import log_request
-from protoserve.server.request_record import RequestRecord
+from protoserve.server.calls.request_record import RequestRecord
+from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.observability.metrics import ServerMetrics
+from protoserve.server.observability.request_log import log_request
 
 ENGINE_TRACER_NAME = "protoserve.engine"
 

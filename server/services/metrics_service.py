@@ -22,12 +22,12 @@ import time
 import grpc
 
 from protoserve.server import errors
-from protoserve.server.auth import Authenticator, Identity
-from protoserve.server.health import Phase, Readiness
-from protoserve.server.metric_windows import LatencyStats
-from protoserve.server.metrics import ServerMetrics
-from protoserve.server.model_registry import ModelRegistry
-from protoserve.server.usage import IdentityUsage, UsageLedger
+from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.observability.metric_windows import LatencyStats
+from protoserve.server.observability.metrics import ServerMetrics
+from protoserve.server.observability.usage import IdentityUsage, UsageLedger
+from protoserve.server.runtime.health import Phase, Readiness
+from protoserve.server.security.auth import Authenticator, Identity
 from protoserve.v1 import metrics_pb2 as pb
 from protoserve.v1 import metrics_pb2_grpc
 

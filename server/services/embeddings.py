@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from protoserve.server import errors
-from protoserve.server.admission import AdmittingServicer
+from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.limits import MAX_EMBEDDING_INPUTS
 from protoserve.v1 import embeddings_pb2 as epb
 from protoserve.v1 import embeddings_pb2_grpc

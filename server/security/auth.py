@@ -6,7 +6,7 @@ Each call carries its key as ``authorization: Bearer <key>`` metadata and
 optionally an ``x-user-id``; there are no sessions.
 
 The identity is HMAC-SHA256(server secret, len(key) ∥ key ∥ user_id) in hex
-(server.identity_secret keeps the secret): the length prefix keeps ("ab", "c")
+(server.security.identity_secret keeps the secret): the length prefix keeps ("ab", "c")
 and ("a", "bc") apart, and the secret makes the hash worthless for guessing a
 key offline. The identity owns the caller's requests (only it may cancel
 them), its usage row, and its prefix-cache salt, so callers never share cached
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protoserve.server import errors
-from protoserve.server.identity_secret import load_identity_secret
 from protoserve.server.limits import MAX_USER_ID_CHARS
+from protoserve.server.security.identity_secret import load_identity_secret
 
 API_KEYS_ENV = "PROTOSERVE_API_KEYS"
 ADMIN_KEYS_ENV = "PROTOSERVE_ADMIN_KEYS"
@@ -104,7 +104,7 @@ class Authenticator:
     ) -> Authenticator:
         """Keys from the files and ``$PROTOSERVE_API_KEYS`` / ``$PROTOSERVE_ADMIN_KEYS`` (none: auth off).
 
-        The identity secret comes from server.identity_secret.load_identity_secret.
+        The identity secret comes from server.security.identity_secret.load_identity_secret.
         Raises ValueError / OSError with a message fit for the command line.
         """
         return cls(

@@ -7,10 +7,10 @@ import asyncio
 import grpc
 
 from protoserve.server import errors
-from protoserve.server.admission import AdmittingServicer
-from protoserve.server.inflight import Call
+from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.calls.inflight import Call
 from protoserve.server.limits import MAX_BATCH_REQUESTS, MAX_REQUEST_ID_CHARS
-from protoserve.server.served_model import CollectedOutput, new_request_id
+from protoserve.server.models.served_model import CollectedOutput, new_request_id
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 

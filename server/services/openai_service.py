@@ -35,19 +35,19 @@ from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingPa
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
 from protoserve.server import errors
-from protoserve.server.admission import AdmittingServicer
-from protoserve.server.auth import Identity
-from protoserve.server.embeddings import Retrieval, embeddings_disabled
-from protoserve.server.inference_service import call_deadline
-from protoserve.server.inflight import Call
+from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.calls.inflight import Call
 from protoserve.server.limits import (
     MAX_CHAT_MESSAGES,
     MAX_COMPLETION_PROMPTS,
     MAX_LOGIT_BIAS_ENTRIES,
     OPENAI_MAX_STOP_STRINGS,
 )
-from protoserve.server.sampling_mapping import json_text
-from protoserve.server.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.models.sampling_mapping import json_text
+from protoserve.server.models.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.security.auth import Identity
+from protoserve.server.services.embeddings import Retrieval, embeddings_disabled
+from protoserve.server.services.inference_service import call_deadline
 from protoserve.server.tool_calls.call import ToolChoiceMode, ToolSpec
 from protoserve.server.tool_calls.parsers import (
     CallArguments,

@@ -48,7 +48,7 @@ series: they double the series count and no dashboard reads them.
 The gauges and the token, cache and preemption counters are the engine's own
 totals, read from ``protoserve.engine.stats()`` at scrape time (so they also count work
 of other servers sharing the engine). Request counters move once per finished
-request (see :mod:`protoserve.server.request_record`); histograms once per finished
+request (see :mod:`protoserve.server.calls.request_record`); histograms once per finished
 engine request, from its RequestStats. The per-identity counters read the
 usage ledger at scrape time; they are off unless asked for, because every
 identity (API key and ``x-user-id``) becomes a series of its own.
@@ -73,10 +73,10 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from protoserve.engine.request import RequestStats
-from protoserve.server.metric_windows import LatencyStats, LatencyWindow, RateWindow
-from protoserve.server.model_registry import ModelRegistry
-from protoserve.server.request_record import CANCELLED, ERROR, LENGTH, STOP, RequestRecord
-from protoserve.server.usage import UsageLedger
+from protoserve.server.calls.request_record import CANCELLED, ERROR, LENGTH, STOP, RequestRecord
+from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.observability.metric_windows import LatencyStats, LatencyWindow, RateWindow
+from protoserve.server.observability.usage import UsageLedger
 
 PREFIX = "protoserve_"
 MODEL_LABEL = "model_name"

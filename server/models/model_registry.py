@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protoserve.server import errors
 from protoserve.server.limits import MAX_MODEL_NAME_CHARS
-from protoserve.server.served_model import ServedModel
+from protoserve.server.models.served_model import ServedModel
 
 
 class ModelRegistry:

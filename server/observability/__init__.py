@@ -1,0 +1,1 @@
+"""Prometheus metrics, OpenTelemetry tracing, request logs and per-identity usage."""

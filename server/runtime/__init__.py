@@ -1,0 +1,1 @@
+"""The process around the services: event loop, ports, health, reflection."""

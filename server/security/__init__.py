@@ -1,0 +1,1 @@
+"""Who is calling: API keys and identities, the identity secret, rate limits."""
