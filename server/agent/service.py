@@ -63,7 +63,6 @@ STOP_REASONS = {
     StopReason.MAX_STEPS: apb.AGENT_STOP_REASON_MAX_STEPS,
     StopReason.LENGTH: apb.AGENT_STOP_REASON_LENGTH,
 }
-FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +210,7 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
                 cached_prompt_tokens=result.cached_prompt_tokens,
                 finish_reason="tool_calls"
                 if found.tool_calls
-                else FINISH_TEXT.get(choice.finish_reason, "stop"),
+                else ("length" if choice.finish_reason == FinishReason.LENGTH else "stop"),
             )
 
         return step

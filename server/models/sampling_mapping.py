@@ -105,16 +105,17 @@ def set_values(message: Message, skip: Iterable[str] = ()) -> dict[str, Any]:
 def json_text(value: Any) -> str:
     """Compact JSON of a value read from a ``google.protobuf.Struct``/``Value``, integral numbers as
     integers: a Struct holds every number as a double, and a schema's ``minItems`` must be an integer."""
-    return json.dumps(_integral(value), separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(integral_numbers(value), separators=(",", ":"), ensure_ascii=False)
 
 
-def _integral(value: Any) -> Any:
+def integral_numbers(value: Any) -> Any:
+    """A value read from a ``google.protobuf.Struct``/``Value`` with integral numbers as ints."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
-        return {key: _integral(item) for key, item in value.items()}
+        return {key: integral_numbers(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_integral(item) for item in value]
+        return [integral_numbers(item) for item in value]
     return value
 
 

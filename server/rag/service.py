@@ -389,7 +389,7 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
             model=answering.served.name,
             answer=choice.text,
             citations=answering.citations,
-            finish_reason=_finish(choice.finish_reason),
+            finish_reason=FINISH_REASONS[choice.finish_reason],
             usage=result.usage(),
         )
 
@@ -426,12 +426,8 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
                 request_id=request_id,
                 final=rpb.RetrieveAndGenerateFinal(
                     model=answering.served.name,
-                    finish_reason=_finish(choice.finish_reason),
+                    finish_reason=FINISH_REASONS[choice.finish_reason],
                     usage=result.usage(),
                 ),
             )
         )
-
-
-def _finish(reason: Any) -> int:
-    return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)

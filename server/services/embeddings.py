@@ -72,7 +72,7 @@ class ServedEmbedder:
     def max_tokens(self) -> int:
         return self.model.max_tokens
 
-    def check_model(self, name: str, path: str = "model") -> None:
+    def check_model(self, name: str) -> None:
         """NOT_FOUND for a model name that is not this one (empty names this one)."""
         if name and name != self.name:
             raise errors.model_not_found(name, [self.name])

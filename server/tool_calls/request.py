@@ -7,7 +7,6 @@ server reports them: a tool with a bad name or a non-object schema, an unknown f
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from google.protobuf import json_format
 from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_TOOLS
-from protoserve.server.models.sampling_mapping import json_text
+from protoserve.server.models.sampling_mapping import integral_numbers
 from protoserve.server.tool_calls.call import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from protoserve.server.tool_calls.forcing import auto_strict_grammar, forced_grammar
 from protoserve.server.tool_calls.parsers import ToolCallFormat
@@ -68,7 +67,7 @@ def tool_specs(tools: Any, violations: Violations) -> list[ToolSpec]:
                 violations.append((f"{path}.function.parameters", "must be a JSON Schema of type object"))
                 continue
             # Integral numbers as integers (a Struct holds doubles): "minItems": 2, not 2.0.
-            parameters = json.loads(json_text(parameters))
+            parameters = integral_numbers(parameters)
         specs.append(ToolSpec(function.name, function.description, parameters, bool(function.strict)))
     return specs
 
