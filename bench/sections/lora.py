@@ -8,8 +8,8 @@ adapter i mod 4, the two in alternating order (ABBA), so drift in the machine's 
 alike. Requests are greedy with EOS ignored and a fixed ``max_tokens``, so both runs produce the
 same tokens' worth of work; the prefix cache keys blocks by adapter, so neither run reuses the
 other's prompt blocks. The figure is output tokens over wall time (first add to last finish),
-pooled over the rounds; the ratio is what serving four adapters in one batch costs: the gathered
-low-rank products, and the module path a batch with adapter rows takes instead of the fused step.
+pooled over the rounds; the ratio is what serving four adapters in one batch costs: the low-rank
+products inside the fused step (kernels/cpu/lora.cpp) and the barriers around them.
 """
 
 from __future__ import annotations

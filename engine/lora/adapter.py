@@ -50,6 +50,7 @@ class FusedDelta:
 
     a: torch.Tensor  # [targets * r, in_features]
     b: torch.Tensor  # [out_features, targets * r], block-diagonal over the targets' output slices
+    out_slices: tuple[tuple[int, int], ...]  # target j's [begin, end) of the output; its r columns of b
 
 
 @dataclass(frozen=True)
@@ -194,10 +195,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             fused_out = sum(shapes[p][0] for p in PROJECTIONS if FUSED[p] == fused)
             a_cat = torch.cat([tensors[tensor_name(i, p, "A")].float() for p in projs])
             b_full = torch.zeros(fused_out, r * len(projs))
-            for j, p in enumerate(projs):
-                rows = slice(offsets[p], offsets[p] + shapes[p][0])
-                b_full[rows, j * r : (j + 1) * r] = tensors[tensor_name(i, p, "B")].float() * scale
-            deltas[(i, fused)] = FusedDelta(a_cat.to(dtype).contiguous(), b_full.to(dtype).contiguous())
+            out_slices = tuple((offsets[p], offsets[p] + shapes[p][0]) for p in projs)
+            for j, (p, (begin, end)) in enumerate(zip(projs, out_slices, strict=True)):
+                b_full[begin:end, j * r : (j + 1) * r] = tensors[tensor_name(i, p, "B")].float() * scale
+            deltas[(i, fused)] = FusedDelta(a_cat.to(dtype).contiguous(), b_full.to(dtype).contiguous(), out_slices)
     return LoraAdapter(name=name, path=path, rank=r, alpha=alpha, scale=scale, target_modules=targets,
                        digest=adapter_digest(path), deltas=deltas)
 

@@ -271,11 +271,10 @@ class Decoder(nn.Module):
         """Next-token logits [len(batch.logits_indices), vocab] float32; writes the batch's K/V."""
         x = self.embed_tokens(batch.input_ids)
         lora = lora_batch(batch.lora_slots, self.adapters, self.deterministic)
-        # A batch with adapter rows takes the module path, whose base rows equal the fused step's bit for bit.
-        if lora is None and self.fused_step is not None and self.fused_step.accepts(kv_cache):
+        if self.fused_step is not None and self.fused_step.accepts(kv_cache):
             # The fused step computes in float32 whatever the weights' dtype (see FusedStep).
             cos, sin = rope_cos_sin(batch.positions, self.inv_freq, torch.float32)
-            return self.fused_step(batch, kv_cache, x.float(), cos, sin, self.config.sliding_window)
+            return self.fused_step(batch, kv_cache, x.float(), cos, sin, self.config.sliding_window, lora)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         meta = kv_cache.prepare(
             batch,

@@ -19,11 +19,13 @@ docs/performance.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from protoserve.engine.execution.forward_batch import ForwardBatch
+from protoserve.engine.lora.adapter import LoraAdapter
+from protoserve.engine.lora.batch import LoraBatch
 from protoserve.engine.models.kv_cache import KVCache, PagedKVCache
 from protoserve.engine.models.linear import KernelPackable
 from protoserve.kernels.cpu import packed_linear
@@ -50,11 +52,32 @@ def _linear_weights(ext, layer: torch.nn.Module):
     )
 
 
+# The fused linears of a layer in the C++ step's order (LoraWeights holds 4 entries per layer).
+_LORA_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Adapters whose float32 copies the step keeps (more than max_loras: eviction does not tell the step).
+_LORA_CACHE = 16
+
+
+def _lora_weights(ext, adapter: LoraAdapter, num_layers: int):
+    """The C++ view of an adapter: float32 A and B^T per fused linear (exact widening of bf16)."""
+    linears = []
+    for i in range(num_layers):
+        for name in _LORA_LINEARS:
+            d = adapter.deltas.get((i, name))
+            linears.append(None if d is None else ext.LoraLinear(
+                a=d.a.float().contiguous(), bt=d.b.float().t().contiguous(),
+                slice_begin=[b for b, _ in d.out_slices], slice_end=[e for _, e in d.out_slices], rank=adapter.rank))
+    return ext.LoraWeights(linears)
+
+
 class FusedStep:
     """A Decoder's packed weights bound to the C++ layer loop."""
 
-    def __init__(self, step) -> None:
+    def __init__(self, step, ext: Any = None, num_layers: int = 0) -> None:
         self._step = step
+        self._ext = ext
+        self._num_layers = num_layers
+        self._lora: dict[int, tuple[LoraAdapter, Any]] = {}  # id(adapter) -> (adapter, its LoraWeights)
 
     def __deepcopy__(self, memo: dict) -> None:
         # A copied Decoder has new weight tensors this step does not see: the copy runs its module
@@ -97,7 +120,8 @@ class FusedStep:
             rms_norm_eps=cfg.rms_norm_eps,
             attention_scale=cfg.head_dim**-0.5,  # Attention.scale's own expression, bit for bit
         )
-        return cls(ext.DecoderStep(shape, layers, model.norm.weight.detach().float().contiguous(), head))
+        step = ext.DecoderStep(shape, layers, model.norm.weight.detach().float().contiguous(), head)
+        return cls(step, ext, len(layers))
 
     @staticmethod
     def accepts(kv_cache: KVCache) -> bool:
@@ -113,8 +137,11 @@ class FusedStep:
         cos: torch.Tensor,
         sin: torch.Tensor,
         sliding_window: int | None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] float32 of the embedded batch ``x`` (updated in place)."""
+        """Logits [len(batch.logits_indices), vocab] float32 of the embedded batch ``x`` (updated in place);
+        ``lora``'s adapter rows get their adapter's updates inside the step."""
+        weights, rows, starts = self._lora_args(lora, x.shape[0])
         return self._step.forward(
             x,
             cos,
@@ -127,4 +154,30 @@ class FusedStep:
             batch.seq_lens,
             batch.logits_indices,
             sliding_window or 0,
+            weights,
+            rows,
+            starts,
         )
+
+    def _lora_args(self, lora: LoraBatch | None, num_tokens: int) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
+        """(LoraWeights per group, the groups' rows in group order, each group's start in them)."""
+        if lora is None:
+            return [], None, None
+        weights, rows, starts = [], [], [0]
+        for group in lora.groups:
+            weights.append(self._adapter_weights(group.adapter))
+            group_rows = torch.arange(num_tokens) if group.rows is None else group.rows
+            rows.append(group_rows)
+            starts.append(starts[-1] + len(group_rows))
+        if len(self._lora) > _LORA_CACHE:  # the rest left their slots since; rebuilt if they come back
+            used = {id(g.adapter) for g in lora.groups}
+            self._lora = {k: v for k, v in self._lora.items() if k in used}
+        return weights, torch.cat(rows).contiguous(), torch.tensor(starts, dtype=torch.int64)
+
+    def _adapter_weights(self, adapter: LoraAdapter) -> Any:
+        hit = self._lora.get(id(adapter))
+        if hit is not None and hit[0] is adapter:
+            return hit[1]
+        weights = _lora_weights(self._ext, adapter, self._num_layers)
+        self._lora[id(adapter)] = (adapter, weights)
+        return weights

@@ -67,7 +67,9 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                                    const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                                    const torch::Tensor& seq_lens, const torch::Tensor& logits_indices,
-                                   int64_t sliding_window) const {
+                                   int64_t sliding_window, const std::vector<LoraWeights>& lora,
+                                   const c10::optional<torch::Tensor>& lora_rows,
+                                   const c10::optional<torch::Tensor>& lora_starts) const {
   // Every check happens here, before the team starts: inside it nothing may throw.
   const int64_t num_layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
@@ -105,6 +107,46 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   const int64_t* picks = logits_indices.data_ptr<int64_t>();
   for (int64_t j = 0; j < L; ++j)
     TORCH_CHECK(picks[j] >= 0 && picks[j] < T, "logits index ", picks[j], " is outside the batch of ", T);
+  // LoRA: the groups' rows, and which of the step's linears any group updates (those meet at one more barrier).
+  const int64_t I = shape_.intermediate_size, q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
+  const auto G = static_cast<int64_t>(lora.size());
+  TORCH_CHECK(lora_rows.has_value() == (G > 0) && lora_starts.has_value() == (G > 0),
+              "lora_rows and lora_starts come with the LoRA groups, and only with them");
+  const int64_t* lrows = nullptr;
+  const int64_t* lstarts = nullptr;
+  int64_t M = 0, lora_scratch = 0;
+  std::vector<char> lora_targets(num_layers * 4, 0);
+  if (G > 0) {
+    TORCH_CHECK(lora_starts->scalar_type() == torch::kInt64 && lora_starts->is_contiguous() &&
+                    lora_starts->numel() == G + 1,
+                "lora_starts must be int64 [groups + 1]");
+    TORCH_CHECK(lora_rows->scalar_type() == torch::kInt64 && lora_rows->is_contiguous() && lora_rows->dim() == 1,
+                "lora_rows must be int64 [rows]");
+    lrows = lora_rows->data_ptr<int64_t>();
+    lstarts = lora_starts->data_ptr<int64_t>();
+    M = lora_rows->numel();
+    TORCH_CHECK(lstarts[0] == 0 && lstarts[G] == M, "lora_starts must run from 0 to the number of LoRA rows");
+    for (int64_t g = 0; g < G; ++g) TORCH_CHECK(lstarts[g] <= lstarts[g + 1], "lora_starts must not decrease");
+    std::vector<char> seen(T, 0);
+    for (int64_t r = 0; r < M; ++r) {
+      TORCH_CHECK(lrows[r] >= 0 && lrows[r] < T, "LoRA row ", lrows[r], " is outside the batch of ", T);
+      TORCH_CHECK(!seen[lrows[r]], "LoRA row ", lrows[r], " is in two adapter groups");
+      seen[lrows[r]] = 1;
+    }
+    const int64_t ins[4] = {hidden_, q_size, hidden_, I};
+    const int64_t outs[4] = {qkv_size, hidden_, 2 * I, hidden_};
+    for (const auto& adapter : lora) {
+      TORCH_CHECK(static_cast<int64_t>(adapter.linears.size()) == num_layers * 4,
+                  "LoRA weights must hold 4 entries per layer");
+      for (int64_t e = 0; e < num_layers * 4; ++e) {
+        if (!adapter.linears[e].has_value()) continue;
+        check_lora_linear(*adapter.linears[e], ins[e % 4], outs[e % 4]);
+        lora_targets[e] = 1;
+        lora_scratch = std::max(lora_scratch, lora_scratch_size(*adapter.linears[e]));
+      }
+    }
+  }
+
   // thread_local: the calling thread's, reused across steps; the team reaches them through these pointers.
   thread_local AttentionPlan step_plan;
   thread_local ActivationCodes step_codes;
@@ -114,7 +156,6 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                  sliding_window);
 
   // The step's activations, written and read by the whole team.
-  const int64_t I = shape_.intermediate_size, q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
   const auto opts = x.options();
   const torch::Tensor h = torch::empty({T, hidden_}, opts);
   const torch::Tensor qkv = torch::empty({T, qkv_size}, opts);
@@ -146,11 +187,27 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   auto member = [&](const Team& team) {
     int64_t r0 = 0, r1 = 0;
     team.share(T, r0, r1);
+    // This member's share of the LoRA rows (in group order), and its scratch.
+    int64_t p0 = 0, p1 = 0;
+    team.share(M, p0, p1);
+    std::vector<float> scratch(lora_scratch);
+    // out += each group's update of linear k of layer i, on this member's LoRA rows; then the team
+    // meets, since the row phase after a linear takes the rows by the other share.
+    auto add_lora = [&](int64_t i, int64_t k, const float* in, int64_t in_features, float* out, int64_t out_features) {
+      if (!lora_targets[i * 4 + k]) return;
+      for (int64_t g = 0; g < G; ++g) {
+        const auto& w = lora[g].linears[i * 4 + k];
+        const int64_t b = std::max(p0, lstarts[g]), e = std::min(p1, lstarts[g + 1]);
+        if (w.has_value() && b < e) lora_add_rows(*w, in, in_features, out, out_features, lrows + b, e - b, scratch.data());
+      }
+      team.sync();
+    };
     for (int64_t i = 0; i < num_layers; ++i) {
       const LayerWeights& layer = layers_[i];
       for (int64_t r = r0; r < r1; ++r)
         rms_norm_row(xp + r * hidden_, layer.input_norm.data_ptr<float>(), eps, hidden_, hp + r * hidden_);
       packed_linear_into(layer.qkv, hp, T, hidden_, qkvp, *codes, &team);
+      add_lora(i, 0, hp, hidden_, qkvp, qkv_size);
       // This member's tokens: q/k norms, RoPE, and their K/V into the pool, which the attention reads.
       void* kpool = k_caches[i].data_ptr();
       void* vpool = v_caches[i].data_ptr();
@@ -181,10 +238,12 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                            &next_unit[i]);
       team.sync();  // the o projection quantizes its own rows, which any member's units wrote
       packed_linear_into(layer.o, attnp, T, q_size, op, *codes, &team);
+      add_lora(i, 1, attnp, q_size, op, hidden_);
       for (int64_t r = r0; r < r1; ++r)
         add_rms_norm_row(op + r * hidden_, xp + r * hidden_, layer.post_attention_norm.data_ptr<float>(), eps, hidden_,
                          hp + r * hidden_);
       packed_linear_into(layer.gate_up, hp, T, hidden_, gup, *codes, &team);
+      add_lora(i, 2, hp, hidden_, gup, 2 * I);
       if (r0 < r1) {
         // ATen's own SiLU and product, on whole rows: the module path's exact bits.
         const torch::Tensor rows = gate_up.narrow(0, r0, r1 - r0);
@@ -192,6 +251,7 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         at::mul_out(out_rows, at::silu(rows.narrow(1, 0, I)), rows.narrow(1, I, I));
       }
       packed_linear_into(layer.down, actp, T, I, op, *codes, &team);
+      add_lora(i, 3, actp, I, op, hidden_);
       for (int64_t r = r0; r < r1; ++r) add_row(xp + r * hidden_, op + r * hidden_, hidden_);
     }
     team.sync();  // the picked rows may be any member's

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
 KERNEL_NAMES = ("linear", "norm_rope", "paged_attention", "decoder_step")
-SOURCES = ("module.cpp", "linear.cpp", "int8_dot_linear.cpp", "norm_rope.cpp", "paged_attention.cpp", "decoder_step.cpp")
+SOURCES = ("module.cpp", "linear.cpp", "int8_dot_linear.cpp", "norm_rope.cpp", "paged_attention.cpp", "decoder_step.cpp",
+           "lora.cpp")
 SUPPORTED_CPU_CAPABILITIES = ("AVX512", "AVX2")
 
 

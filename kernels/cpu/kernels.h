@@ -120,6 +120,30 @@ struct LayerWeights {
   LinearWeights down;
 };
 
+// lora.cpp: one adapter's low-rank update of one fused linear layer (engine/lora/adapter.py's
+// FusedDelta), out[r] += B (A x[r]) on the rows that run the adapter.
+struct LoraLinear {
+  torch::Tensor a;   // [R, in] float32: the targets' A stacked, `rank` rows each
+  torch::Tensor bt;  // [R, out] float32: B transposed, the scale folded in
+  std::vector<int64_t> slice_begin;  // target j (rows j * rank .. of a and bt) writes out[slice_begin[j], slice_end[j])
+  std::vector<int64_t> slice_end;
+  int64_t rank = 0;
+};
+// One adapter's updates at [layer * 4 + k], k = qkv, o, gate_up, down: none where it does not target the layer.
+struct LoraWeights {
+  std::vector<c10::optional<LoraLinear>> linears;
+};
+// Throws unless `w` is well formed for a layer of in_features inputs and out_features outputs.
+void check_lora_linear(const LoraLinear& w, int64_t in_features, int64_t out_features);
+// Floats of scratch lora_add_rows needs for `w`.
+int64_t lora_scratch_size(const LoraLinear& w);
+// out[rows[i]] += B (A x[rows[i]]) for i < n; x rows `in` floats apart, out rows out_stride apart.
+// Each row on its own, in a fixed order: a row's result does not depend on the others.
+void lora_add_rows(const LoraLinear& w, const float* x, int64_t in, float* out, int64_t out_stride,
+                   const int64_t* rows, int64_t n, float* scratch);
+// The same on tensors (out float32 [T, out] in place, x float32 [T, in], rows int64 [n]).
+void lora_add_(torch::Tensor& out, const torch::Tensor& x, const LoraLinear& w, const torch::Tensor& rows);
+
 // The shape numbers every layer shares.
 struct DecoderShape {
   int64_t num_heads = 0;
@@ -138,12 +162,16 @@ class DecoderStep {
   // x: the batch's embedded tokens [T, hidden] float32 (consumed: updated in place);
   // cos/sin [T, head_dim]; k_caches/v_caches: one [num_blocks, block_size, KVH, D] pool per layer, all
   // float32 or all bfloat16 (K/V rounded to nearest even as they are stored).
-  // sliding_window: 0 for none. Returns float32 logits [len(logits_indices), vocab].
+  // sliding_window: 0 for none. lora: the adapters of the batch's adapter groups; group g's rows are
+  // lora_rows[lora_starts[g] : lora_starts[g + 1]] (each row in at most one group; rows in none run the
+  // base model alone). Returns float32 logits [len(logits_indices), vocab].
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                        const torch::Tensor& logits_indices, int64_t sliding_window) const;
+                        const torch::Tensor& logits_indices, int64_t sliding_window,
+                        const std::vector<LoraWeights>& lora, const c10::optional<torch::Tensor>& lora_rows,
+                        const c10::optional<torch::Tensor>& lora_starts) const;
 
  private:
   DecoderShape shape_;

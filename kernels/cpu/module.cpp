@@ -10,6 +10,8 @@ using protoserve::DecoderShape;
 using protoserve::DecoderStep;
 using protoserve::LayerWeights;
 using protoserve::LinearWeights;
+using protoserve::LoraLinear;
+using protoserve::LoraWeights;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
@@ -46,6 +48,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+  py::class_<LoraLinear>(m, "LoraLinear")
+      .def(py::init([](torch::Tensor a, torch::Tensor bt, std::vector<int64_t> slice_begin,
+                       std::vector<int64_t> slice_end, int64_t rank) {
+             return LoraLinear{std::move(a), std::move(bt), std::move(slice_begin), std::move(slice_end), rank};
+           }),
+           py::arg("a"), py::arg("bt"), py::arg("slice_begin"), py::arg("slice_end"), py::arg("rank"));
+  py::class_<LoraWeights>(m, "LoraWeights")
+      .def(py::init([](std::vector<c10::optional<LoraLinear>> linears) { return LoraWeights{std::move(linears)}; }),
+           py::arg("linears"));
+  m.def("lora_add_", &protoserve::lora_add_, "out[rows] += B (A x[rows]) in place (float32)", py::arg("out"),
+        py::arg("x"), py::arg("w"), py::arg("rows"), no_gil);
   py::class_<DecoderShape>(m, "DecoderShape")
       .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
                        double rms_norm_eps, double attention_scale) {
@@ -59,5 +72,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStep::forward, "logits of one flattened batch (float32)", py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("logits_indices"),
-           py::arg("sliding_window"), no_gil);
+           py::arg("sliding_window"), py::arg("lora") = std::vector<LoraWeights>(), py::arg("lora_rows") = py::none(),
+           py::arg("lora_starts") = py::none(), no_gil);
 }

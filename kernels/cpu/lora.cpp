@@ -1,0 +1,109 @@
+// LoRA updates inside the fused decoder step: out[r] += B (A x[r]) for the rows of a batch that
+// run an adapter (engine/lora/batch.py is the PyTorch reference: a gather, two small GEMMs and an
+// index_add per adapter group).
+//
+// Why here: a batch with adapter rows used to leave the fused step for the module path, which
+// costs the Python per-operation overhead the fused step exists to remove, on every row of the
+// batch. Here the low-rank products run between the step's own linear layers, on the rows
+// of each adapter only, while the base rows stay exactly as the fused step computes them.
+//
+// Each row is computed on its own, in a fixed order of operations (A's rows dotted with x
+// 16 lanes at a time, then B's columns accumulated in rank order), so a row's update does not
+// depend on which or how many rows share its adapter: the batch invariance of the base step
+// holds with adapters too. Rows go in blocks of four only so each loaded weight vector serves
+// four rows; every row keeps its own accumulators.
+
+#include "kernels.h"
+#include "simd.h"
+
+#include <algorithm>
+
+namespace protoserve {
+
+namespace {
+
+constexpr int64_t kBlockRows = 4;
+
+using simd::F16;
+
+}  // namespace
+
+void check_lora_linear(const LoraLinear& w, int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(w.rank > 0, "a LoRA update needs a positive rank");
+  TORCH_CHECK(w.a.scalar_type() == torch::kFloat32 && w.a.is_contiguous() && w.a.dim() == 2 &&
+                  w.a.size(1) == in_features,
+              "LoRA A must be contiguous float32 [R, ", in_features, "]");
+  const int64_t R = w.a.size(0);
+  TORCH_CHECK(w.bt.scalar_type() == torch::kFloat32 && w.bt.is_contiguous() && w.bt.dim() == 2 &&
+                  w.bt.size(0) == R && w.bt.size(1) == out_features,
+              "LoRA B^T must be contiguous float32 [", R, ", ", out_features, "]");
+  const auto targets = static_cast<int64_t>(w.slice_begin.size());
+  TORCH_CHECK(targets > 0 && static_cast<int64_t>(w.slice_end.size()) == targets && R == targets * w.rank,
+              "LoRA A has ", R, " rows, expected rank ", w.rank, " x ", targets, " target slices");
+  for (int64_t j = 0; j < targets; ++j)
+    TORCH_CHECK(0 <= w.slice_begin[j] && w.slice_begin[j] < w.slice_end[j] && w.slice_end[j] <= out_features,
+                "LoRA target slice [", w.slice_begin[j], ", ", w.slice_end[j], ") is outside ", out_features,
+                " outputs");
+}
+
+int64_t lora_scratch_size(const LoraLinear& w) { return kBlockRows * w.a.size(0); }
+
+void lora_add_rows(const LoraLinear& w, const float* x, int64_t in, float* out, int64_t out_stride,
+                   const int64_t* rows, int64_t n, float* scratch) {
+  const int64_t R = w.a.size(0);
+  const int64_t bt_stride = w.bt.size(1);
+  const float* a = w.a.data_ptr<float>();
+  const float* bt = w.bt.data_ptr<float>();
+  float* t = scratch;  // [kBlockRows, R]: A x of each row of the block
+  for (int64_t first = 0; first < n; first += kBlockRows) {
+    const int64_t nb = std::min(kBlockRows, n - first);
+    const float* xr[kBlockRows];
+    float* yr[kBlockRows];
+    for (int64_t b = 0; b < nb; ++b) {
+      xr[b] = x + rows[first + b] * in;
+      yr[b] = out + rows[first + b] * out_stride;
+    }
+    for (int64_t j = 0; j < R; ++j) {
+      const float* aj = a + j * in;
+      F16 acc[kBlockRows];
+      for (int64_t b = 0; b < nb; ++b) acc[b] = simd::zero();
+      for (int64_t i = 0; i < in; i += 16) {
+        const simd::Mask m = simd::first_lanes(in - i);
+        const F16 av = simd::load_masked(m, aj + i);
+        for (int64_t b = 0; b < nb; ++b) acc[b] = simd::fmadd(av, simd::load_masked(m, xr[b] + i), acc[b]);
+      }
+      for (int64_t b = 0; b < nb; ++b) t[b * R + j] = simd::reduce_add(acc[b]);
+    }
+    // Target s touches only its own slice of the output, from its own `rank` rows of B^T.
+    for (size_t s = 0; s < w.slice_begin.size(); ++s) {
+      const int64_t j0 = static_cast<int64_t>(s) * w.rank;
+      for (int64_t o = w.slice_begin[s]; o < w.slice_end[s]; o += 16) {
+        const simd::Mask m = simd::first_lanes(w.slice_end[s] - o);
+        F16 acc[kBlockRows];
+        for (int64_t b = 0; b < nb; ++b) acc[b] = simd::zero();
+        for (int64_t j = j0; j < j0 + w.rank; ++j) {
+          const F16 bv = simd::load_masked(m, bt + j * bt_stride + o);
+          for (int64_t b = 0; b < nb; ++b) acc[b] = simd::fmadd(simd::set1(t[b * R + j]), bv, acc[b]);
+        }
+        // The whole update first, then one add: base + delta, as the reference adds them.
+        for (int64_t b = 0; b < nb; ++b)
+          simd::store_masked(yr[b] + o, m, simd::add(simd::load_masked(m, yr[b] + o), acc[b]));
+      }
+    }
+  }
+}
+
+void lora_add_(torch::Tensor& out, const torch::Tensor& x, const LoraLinear& w, const torch::Tensor& rows) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be contiguous float32 [T, in]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0),
+              "out must be contiguous float32 [T, out]");
+  check_lora_linear(w, x.size(1), out.size(1));
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.dim() == 1, "rows must be int64 [n]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "row ", r[i], " is outside the batch of ", x.size(0));
+  std::vector<float> scratch(lora_scratch_size(w));
+  lora_add_rows(w, x.data_ptr<float>(), x.size(1), out.data_ptr<float>(), out.size(1), r, rows.numel(), scratch.data());
+}
+
+}  // namespace protoserve
