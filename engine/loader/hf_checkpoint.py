@@ -22,16 +22,15 @@ from safetensors import safe_open
 
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.progress import tensor_progress
+from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.decoder import ROPE_TYPES, rope_inv_freq
+from protoserve.engine.models.families.hf_fields import HFFields
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-# model_type in config.json -> decoder family.
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # Tensors some checkpoints carry that the decoder recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -61,85 +60,23 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
     return data
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 def parse_hf_config(raw: Mapping[str, Any], generation: Mapping[str, Any] | None, path: Path) -> ModelConfig:
-    """config.json (+ generation_config.json) -> ModelConfig; ModelLoadError(path, ...) when unusable."""
+    """config.json (+ generation_config.json) -> ModelConfig through the family its model_type names;
+    ModelLoadError(path, ...) when unusable."""
     model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if model_type not in families.HF_MODEL_TYPES:
         raise ModelLoadError(
             path,
-            f"unknown model_type {model_type!r}; supported model types: {', '.join(sorted(MODEL_TYPES))}",
+            f"unknown model_type {model_type!r}; supported model types: {', '.join(sorted(families.HF_MODEL_TYPES))}",
         )
-    arch = MODEL_TYPES[model_type]
-
-    def need(key: str) -> Any:
-        if raw.get(key) is None:
-            raise ModelLoadError(path, f"missing required key {key!r}")
-        return raw[key]
-
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(path, f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    if raw.get("mlp_bias"):
-        raise ModelLoadError(path, "unsupported mlp_bias=true")
-
-    # Rope: transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`.
-    rope_params = raw.get("rope_parameters")
-    if isinstance(rope_params, dict) and isinstance(next(iter(rope_params.values()), None), dict):
-        raise ModelLoadError(path, "per-layer-type rope_parameters are not supported")
-    scaling = dict(rope_params) if rope_params else dict(raw.get("rope_scaling") or {})
-    theta = float(scaling.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(
-            path, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
-        )
-    if float(scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ModelLoadError(path, "partial rotary embeddings are not supported")
-    rope_scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-
-    head_dim = raw.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in raw else hidden // heads)
-    sliding_window = None
-    if arch == "mistral":
-        sliding_window = raw.get("sliding_window")
-    elif raw.get("use_sliding_window"):
-        raise ModelLoadError(
-            path, f"{model_type} with use_sliding_window=true (per-layer windows) is not supported"
-        )
-
-    eos = _as_id_list((generation or {}).get("eos_token_id")) or _as_id_list(raw.get("eos_token_id"))
-    config = ModelConfig(
-        architecture=arch,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        sliding_window=int(sliding_window) if sliding_window is not None else None,
-        attention_bias=True
-        if arch == "qwen2"
-        else bool(raw.get("attention_bias", False)) and arch != "mistral",
-        qk_norm=arch == "qwen3",
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
-        eos_token_ids=eos,
-    )
+    config = families.for_hf_model_type(model_type).config_from_hf(HFFields(raw, generation, path))
     if config.num_heads % config.num_kv_heads:
-        raise ModelLoadError(path, f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
+        raise ModelLoadError(
+            path, f"num_attention_heads {config.num_heads} is not a multiple of num_key_value_heads"
+        )
+    rope_type = (config.rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(path, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     try:
         rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     except (KeyError, TypeError, ValueError) as e:

@@ -9,7 +9,6 @@ the weights), then applies weight-only quantization if asked.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -29,8 +28,11 @@ from protoserve.engine.loader.hf_checkpoint import (
     read_generation_config,
 )
 from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
+from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.decoder import Decoder, expected_hf_shapes
+from protoserve.engine.models.decoder import Decoder
+from protoserve.engine.models.families.summary import ModelSummary, model_summary
+from protoserve.engine.models.families.weights import expected_hf_shapes, parameter_count
 from protoserve.engine.models.linear import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
@@ -65,6 +67,10 @@ class LoadedModel:
     num_parameters: int = 0
     # The checkpoint's recommended sampling values, by SamplingParams field (engine/loader/sampling_defaults.py).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+
+    def summary(self) -> ModelSummary:
+        """Family, parameter counts and layer pattern, as GetModel reports them."""
+        return model_summary(self.config)
 
 
 def load_model(
@@ -110,6 +116,8 @@ def load_model(
         ckpt = open_hf_checkpoint(source)
         config = ckpt.config
         weights = load_hf_tensors(ckpt, expected_hf_shapes(config), progress=progress)
+        convert = families.get(config.architecture).hf_weight
+        weights = {name: convert(config, name, tensor) for name, tensor in weights.items()}
         tokenizer = (
             Tokenizer.from_hf_dir(source)
             if load_tokenizer and (source / "tokenizer.json").is_file()
@@ -129,6 +137,9 @@ def load_model(
         sampling_defaults = gguf_sampling_defaults(gguf.reader, source)
     else:
         raise ModelLoadError(source, "no such file or directory")
+    family_template = families.get(config.architecture).chat_template
+    if tokenizer is not None and not tokenizer.has_chat_template and family_template is not None:
+        tokenizer.set_chat_template(family_template)  # the checkpoint has none: the family's published one
 
     with torch.device("meta"):
         model = Decoder(config, torch_dtype)
@@ -162,7 +173,7 @@ def load_model(
         linear_bytes_before=report.linear_bytes_before,
         linear_bytes_after=report.linear_bytes_after,
         load_seconds=time.perf_counter() - started,
-        num_parameters=sum(math.prod(shape) for shape in expected_hf_shapes(config).values()),
+        num_parameters=parameter_count(config),
         sampling_defaults=sampling_defaults,
     )
 

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-# Families the decoder implements; the loaders map checkpoint names onto these.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Per-layer attention kinds, in Hugging Face's ``layer_types`` spelling.
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+# How a layer's MLP computes: SwiGLU (silu gate) or GeGLU (tanh-approximated gelu gate).
+MlpKind = Literal["swiglu", "geglu"]
+# Where a layer's norms sit: "pre" (Llama: before attention and before the MLP) or
+# "sandwich" (Gemma: before and after each of them, four per layer).
+NormPlacement = Literal["pre", "sandwich"]
 
 
 @dataclass
@@ -15,9 +23,10 @@ class ModelConfig:
 
     Weights use Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``)
     whatever the source, so one decoder serves safetensors and GGUF checkpoints.
+    ``architecture`` names the family (engine/models/families), which sets the switches below.
     """
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # a family name of engine/models/families
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,9 +38,35 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # Hugging Face `rope_scaling` dict, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 4096
-    sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
+    # The window (in tokens, the current one included) of sliding layers: with ``layer_types``
+    # None every layer slides (Mistral); otherwise only the layers typed SLIDING do.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer, SLIDING or FULL (Qwen2/3 max_window_layers, Gemma 3)
+    rope_local_theta: float | None = None  # rope base of sliding layers, without scaling (Gemma 3); None: rope_theta
     attention_bias: bool = False  # Qwen2: q/k/v projections have biases
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    o_proj_bias: bool = False  # Llama, Qwen3: attention_bias covers o_proj too
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on q and k per head
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
+    mlp: MlpKind = "swiglu"
+    norm_placement: NormPlacement = "pre"
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the activation dtype
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: attends to the whole context)."""
+        if self.sliding_window is None:
+            return [None] * self.num_layers
+        if self.layer_types is None:
+            return [self.sliding_window] * self.num_layers
+        return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
+
+    def layer_pattern(self) -> list[str]:
+        """Each layer as "sliding" or "global", what GetModel reports."""
+        return ["global" if w is None else "sliding" for w in self.layer_windows()]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5

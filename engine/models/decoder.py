@@ -1,11 +1,17 @@
-"""One decoder-only transformer for Llama (2/3, SmolLM2), Mistral, Qwen2 and Qwen3.
+"""One decoder-only transformer for every dense family of engine/models/families.
 
-The families differ only in a few switches of ModelConfig:
+The families differ only in switches of ModelConfig, which each family's module sets:
 
 * Llama: RoPE with optional ``rope_scaling`` (``linear`` or ``llama3``).
 * Mistral: every layer attends within a sliding window.
-* Qwen2: q/k/v projections have biases.
+* Qwen2: q/k/v projections have biases; Qwen2/3 may slide on some layers only.
 * Qwen3: RMSNorm over each head of q and k before RoPE.
+* Gemma 3: local (sliding, own rope base) and global layers, four norms per layer
+  ("sandwich"), GeGLU, scaled embeddings, ``query_pre_attn_scalar``, logit soft-capping.
+
+Each layer takes its own sliding window (``ModelConfig.layer_windows``) and rope table
+(sliding layers of a family with ``rope_local_theta`` take the local one): the step prepares
+one attention plan per distinct window.
 
 The model works on a flattened ForwardBatch (no padding, no batch dimension):
 activations are ``[T, hidden]``, the KV cache is written and read through the
@@ -22,8 +28,9 @@ shape-dependent kernels.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +39,10 @@ from torch import nn
 
 from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.lora.batch import LayerLora, lora_batch
-from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models import families
+from protoserve.engine.models.config import SLIDING, ModelConfig
+from protoserve.engine.models.families.weights import SANDWICH_NORMS
+from protoserve.engine.models.families.weights import expected_hf_shapes as expected_hf_shapes
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
 from protoserve.engine.models.linear import KernelPackable, Linear
@@ -41,11 +51,36 @@ from protoserve.kernels.cpu import norm_rope
 if TYPE_CHECKING:
     from protoserve.engine.lora.stack import AdapterStack
 
-ROPE_TYPES = ("default", "linear", "llama3")
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------
 # Pure math
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3: long wavelengths slowed by ``factor``, short ones kept, the band between blended."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+# rope_type -> (the unscaled inverse frequencies, the HF scaling dict) -> the scaled ones.
+# A new rope type is one entry here.
+ROPE_TYPES: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
+    "default": lambda inv_freq, scaling: inv_freq,
+    "linear": lambda inv_freq, scaling: inv_freq / scaling["factor"],
+    "llama3": _llama3_inv_freq,
+}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -54,25 +89,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low_freq_factor = scaling["low_freq_factor"]
-        high_freq_factor = scaling["high_freq_factor"]
-        old_context = scaling["original_max_position_embeddings"]
-        low_freq_wavelen = old_context / low_freq_factor
-        high_freq_wavelen = old_context / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return torch.where(medium, blended, scaled)
-    raise ValueError(f"unsupported rope type {rope_type!r} (supported: {ROPE_TYPES})")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: {tuple(ROPE_TYPES)})")
+    return ROPE_TYPES[rope_type](inv_freq, scaling or {})
 
 
 def rope_cos_sin(
@@ -125,12 +144,12 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias, dtype=dtype
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=has_o_bias(config), dtype=dtype)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -168,11 +187,21 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# ModelConfig.mlp -> the gate's activation.
+MLP_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"swiglu": F.silu, "geglu": _gelu_tanh}
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM."""
+    """Gated feed-forward ``down(act(gate(x)) * up(x))``, gate and up in one GEMM: SwiGLU (silu) or
+    GeGLU (gelu, tanh approximation)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
+        self.act = MLP_ACTIVATIONS[config.mlp]
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
@@ -180,20 +209,25 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         if lora is None:
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.act(gate) * up)
         gate, up = lora.add("gate_up_proj", x, self.gate_up_proj(x)).split(self.intermediate_size, dim=-1)
-        h = F.silu(gate) * up
+        h = self.act(gate) * up
         return lora.add("down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Residual block, attention then MLP, normed "pre" (Llama: ``post_attention_layernorm`` is the
+    MLP's input norm) or "sandwich" (Gemma: each sublayer's input and output normed)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
+        self.sandwich = config.norm_placement == "sandwich"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
     def forward(
@@ -206,6 +240,9 @@ class DecoderLayer(nn.Module):
         lora: LayerLora | None = None,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, lora)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
         if _fused(x):  # x += attn and the second norm in one pass; x is this forward's own buffer
             h = norm_rope.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
                                         self.post_attention_layernorm.eps)
@@ -238,6 +275,8 @@ class Decoder(nn.Module):
             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
             persistent=False,
         )
+        # Sliding layers of a family with a local rope base (Gemma 3) rotate by this table, unscaled.
+        self.local_inv_freq = self._local_inv_freq()
         self.deterministic = True
         self.fused_step: FusedStep | None = None  # set by pack_for_kernels where it can run
         self.adapters: AdapterStack | None = None  # LoRA adapters the batch's lora_slots name (engine/lora)
@@ -248,6 +287,31 @@ class Decoder(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "deterministic"):
                 module.deterministic = enabled
+
+    def _local_inv_freq(self) -> torch.Tensor | None:
+        c = self.config
+        return None if c.rope_local_theta is None else rope_inv_freq(c.head_dim, c.rope_local_theta, None)
+
+    def _layer_ropes(self) -> list[int]:
+        """Per layer, 0 for the global rope table or 1 for the local one."""
+        c = self.config
+        if self.local_inv_freq is None or c.layer_types is None:
+            return [0] * c.num_layers
+        return [1 if t == SLIDING else 0 for t in c.layer_types]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.config.scale_embeddings:  # sqrt(hidden) rounded to the activation dtype first, as Gemma does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def fused_step_unsupported(self) -> str | None:
+        """Why the fused C++ step cannot run this model's blocks (None: it can)."""
+        return families.get(self.config.architecture).fused_step_unsupported(self.config)
 
     def pack_for_kernels(self) -> int:
         """Move every linear layer onto the CPU kernel where it can run; returns how many moved.
@@ -263,29 +327,38 @@ class Decoder(nn.Module):
             for m in self.modules()
             if isinstance(m, KernelPackable) and m.pack_for_kernel(release=getattr(m, "weight", None) is not embedding)
         )
-        self.fused_step = FusedStep.build(self)
+        reason = self.fused_step_unsupported()
+        if reason is not None:
+            logger.info("%s: the fused C++ step does not run %s; serving on the module path",
+                        self.config.architecture, reason)
+            self.fused_step = None
+        else:
+            self.fused_step = FusedStep.build(self)
         return moved
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Next-token logits [len(batch.logits_indices), vocab] float32; writes the batch's K/V."""
-        x = self.embed_tokens(batch.input_ids)
+        x = self._embed(batch.input_ids)
         lora = lora_batch(batch.lora_slots, self.adapters, self.deterministic)
         if self.fused_step is not None and self.fused_step.accepts(kv_cache):
             # The fused step computes in float32 whatever the weights' dtype (see FusedStep).
             cos, sin = rope_cos_sin(batch.positions, self.inv_freq, torch.float32)
             return self.fused_step(batch, kv_cache, x.float(), cos, sin, self.config.sliding_window, lora)
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
-        meta = kv_cache.prepare(
-            batch,
-            num_heads=self.config.num_heads,
-            sliding_window=self.config.sliding_window,
-            deterministic=self.deterministic,
-        )
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, meta, None if lora is None else lora.layer(i))
+        tables = [self.inv_freq] if self.local_inv_freq is None else [self.inv_freq, self.local_inv_freq]
+        ropes = [rope_cos_sin(batch.positions, inv_freq, self.dtype) for inv_freq in tables]
+        windows = self.config.layer_windows()
+        metas = {
+            window: kv_cache.prepare(
+                batch, num_heads=self.config.num_heads, sliding_window=window, deterministic=self.deterministic
+            )
+            for window in dict.fromkeys(windows)
+        }
+        for i, (layer, rope) in enumerate(zip(self.layers, self._layer_ropes(), strict=True)):
+            cos, sin = ropes[rope]
+            x = layer(x, cos, sin, kv_cache, metas[windows[i]], None if lora is None else lora.layer(i))
         x = self.norm(x[batch.logits_indices])
-        return self.lm_head(x).float()
+        return self._soft_cap(self.lm_head(x).float())
 
     # -- weights ------------------------------------------------------------
 
@@ -308,7 +381,9 @@ class Decoder(nn.Module):
             state["lm_head.weight"] = take("lm_head.weight")
         for i in range(cfg.num_layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            for norm in ("input_layernorm", "post_attention_layernorm"):
+            norms = ("input_layernorm", *SANDWICH_NORMS) if cfg.norm_placement == "sandwich" else (
+                "input_layernorm", "post_attention_layernorm")
+            for norm in norms:
                 state[f"{ours}{norm}.weight"] = take(f"{hf}{norm}.weight")
             attn_hf = f"{hf}self_attn."
             qkv = [take(f"{attn_hf}{p}_proj.weight") for p in "qkv"]
@@ -318,7 +393,7 @@ class Decoder(nn.Module):
                     [take(f"{attn_hf}{p}_proj.bias") for p in "qkv"]
                 )
             state[f"{ours}self_attn.o_proj.weight"] = take(f"{attn_hf}o_proj.weight")
-            if has_o_bias(cfg):
+            if cfg.o_proj_bias:
                 state[f"{ours}self_attn.o_proj.bias"] = take(f"{attn_hf}o_proj.bias")
             if cfg.qk_norm:
                 state[f"{ours}self_attn.q_norm.weight"] = take(f"{attn_hf}q_norm.weight")
@@ -334,6 +409,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:  # assign wraps each entry in its own Parameter: share one again
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.local_inv_freq = self._local_inv_freq()
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold: the state dict (quantized codes and scales included, the rope
@@ -341,41 +417,3 @@ class Decoder(nn.Module):
         unique = {t.data_ptr(): t for t in self.state_dict().values()}
         packs = sum(m.packed.nbytes for m in self.modules() if isinstance(m, KernelPackable) and m.packed is not None)
         return sum(t.numel() * t.element_size() for t in unique.values()) + packs
-
-
-def has_o_bias(config: ModelConfig) -> bool:
-    """Llama and Qwen3 put ``attention_bias`` on o_proj too; Qwen2's biases are on q/k/v only."""
-    return config.attention_bias and config.architecture in ("llama", "qwen3")
-
-
-def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the decoder needs, by Hugging Face name, with its shape."""
-    c = config
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_size, c.hidden_size)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_size, c.hidden_size)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_size, c.hidden_size)
-        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, q_size)
-        if c.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_size,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_size,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_size,)
-        if has_o_bias(c):
-            shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
-        if c.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
-    return shapes

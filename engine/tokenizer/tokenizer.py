@@ -279,6 +279,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` as the chat template (a checkpoint without one gets its family's)."""
+        self._chat_template = ChatTemplate(source, bos_token=self.bos_token, eos_token=self.eos_token)
+
     @property
     def chat_template(self) -> str | None:
         return self._chat_template.source if self._chat_template is not None else None

@@ -1,0 +1,85 @@
+"""Family: what one model family declares, so adding a family is one module.
+
+A family module (llama.py, gemma3.py, ...) builds one ``Family`` and says:
+
+* which checkpoints are its own: Hugging Face ``model_type`` values and GGUF
+  ``general.architecture`` names;
+* how their configuration maps onto ModelConfig (``config_from_hf`` reads
+  config.json, ``config_from_gguf`` the GGUF metadata); the ModelConfig it returns
+  also carries the family's blocks (MLP kind, norm placement, q/k norm, windows,
+  rope bases), which the shared Decoder composes;
+* its weight names: GGUF ``blk.N.<part>`` names onto Hugging Face suffixes, and
+  any per-tensor transform the source format needs (llama.cpp's q/k row
+  permutation, Gemma's ``1 + w`` norms);
+* what the fused C++ step cannot run yet (``fused_step_unsupported``).
+
+Weights are always named as in Hugging Face checkpoints (``model.layers.N.…``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.families.gguf_fields import GGUFFields
+from protoserve.engine.models.families.hf_fields import HFFields
+
+# llama.cpp's per-layer tensor parts -> Hugging Face suffixes, as its converter names them for
+# Llama-like families. A family with other parts (Gemma's sandwich norms) declares its own map.
+LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+)
+
+# (config, Hugging Face name, tensor) -> the tensor the decoder takes under that name.
+WeightTransform = Callable[[ModelConfig, str, torch.Tensor], torch.Tensor]
+
+
+def keep_weight(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def fused_step_runs_everything(config: ModelConfig) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its checkpoint names, config mapping, weight names and blocks."""
+
+    name: str  # ModelConfig.architecture
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    config_from_hf: Callable[[HFFields], ModelConfig]
+    config_from_gguf: Callable[[GGUFFields], ModelConfig]
+    gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
+    hf_weight: WeightTransform = keep_weight  # applied to each safetensors tensor
+    gguf_weight: WeightTransform = keep_weight  # applied to each dequantized GGUF tensor
+    # Why the fused C++ step cannot run a config of this family (None: it can); the Decoder then
+    # serves it on the module path and logs the reason.
+    fused_step_unsupported: Callable[[ModelConfig], str | None] = fused_step_runs_everything
+    # The chat template to use when a checkpoint carries none (a base model's file may not).
+    chat_template: str | None = None
+    summary: str = ""  # one line for the docs and errors

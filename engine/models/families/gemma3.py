@@ -1,0 +1,209 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers, GeGLU, sandwich norms.
+
+What differs from Llama, and where the shared Decoder takes it from ModelConfig:
+
+* layers alternate local sliding-window attention and global attention
+  (``layer_types``; five local then one global by default), each kind with its
+  own rope base (``rope_local_theta`` for local layers, without scaling);
+* four norms per layer (before and after attention, before and after the MLP)
+  and per-head q/k norms;
+* GeGLU MLP (gelu, tanh approximation);
+* embeddings scaled by sqrt(hidden_size) in the activation dtype;
+* attention scale ``query_pre_attn_scalar ** -0.5``;
+* optional final logit soft-capping; attention logit soft-capping is refused.
+
+Gemma's RMSNorm multiplies by ``1 + w``; Hugging Face checkpoints store ``w``,
+llama.cpp's converter stores ``1 + w``. Weights are loaded as ``1 + w`` (the
+HF tensors shifted on load, GGUF as stored), so the shared RMSNorm runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from protoserve.engine.models.config import FULL, SLIDING, ModelConfig
+from protoserve.engine.models.families.family import Family
+from protoserve.engine.models.families.gguf_fields import GGUFFields
+from protoserve.engine.models.families.hf_fields import HFFields
+
+# transformers' and llama.cpp's defaults where a file does not say.
+DEFAULT_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global
+DEFAULT_LOCAL_ROPE_THETA = 10000.0
+DEFAULT_HEAD_DIM = 256
+DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+# llama.cpp's Gemma 3 27B (62 layers) scales attention by hidden/heads, every other size by head_dim.
+_GGUF_27B_LAYERS = 62
+
+GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+
+# Gemma's published chat template (google/gemma-3-*-it tokenizer_config.json, text parts only):
+# used when a checkpoint carries none, as the 270M GGUF does.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+
+def pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+    """Every ``pattern``-th layer global, the others sliding (transformers' and llama.cpp's rule)."""
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+
+
+def _rope(hf: HFFields) -> tuple[float, dict[str, Any] | None, float]:
+    """(global theta, global scaling, local theta) from per-layer-type rope_parameters or the old keys."""
+    params = hf.raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(next(iter(params.values()), None), dict):
+        unknown = set(params) - {FULL, SLIDING}
+        if unknown:
+            raise hf.error(f"rope_parameters for unknown layer types {sorted(unknown)}")
+        theta, scaling = hf.rope(params.get(FULL) or {"rope_theta": 1_000_000.0})
+        local_theta, local_scaling = hf.rope(params.get(SLIDING) or {"rope_theta": DEFAULT_LOCAL_ROPE_THETA})
+        if local_scaling is not None:
+            raise hf.error(f"rope scaling on sliding layers is not supported: {local_scaling}")
+        return theta, scaling, local_theta
+    theta, scaling = hf.rope()
+    return theta, scaling, float(hf.get("rope_local_base_freq", DEFAULT_LOCAL_ROPE_THETA))
+
+
+def from_hf(hf: HFFields) -> ModelConfig:
+    hf.require_activation(*GELU_TANH, key="hidden_activation", default=hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if hf.get("attn_logit_softcapping") is not None:
+        raise hf.error("attn_logit_softcapping is not supported (attention logit soft-capping)")
+    if hf.get("use_bidirectional_attention"):
+        raise hf.error("use_bidirectional_attention=true is not supported (a decoder attends causally)")
+    raw = {**hf.raw, "rope_parameters": None, "rope_scaling": None}  # read by _rope below
+    common = HFFields(raw, hf.generation, hf.path).common()
+    common["head_dim"] = int(hf.get("head_dim", DEFAULT_HEAD_DIM))
+    common["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+    common["rope_theta"], common["rope_scaling"], local_theta = _rope(hf)
+    num_layers = common["num_layers"]
+    layer_types = hf.layer_types(num_layers) or pattern_layer_types(
+        num_layers, int(hf.get("sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
+    )
+    window = hf.get("sliding_window")
+    if window is None and SLIDING in layer_types:
+        raise hf.error("missing required key 'sliding_window' (layer_types has sliding layers)")
+    cap = hf.get("final_logit_softcapping")
+    bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        architecture="gemma3",
+        **common,
+        sliding_window=None if window is None else int(window),
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
+        attention_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", DEFAULT_QUERY_PRE_ATTN_SCALAR)),
+        mlp="geglu",
+        norm_placement="sandwich",
+        scale_embeddings=True,
+        final_logit_softcapping=None if cap is None else float(cap),
+    )
+
+
+def from_gguf(meta: GGUFFields) -> ModelConfig:
+    common = meta.common()
+    if meta.get("attn_logit_softcapping") is not None:
+        raise meta.error("attn_logit_softcapping is not supported (attention logit soft-capping)")
+    num_layers = common["num_layers"]
+    # Files written so far carry no pattern or local rope base: llama.cpp fixes both for gemma3.
+    pattern = int(meta.get("attention.sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
+    window = meta.get("attention.sliding_window")
+    scalar = common["hidden_size"] / common["num_heads"] if num_layers == _GGUF_27B_LAYERS else common["head_dim"]
+    cap = meta.get("final_logit_softcapping")
+    return ModelConfig(
+        architecture="gemma3",
+        **common,
+        sliding_window=None if window is None else int(window),
+        layer_types=pattern_layer_types(num_layers, pattern),
+        rope_local_theta=float(meta.get("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_THETA)),
+        o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"),
+        query_pre_attn_scalar=float(scalar),
+        mlp="geglu",
+        norm_placement="sandwich",
+        scale_embeddings=True,
+        final_logit_softcapping=None if cap is None else float(cap),
+    )
+
+
+def shift_hf_norm(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """HF Gemma norms hold ``w`` of ``x * (1 + w)``: store ``1 + w`` (in float32, as HF adds it)."""
+    if name.endswith("norm.weight"):
+        return 1.0 + tensor.float()
+    return tensor
+
+
+def fused_step_unsupported(config: ModelConfig) -> str | None:
+    return "Gemma 3 blocks (sandwich norms, GeGLU, per-layer windows and rope bases)"
+
+
+FAMILY = Family(
+    name="gemma3",
+    hf_model_types=("gemma3_text",),
+    gguf_architectures=("gemma3",),
+    config_from_hf=from_hf,
+    config_from_gguf=from_gguf,
+    gguf_layer_names=GGUF_LAYER_NAMES,
+    hf_weight=shift_hf_norm,
+    fused_step_unsupported=fused_step_unsupported,
+    chat_template=CHAT_TEMPLATE,
+    summary="Gemma 3 (text): local/global layers, GeGLU, sandwich norms, q/k norms",
+)

@@ -1,0 +1,38 @@
+"""Qwen2: Llama layers with q/k/v biases; sliding windows on the layers from max_window_layers on."""
+
+from __future__ import annotations
+
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.families.family import Family
+from protoserve.engine.models.families.gguf_fields import GGUFFields
+from protoserve.engine.models.families.hf_fields import HFFields
+
+
+def from_hf(hf: HFFields) -> ModelConfig:
+    hf.require_activation("silu")
+    common = hf.common()
+    window, layer_types = hf.qwen_windows(common["num_layers"])
+    return ModelConfig(
+        architecture="qwen2", **common, attention_bias=True, sliding_window=window, layer_types=layer_types
+    )
+
+
+def from_gguf(meta: GGUFFields) -> ModelConfig:
+    return ModelConfig(architecture="qwen2", **meta.common())
+
+
+def fused_step_unsupported(config: ModelConfig) -> str | None:
+    if config.layer_types is not None and len(set(config.layer_windows())) > 1:
+        return "per-layer sliding windows (use_sliding_window with max_window_layers)"
+    return None
+
+
+FAMILY = Family(
+    name="qwen2",
+    hf_model_types=("qwen2",),
+    gguf_architectures=("qwen2",),
+    config_from_hf=from_hf,
+    config_from_gguf=from_gguf,
+    fused_step_unsupported=fused_step_unsupported,
+    summary="Qwen2/2.5: q/k/v biases, optional per-layer sliding windows",
+)

@@ -1,0 +1,167 @@
+"""Gemma 3 and Qwen2/Qwen3 with per-layer sliding windows against transformers, on tiny random checkpoints.
+
+Gemma 3 here has local and global layers alternating, each with its own rope
+(linear scaling on the global one), a query_pre_attn_scalar other than
+head_dim and final logit soft-capping; Qwen2/3 slide from max_window_layers on.
+The window (8) is shorter than the prompts, so local and global layers differ.
+Checked: every position's logits within 1e-4 in deterministic and fast mode,
+batch invariance across schedules, 32 greedy tokens equal transformers' alone
+and inside a mixed continuous batch (LLMEngine), and the fused step's fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache, random_mix
+from family_checkpoints import EOS, FAMILIES, VOCAB, WINDOW, hf_greedy, make_checkpoint
+
+from protoserve.engine.loader.load import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT_LENS = (5, 23, 41)  # 41 > 5 * WINDOW
+GREEDY = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    built: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(family: str) -> tuple[Path, torch.nn.Module]:
+        if family not in built:
+            directory = tmp_path_factory.mktemp(family)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                built[family] = (directory, make_checkpoint(family, directory))
+        return built[family]
+
+    return get
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, EOS, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(checkpoint, family: str, deterministic: bool) -> None:
+    path, hf = checkpoint(family)
+    loaded = load_model(path, progress=False, deterministic=deterministic)
+    assert len(set(loaded.config.layer_windows())) == 2  # both kinds of layer present
+    prompts = _prompts()
+    ours = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once)
+    worst = 0.0
+    for prompt, logits in zip(prompts, ours, strict=True):
+        ref = _hf_logits(hf, prompt)
+        assert ref.abs().max() > 1.0
+        worst = max(worst, (logits - ref).abs().max().item())
+    print(f"{family} deterministic={deterministic}: max |logit diff| vs transformers = {worst:.2e}")
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_schedules_bit_identical(checkpoint, family: str) -> None:
+    """Per-layer windows keep batch invariance: a random mix of chunks equals one batch, bit for bit."""
+    loaded = load_model(checkpoint(family)[0], progress=False)
+    prompts = _prompts(2)
+    one = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once)
+    mixed = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, random_mix(3))
+    for a, b in zip(one, mixed, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers(checkpoint, family: str) -> None:
+    path, hf = checkpoint(family)
+    loaded = load_model(path, progress=False)
+    prompts = _prompts(4)
+    ours = greedy_generate(loaded.model, prompts, GREEDY)  # all three batched in every step
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        assert tokens == hf_greedy(hf, prompt, GREEDY)
+
+
+def test_windows_and_local_rope_matter(checkpoint) -> None:
+    """Guards for the comparisons above: without the windows, or with one rope table, logits differ."""
+    path, hf = checkpoint("gemma3")
+    prompt = _prompts()[2]
+    ref = _hf_logits(hf, prompt)
+    no_window = load_model(path, progress=False)
+    no_window.config.sliding_window = None
+    got = Driver(no_window.model, paged_cache(no_window.model)).run([prompt], all_at_once)[0]
+    assert torch.allclose(got[:WINDOW], ref[:WINDOW], atol=1e-4)
+    assert (got[WINDOW + 1 :] - ref[WINDOW + 1 :]).abs().max() > 1e-2
+    one_rope = load_model(path, progress=False)
+    one_rope.model.local_inv_freq = one_rope.model.inv_freq
+    got = Driver(one_rope.model, paged_cache(one_rope.model)).run([prompt], all_at_once)[0]
+    assert (got - ref).abs().max() > 1e-2
+
+
+def test_config_mapping(checkpoint) -> None:
+    gemma = load_model(checkpoint("gemma3")[0], progress=False)
+    c = gemma.config
+    assert (c.mlp, c.norm_placement, c.scale_embeddings, c.qk_norm) == ("geglu", "sandwich", True, True)
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (
+        1_000_000.0, 10_000.0, {"rope_type": "linear", "factor": 2.0})
+    assert c.query_pre_attn_scalar == 24 and c.final_logit_softcapping == 30.0 and c.tie_word_embeddings
+    summary = gemma.summary()
+    assert summary.family == "gemma3" and summary.sliding_window == WINDOW
+    assert summary.layer_pattern == ["sliding", "global", "sliding", "global"]
+    assert summary.parameters == summary.active_parameters == gemma.num_parameters
+    hf_count = sum(p.numel() for p in checkpoint("gemma3")[1].parameters())
+    assert summary.parameters == hf_count  # tied embedding once, as transformers counts it
+    qwen2 = load_model(checkpoint("qwen2-swa")[0], progress=False).summary()
+    assert qwen2.layer_pattern == ["global", "sliding", "sliding"]
+    qwen3 = load_model(checkpoint("qwen3-swa")[0], progress=False).summary()
+    assert qwen3.layer_pattern == ["global", "global", "sliding"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_step_falls_back_with_a_reason(checkpoint, family: str, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="protoserve.engine.models.decoder"):
+        loaded = load_model(checkpoint(family)[0], progress=False)
+    assert loaded.model.fused_step is None
+    assert loaded.model.fused_step_unsupported() is not None
+    assert any("module path" in r.getMessage() and family.split("-")[0] in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_continuous_batch_matches_transformers(checkpoint, family: str) -> None:
+    """Three greedy prompts among seeded sampling requests of random lengths, chunked prefill beside
+    decodes: each greedy request's 32 tokens equal transformers' greedy continuation."""
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.llm import LLM
+    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.request import TokenizedRequest
+    from protoserve.engine.sampling.sampling_params import SamplingParams
+
+    path, hf = checkpoint(family)
+    engine = LLMEngine(load_model(path, progress=False), EngineConfig(max_kv_blocks=256, block_size=4,
+                                                                      max_num_batched_tokens=24))
+    rng = random.Random(5)
+    prompts = _prompts(6)
+    requests = [
+        TokenizedRequest(f"greedy-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    for i in range(5):
+        prompt = [rng.randrange(EOS) for _ in range(rng.randint(3, 40))]
+        sampling = SamplingParams(max_tokens=rng.randint(4, 20), temperature=0.9, seed=i, ignore_eos=True)
+        requests.insert(2 * i % (len(requests) + 1), TokenizedRequest(f"sampled-{i}", prompt, sampling))
+    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    assert engine.stats().num_steps > GREEDY  # chunked: the batch really mixed prefills and decodes
+    for i, prompt in enumerate(prompts):
+        tokens = done[f"greedy-{i}"].choices[0].token_ids
+        assert all(t < VOCAB for t in tokens)
+        assert tokens == hf_greedy(hf, prompt, GREEDY), f"{family} greedy-{i}"

@@ -1,0 +1,104 @@
+"""The model registry: every family module declares what it must, and unknown names list the known ones."""
+
+from __future__ import annotations
+
+import pkgutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.hf_checkpoint import parse_hf_config
+from protoserve.engine.models import families
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.families.family import Family
+from protoserve.engine.models.families.summary import model_summary
+from protoserve.engine.models.families.weights import expected_hf_shapes
+
+# The registry's own machinery; every other module of the package is a family.
+INFRASTRUCTURE = {"family", "hf_fields", "gguf_fields", "weights", "summary"}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+
+
+def family_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(families.__path__) if m.name not in INFRASTRUCTURE)
+
+
+def test_every_family_module_is_registered() -> None:
+    assert family_modules() == sorted(families._MODULES)
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma3"} <= set(families.FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(families.FAMILIES))
+def test_family_declares_what_it_must(name: str) -> None:
+    family = families.FAMILIES[name]
+    assert isinstance(family, Family) and family.name == name
+    assert family.hf_model_types and family.gguf_architectures and family.summary
+    for hook in (family.config_from_hf, family.config_from_gguf, family.hf_weight, family.gguf_weight,
+                 family.fused_step_unsupported):
+        assert callable(hook)
+    # GGUF layer parts map onto distinct Hugging Face names.
+    assert len(set(family.gguf_layer_names.values())) == len(family.gguf_layer_names)
+    for model_type in family.hf_model_types:
+        assert families.for_hf_model_type(model_type) is family
+    for arch in family.gguf_architectures:
+        assert families.for_gguf_architecture(arch) is family
+
+
+def test_checkpoint_names_are_claimed_once() -> None:
+    types = [t for f in families.FAMILIES.values() for t in f.hf_model_types]
+    archs = [a for f in families.FAMILIES.values() for a in f.gguf_architectures]
+    assert len(types) == len(set(types)) and len(archs) == len(set(archs))
+
+
+@pytest.mark.parametrize("model_type", sorted(families.HF_MODEL_TYPES))
+def test_weight_names_are_transformers_names(model_type: str, tmp_path: Path) -> None:
+    """Each family's config mapping and weight list agree with transformers' own model of that type."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"head_dim": 16} if model_type in ("qwen3", "gemma3_text") else {}
+    hf_config = AutoConfig.for_model(model_type, **TINY, **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    config = parse_hf_config(hf_config.to_dict(), None, tmp_path / "config.json")
+    assert isinstance(config, ModelConfig) and config.architecture == families.HF_MODEL_TYPES[model_type].name
+    theirs = {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert expected_hf_shapes(config) == theirs
+    summary = model_summary(config)
+    assert summary.parameters == sum(p.numel() for p in model.parameters())  # tied embedding once
+    assert summary.active_parameters == summary.parameters and len(summary.layer_pattern) == config.num_layers
+
+
+def test_unknown_names_list_the_supported_ones(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        parse_hf_config({"model_type": "gpt2"}, None, tmp_path / "config.json")
+    assert "unknown model_type 'gpt2'" in info.value.problem
+    assert all(t in info.value.problem for t in families.HF_MODEL_TYPES)
+    for lookup, kind, names in (
+        (families.for_hf_model_type, "model_type", families.HF_MODEL_TYPES),
+        (families.for_gguf_architecture, "architecture", families.GGUF_ARCHITECTURES),
+        (families.get, "architecture", families.FAMILIES),
+    ):
+        with pytest.raises(families.UnknownFamilyError) as err:
+            lookup("falcon")
+        assert f"unknown {kind} 'falcon'" in str(err.value)
+        assert all(n in str(err.value) for n in names)
+
+
+def test_gemma3_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    raw = AutoConfig.for_model("gemma3_text", **TINY, head_dim=16).to_dict()
+    for key, value, named in (
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+        ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+        ("hidden_activation", "relu", "hidden_activation"),
+    ):
+        with pytest.raises(ModelLoadError, match=named):
+            parse_hf_config({**raw, key: value}, None, tmp_path / "config.json")
