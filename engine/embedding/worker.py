@@ -50,24 +50,26 @@ class EmbeddingWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding")
         self._closed = False
 
-    async def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens per text, [CLS]/[SEP] included (as EmbeddingModel.count_tokens)."""
-        check_texts(texts)
-        counts: list[int] = []
-        for part in _slices(len(texts), TOKENIZE_SLICE_TEXTS):
-            counts += await self._run(self.model.count_tokens, list(texts[part.start : part.stop]))
-        return counts
-
-    async def embed_texts(self, texts: list[str]) -> np.ndarray:
-        """float32 [len(texts), dimensions]; the whole request is checked before any forward."""
+    async def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text without [CLS]/[SEP] (as EmbeddingModel.tokenize)."""
         check_texts(texts)
         ids: list[list[int]] = []
         for part in _slices(len(texts), TOKENIZE_SLICE_TEXTS):
             ids += await self._run(self.model.tokenize, list(texts[part.start : part.stop]))
+        return ids
+
+    async def embed_texts(self, texts: list[str]) -> np.ndarray:
+        """float32 [len(texts), dimensions]; the whole request is checked before any forward."""
+        ids = await self.tokenize(texts)
         specials = self.model.special_tokens
         for i, row in enumerate(ids):
             if len(row) + specials > self.model.max_tokens:
                 raise EmbeddingInputTooLong(i, len(row) + specials, self.model.max_tokens)
+        return await self.embed_tokenized(ids)
+
+    async def embed_tokenized(self, ids: list[list[int]]) -> np.ndarray:
+        """Vectors of ids this model's own tokenizer produced (``tokenize``), each known to fit the window:
+        no second pass of checks."""
         return await self._embed_ids(ids)
 
     async def embed_token_ids(self, ids: list[list[int]]) -> np.ndarray:

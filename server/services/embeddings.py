@@ -83,9 +83,11 @@ class ServedEmbedder:
         violations = [(f"{path}[{i}]", "must not be empty") for i, t in enumerate(texts) if not t]
         if violations:
             raise errors.invalid_argument(violations)
-        tokens = await self.worker.count_tokens(list(texts))
+        # Tokenized once: the lengths are checked on the ids the model then embeds.
+        ids = await self.worker.tokenize(list(texts))
+        tokens = [len(row) + self.model.special_tokens for row in ids]
         self._check_lengths(tokens, path)
-        return Embedded(await self.worker.embed_texts(list(texts)), tokens)
+        return Embedded(await self.worker.embed_tokenized(ids), tokens)
 
     async def embed_token_ids(self, ids: Sequence[Sequence[int]], path: str) -> Embedded:
         """Vectors of token-id inputs (the model's own special tokens are added)."""

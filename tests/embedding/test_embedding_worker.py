@@ -51,7 +51,10 @@ async def test_results_equal_the_model(embedding_model, varied_texts):
         vectors = await worker.embed_texts(texts)
         assert vectors.dtype == np.float32 and vectors.shape == (60, 384)
         assert _cosines(vectors, embedding_model.embed_texts(texts)).min() >= 0.99999
-        assert await worker.count_tokens(texts) == embedding_model.count_tokens(texts)
+        ids = await worker.tokenize(texts)
+        assert ids == embedding_model.tokenize(texts)
+        assert [len(r) + embedding_model.special_tokens for r in ids] == embedding_model.count_tokens(texts)
+        assert _cosines(await worker.embed_tokenized(ids), vectors).min() >= 0.99999
         ids = embedding_model.tokenize(texts[:10])
         by_ids = await worker.embed_token_ids(ids)
         assert _cosines(by_ids, embedding_model.embed_token_ids(ids)).min() >= 0.99999
@@ -122,7 +125,7 @@ async def test_errors_reach_the_caller_and_the_worker_keeps_serving(embedding_mo
         with pytest.raises(ValueError, match=r"ids\[1\]\[0\] = 99999"):  # raised on the worker thread
             await worker.embed_token_ids([[7592], [99999]])
         with pytest.raises(TypeError, match=r"texts\[0\]"):
-            await worker.count_tokens([3])
+            await worker.tokenize([3])
         assert (await worker.embed_texts(["still serving"])).shape == (1, 384)
     finally:
         worker.close()
@@ -144,7 +147,7 @@ def test_max_batch_texts_is_validated(embedding_model):
 async def test_close_is_clean(embedding_model):
     before = len(_embedding_threads())
     worker = EmbeddingWorker(embedding_model, max_batch_texts=16)
-    await worker.count_tokens(["start the thread"])
+    await worker.tokenize(["start the thread"])
     assert len(_embedding_threads()) == before + 1
 
     big = asyncio.create_task(worker.embed_texts(_big_job()))
@@ -158,7 +161,7 @@ async def test_close_is_clean(embedding_model):
     assert len(_embedding_threads()) == before
 
     idle = EmbeddingWorker(embedding_model)
-    await idle.count_tokens(["x"])
+    await idle.tokenize(["x"])
     idle.close()
     idle.close()  # idempotent
     assert len(_embedding_threads()) == before
