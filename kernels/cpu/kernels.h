@@ -182,3 +182,36 @@ class DecoderStep {
 };
 
 }  // namespace protoserve
+
+// moe_experts.cpp: a MoE block's routed experts (engine/models/moe.py: GroupedExperts).
+// gate_up[e] packs [2I, H] (gate rows, then up), down[e] packs [H, I]; per token, the sum over its
+// slots in order of weight * down(silu(gate) * up), each expert's rows gathered into one product.
+namespace protoserve {
+// A batch's (token, slot) pairs p = t * k + s grouped by expert (a stable counting sort).
+struct ExpertGroups {
+  std::vector<int64_t> start;  // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
+  std::vector<int64_t> order;  // [T * k]
+  int64_t most = 0;            // the largest group's size
+};
+// Throws on an id outside 0..num_experts - 1.
+void group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts, ExpertGroups& groups);
+// The pass's float32 buffers, grown as needed and reused: rows [most, H], gate_up [most, 2I],
+// act [most, I], y [most, H], pairs [T * k, H].
+struct MoEScratch {
+  torch::Tensor rows, gate_up, act, y, pairs;
+  void fit(int64_t most, int64_t num_pairs, int64_t H, int64_t I);
+};
+// Throws unless the experts are well-formed packs of one shape for H inputs; moe_experts_into trusts them.
+void check_moe_experts(const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down, int64_t H);
+// out [T, H] from x [T, H] and weights [T, k] (float32, raw rows) over `groups` of the batch's expert
+// ids; as one member of `team` (meeting at its barrier; all of out written when it returns), or alone
+// across ATen's threads. `scratch` must fit groups.most and T * k; `codes` must fit [groups.most, max(H, I)].
+void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down,
+                      const float* x, int64_t T, int64_t H, int64_t k, const float* weights,
+                      const ExpertGroups& groups, MoEScratch& scratch, float* out, ActivationCodes& codes,
+                      const Team* team);
+// The same from tensors, checked: x [T, H] float32, expert_ids int64 and weights float32 [T, k];
+// runs as one team of ATen's thread count. Returns float32 [T, H].
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,
+                          const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
+}  // namespace protoserve

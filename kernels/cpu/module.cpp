@@ -74,4 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("logits_indices"),
            py::arg("sliding_window"), py::arg("lora") = std::vector<LoraWeights>(), py::arg("lora_rows") = py::none(),
            py::arg("lora_starts") = py::none(), no_gil);
+  m.def("moe_experts", &protoserve::moe_experts,
+        "a MoE block's routed experts, grouped by expert over packed weights (float32 [T, H])", py::arg("x"),
+        py::arg("expert_ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), no_gil);
 }
