@@ -2,7 +2,8 @@
 
 ``create_app(grpc_target)`` builds the app from the generated route table
 (``protoserve.generated.routes``) and OpenAPI document (``gen/python/protoserve/generated/openapi.json``),
-plus ``GET /metrics`` in Prometheus text format;
+plus ``GET /metrics`` in Prometheus text format and the WebSocket route ``GET /v1/ws/completions``
+(gateway.ws);
 ``start_gateway`` starts it in the running event loop and returns its stop
 function (the server CLI's hook, next to the gRPC server); ``serve_gateway``
 serves until cancelled; ``GatewayServer`` starts and stops it explicitly; ``run_gateway`` blocks and handles signals
@@ -26,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route as StarletteRoute
+from starlette.routing import WebSocketRoute
 
 from protoserve.gateway.cors import cors_middleware
 from protoserve.gateway.runtime.channel import SharedChannel
@@ -34,6 +36,8 @@ from protoserve.gateway.runtime.handler import GatewayHandler, GatewaySettings
 from protoserve.gateway.runtime.metrics import GatewayMetrics
 from protoserve.gateway.runtime.route import Route
 from protoserve.gateway.runtime.tracing import HttpTracing, installed_tracer_provider
+from protoserve.gateway.ws.endpoint import WebSocketEndpoint, refuse_unknown_path, upgrade_required
+from protoserve.gateway.ws.session import WS_PATH
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -94,6 +98,7 @@ def create_app(
         tracing=HttpTracing(provider),
         metrics=GatewayMetrics(registry),
     )
+    websockets = WebSocketEndpoint(handler)
     openapi_text = (openapi_path or generated_openapi_path()).read_text(encoding="utf-8")
     docs_page = render_docs(json.loads(openapi_text))
 
@@ -111,13 +116,23 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
+        # uvicorn closes them before this (GatewayServer); other ASGI servers get 1001 here.
+        await websockets.close_all()
         await channel.close()
+
+    async def fallback(scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            await refuse_unknown_path(handler, scope, send)
+        else:
+            await handler(scope, receive, send)
 
     app = Starlette(
         routes=[
             StarletteRoute("/openapi.json", openapi, methods=["GET"]),
             StarletteRoute("/docs", docs, methods=["GET"]),
             StarletteRoute("/metrics", metrics, methods=["GET"]),
+            WebSocketRoute(WS_PATH, websockets),
+            StarletteRoute(WS_PATH, upgrade_required, methods=["GET"]),
             # Everything else is ours: the handler answers 404/405 in the route's error style.
             StarletteRoute("/{path:path}", handler),
         ],
@@ -134,17 +149,34 @@ def create_app(
     )
     # Starlette's `{path:path}` stops at a newline, so a path variable holding one (`/v1/models/a%0Ab`)
     # matches no route; the handler answers those too, in the route's error style.
-    app.router.default = handler
+    # WebSocket upgrades to other paths land here too (404 before accepting).
+    app.router.default = fallback
     app.state.channel = channel
+    app.state.websockets = websockets
     return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that leaves signal handling to whoever embeds it."""
+    """uvicorn.Server that leaves signal handling to whoever embeds it and closes WebSockets with 1001."""
 
-    def __init__(self, config: uvicorn.Config, handle_signals: bool) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        handle_signals: bool,
+        close_websockets: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(config)
         self.handle_signals = handle_signals
+        self._close_websockets = close_websockets
+
+    async def shutdown(self, sockets=None) -> None:
+        # uvicorn's own shutdown closes open WebSockets with 1012 (service restart); ours go first,
+        # with 1001 (going away), after the listeners stop taking new connections.
+        for server in self.servers:
+            server.close()
+        if self._close_websockets is not None:
+            await self._close_websockets()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -171,14 +203,16 @@ class GatewayServer:
         tracer_provider: TracerProvider | None = None,
         cors_origins: Sequence[str] = (),
     ) -> None:
+        settings = settings or GatewaySettings()
+        app = create_app(
+            grpc_target,
+            settings=settings,
+            metrics_registry=metrics_registry,
+            tracer_provider=tracer_provider,
+            cors_origins=cors_origins,
+        )
         config = uvicorn.Config(
-            create_app(
-                grpc_target,
-                settings=settings,
-                metrics_registry=metrics_registry,
-                tracer_provider=tracer_provider,
-                cors_origins=cors_origins,
-            ),
+            app,
             host=host,
             port=port,
             log_level=log_level,
@@ -188,8 +222,10 @@ class GatewayServer:
             lifespan="on",
             # Streams (WatchMetrics, long generations) must not hold shutdown forever.
             timeout_graceful_shutdown=5,
+            # A WebSocket message is a request body: the same limit, enforced while reading (1009).
+            ws_max_size=settings.max_body_bytes,
         )
-        self._server = _Server(config, handle_signals)
+        self._server = _Server(config, handle_signals, app.state.websockets.close_all)
         self._task: asyncio.Task[None] | None = None
 
     @property

@@ -42,8 +42,21 @@ def bind_request(
     route: Route, path_values: dict[str, str], query: Iterable[tuple[str, str]], body: bytes
 ) -> Call:
     """The Call for a request, or raise HttpError (400) naming every bad field."""
+    document: Any = None
+    if route.body:
+        try:
+            document = loads(body) if body.strip() else ({} if route.body == "*" else None)
+        except InvalidJson as exc:
+            raise invalid_request(exc) from None
+    return bind_document(route, path_values, query, document)
+
+
+def bind_document(
+    route: Route, path_values: dict[str, str], query: Iterable[tuple[str, str]], document: Any
+) -> Call:
+    """bind_request for a body already decoded (None: no body), e.g. one inside a WebSocket message."""
     try:
-        return _bind(route, path_values, list(query), body)
+        return _bind(route, path_values, list(query), document)
     except InvalidJson as exc:
         raise invalid_request(exc) from None
 
@@ -53,12 +66,9 @@ def invalid_request(exc: InvalidJson) -> HttpError:
     return gateway_error(code_pb2.INVALID_ARGUMENT, f"invalid request: {exc}", violations=exc.violations)
 
 
-def _bind(route: Route, path_values: dict[str, str], query: list[tuple[str, str]], body: bytes) -> Call:
+def _bind(route: Route, path_values: dict[str, str], query: list[tuple[str, str]], document: Any) -> Call:
     request_type = route.request_type
     reject, ignored = route.reject_unknown_fields, route.ignored_fields
-    document: Any = None
-    if route.body:
-        document = loads(body) if body.strip() else ({} if route.body == "*" else None)
     stream = route.stream
     streaming = stream is not None and isinstance(document, dict) and document.get("stream") is True
     # A streamed request travels wrapped in the streaming method's request: one level deeper.

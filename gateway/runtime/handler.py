@@ -58,6 +58,10 @@ class GatewaySettings:
     # The longest deadline the timeout header may ask for. Larger ones are refused (400): far
     # out they overflow grpc's deadline arithmetic and the call would fail at once.
     max_request_timeout_s: float = 24 * 3600.0
+    # WebSocket route (gateway.ws): requests one socket may run at once, and frames its send
+    # queue holds before the streams feeding it wait for the client to read.
+    ws_max_streams: int = 64
+    ws_send_queue_frames: int = 256
 
 
 class _ClientGone(Exception):
@@ -131,8 +135,8 @@ class GatewayHandler:
             body = await self._read_body(scope, receive) if route.body else b""
             query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             call = bind_request(route, match.path_values, query, body)
-            metadata = self._metadata(scope)
-            timeout = self._timeout(scope)
+            metadata = self.call_metadata(scope)
+            timeout = self.call_timeout(scope)
         except RoutingError as exc:
             await _send_error(send, exc, exc.style)
             return
@@ -164,7 +168,8 @@ class GatewayHandler:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _metadata(self, scope: Scope) -> list[tuple[str, str]]:
+    def call_metadata(self, scope: Scope) -> list[tuple[str, str]]:
+        """The gRPC metadata of a request (HTTP or WebSocket upgrade): forwarded headers, trace context."""
         metadata = []
         for name, value in scope["headers"]:
             if name in self._forwarded:
@@ -179,7 +184,8 @@ class GatewayHandler:
             self.tracing.inject(metadata)
         return metadata
 
-    def _timeout(self, scope: Scope) -> float | None:
+    def call_timeout(self, scope: Scope) -> float | None:
+        """The call deadline in seconds from the timeout header (None: none); 400 when malformed."""
         raw = _header(scope, self.settings.timeout_header.encode())
         if raw is None:
             return None
@@ -214,7 +220,7 @@ class GatewayHandler:
             return
         finally:
             watcher.cancel()
-        await _send_json(send, 200, _payload(response, call.response_body))
+        await _send_json(send, 200, response_payload(response, call.response_body))
 
     async def _stream(
         self, route: Route, call: Call, metadata, timeout, receive: Receive, send: Send
@@ -242,7 +248,7 @@ class GatewayHandler:
             )
             started = True
             while message is not grpc.aio.EOF:
-                frame = framing.message_frame(stream_framing, _payload(message, call.response_body))
+                frame = framing.message_frame(stream_framing, response_payload(message, call.response_body))
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
                 message = await rpc.read()
             await send({"type": "http.response.body", "body": framing.end_frame(stream_framing)})
@@ -285,7 +291,8 @@ def _client_left(watcher: asyncio.Task[bool]) -> bool:
     return watcher.done() and not watcher.cancelled() and watcher.result()
 
 
-def _payload(message, response_body: str) -> Any:
+def response_payload(message, response_body: str) -> Any:
+    """The JSON value a response message is written as (just ``response_body`` when the route names one)."""
     value = message_to_json(message)
     return value.get(response_body) if response_body else value
 

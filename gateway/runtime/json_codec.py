@@ -76,13 +76,14 @@ class InvalidJson(Exception):
         )
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode a request body; raises InvalidJson for bytes that are not one JSON document.
 
-    Documents nested deeper than MAX_JSON_DEPTH are refused before decoding.
+    Documents nested deeper than ``max_depth`` are refused before decoding (a
+    WebSocket message wraps a body in one more level, so it allows one more).
     """
-    too_deep = InvalidJson([("", f"the JSON document nests deeper than {MAX_JSON_DEPTH} levels")])
-    if json_depth(data) > MAX_JSON_DEPTH:
+    too_deep = InvalidJson([("", f"the JSON document nests deeper than {max_depth} levels")])
+    if json_depth(data) > max_depth:
         raise too_deep
     try:
         return json.loads(data)
