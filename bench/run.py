@@ -32,6 +32,7 @@ from bench.report import format_table, json_lines
 from bench.roofline import LinearWork, RooflineInputs, roofline_figures
 from bench.runner import Step, run_steps
 from bench.sections import (
+    affinity,
     constrained,
     decode,
     isolation,
@@ -56,6 +57,7 @@ SECTIONS = {
     "lora": lora.steps,
     "speculative": speculative.steps,
     "moe": moe.steps,
+    "affinity": affinity.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")
