@@ -195,21 +195,29 @@ struct ExpertGroups {
 };
 // Throws on an id outside 0..num_experts - 1.
 void group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts, ExpertGroups& groups);
-// The pass's float32 buffers, grown as needed and reused: rows [most, H], gate_up [most, 2I],
-// act [most, I], y [most, H], pairs [T * k, H].
+// One thread's buffers for running an expert (float32): rows [most, H], gate_up [most, 2I],
+// act [most, I], y [most, H], and the integer-dot and bf16 formats' activation codes.
+struct MoEBuffers {
+  torch::Tensor rows, gate_up, act, y;
+  ActivationCodes codes;
+};
+// The pass's buffers, grown as needed and reused: one MoEBuffers per team member (members[0] serves
+// the whole team when it shares each product) and pairs [T * k, H].
 struct MoEScratch {
-  torch::Tensor rows, gate_up, act, y, pairs;
-  void fit(int64_t most, int64_t num_pairs, int64_t H, int64_t I);
+  std::vector<MoEBuffers> members;
+  torch::Tensor pairs;
+  void fit(int64_t num_members, int64_t most, int64_t num_pairs, int64_t H, int64_t I);
 };
 // Throws unless the experts are well-formed packs of one shape for H inputs; moe_experts_into trusts them.
 void check_moe_experts(const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down, int64_t H);
 // out [T, H] from x [T, H] and weights [T, k] (float32, raw rows) over `groups` of the batch's expert
 // ids; as one member of `team` (meeting at its barrier; all of out written when it returns), or alone
-// across ATen's threads. `scratch` must fit groups.most and T * k; `codes` must fit [groups.most, max(H, I)].
+// across ATen's threads. With at least two active experts per member, members run whole experts on
+// their own buffers (no barrier between them); otherwise they share each product. `scratch` must fit
+// the team's size, groups.most and T * k.
 void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down,
                       const float* x, int64_t T, int64_t H, int64_t k, const float* weights,
-                      const ExpertGroups& groups, MoEScratch& scratch, float* out, ActivationCodes& codes,
-                      const Team* team);
+                      const ExpertGroups& groups, MoEScratch& scratch, float* out, const Team* team);
 // The same from tensors, checked: x [T, H] float32, expert_ids int64 and weights float32 [T, k];
 // runs as one team of ATen's thread count. Returns float32 [T, H].
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,

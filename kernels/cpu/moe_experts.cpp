@@ -14,7 +14,11 @@
 // moe_experts_into runs the pass alone across ATen's threads or as one member of a team (team.h),
 // so a fused step can call it inside its own team; the Python entry point, moe_experts, checks
 // every argument and then runs it as one team of OpenMP threads, as the fused decoder step runs:
-// one parallel region per call instead of several per expert.
+// one parallel region per call instead of several per expert. In a team, members share each
+// expert's products where few experts have pairs (decode), and otherwise take whole experts on
+// their own buffers, which needs no barrier between experts: the step then meets twice, not ~4
+// times per expert, which is what a busy 2-core machine punishes (measured, 4 blocks of 8 experts
+// at 64 tokens and load ~4: 3.5 ms a step against 6-13 ms sharing every product).
 
 #include "kernels.h"
 
@@ -26,21 +30,27 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace protoserve {
 
-void MoEScratch::fit(int64_t most, int64_t num_pairs, int64_t H, int64_t I) {
+void MoEScratch::fit(int64_t num_members, int64_t most, int64_t num_pairs, int64_t H, int64_t I) {
   // Plain tensors even when the first call comes in inference mode: later calls outside it write them too.
   c10::InferenceMode plain(false);
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
   auto grow = [&](torch::Tensor& t, int64_t rows_needed, int64_t cols) {
     if (!t.defined() || t.size(0) < rows_needed || t.size(1) != cols) t = torch::empty({rows_needed, cols}, opts);
   };
-  grow(rows, most, H);
-  grow(gate_up, most, 2 * I);
-  grow(act, most, I);
-  grow(y, most, H);
+  if (static_cast<int64_t>(members.size()) < num_members) members.resize(num_members);
+  for (int64_t m = 0; m < num_members; ++m) {
+    MoEBuffers& b = members[m];
+    grow(b.rows, most, H);
+    grow(b.gate_up, most, 2 * I);
+    grow(b.act, most, I);
+    grow(b.y, most, H);
+    b.codes.fit(most, std::max(H, I));
+  }
   grow(pairs, num_pairs, H);
 }
 
@@ -75,54 +85,89 @@ void check_moe_experts(const std::vector<LinearWeights>& gate_up, const std::vec
   }
 }
 
+namespace {
+
+// Expert e's n pairs `mine` through gate_up, SiLU * up and down, each scaled into its row of
+// `pairs`: split across `team` as packed_linear_into splits, or with no team across ATen's threads
+// (run by the calling thread alone when it is inside a parallel region already).
+void run_expert(const LinearWeights& gate_up, const LinearWeights& down, const float* x, int64_t H, int64_t k,
+                const float* weights, const int64_t* mine, int64_t n, MoEBuffers& b, float* pairs,
+                const Team* team) {
+  const int64_t I = gate_up.out_features / 2;
+  float* rows = b.rows.data_ptr<float>();
+  float* y = b.y.data_ptr<float>();
+  for_range(team, n, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) std::memcpy(rows + j * H, x + (mine[j] / k) * H, H * sizeof(float));
+  });
+  packed_linear_into(gate_up, rows, n, H, b.gate_up.data_ptr<float>(), b.codes, team);
+  // ATen's own SiLU and product on whole rows: the module path's exact bits. Alone, one call over
+  // all n rows (ATen splits it across its threads itself); in a team, each member's share.
+  int64_t j0 = 0, j1 = n;
+  if (team != nullptr) team->share(n, j0, j1);
+  if (j0 < j1) {
+    const torch::Tensor g = b.gate_up.narrow(0, j0, j1 - j0);
+    torch::Tensor a = b.act.narrow(0, j0, j1 - j0);
+    at::mul_out(a, at::silu(g.narrow(1, 0, I)), g.narrow(1, I, I));
+  }
+  packed_linear_into(down, b.act.data_ptr<float>(), n, I, y, b.codes, team);
+  for_range(team, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t j = r0; j < r1; ++j) {
+      const float w = weights[mine[j]];
+      const float* src = y + j * H;
+      float* dst = pairs + mine[j] * H;
+      for (int64_t c = 0; c < H; ++c) dst[c] = src[c] * w;
+    }
+  });
+}
+
+// Which member runs each expert (-1: none has pairs) when members take whole experts, or an empty
+// vector when they should share each product instead: with fewer than two experts per member the
+// idle shares would cost more than the barriers saved. Longest first to the least loaded member
+// (an expert's cost: its rows plus a fixed share for streaming its weights); every member computes
+// the same assignment, so no member needs to wait for another's.
+std::vector<int> assign_experts(const ExpertGroups& groups, int members) {
+  const int64_t E = static_cast<int64_t>(groups.start.size()) - 1;
+  std::vector<std::pair<int64_t, int64_t>> active;  // (rows, expert)
+  for (int64_t e = 0; e < E; ++e)
+    if (groups.start[e + 1] > groups.start[e]) active.emplace_back(groups.start[e + 1] - groups.start[e], e);
+  if (members <= 1 || static_cast<int64_t>(active.size()) < 2 * members) return {};
+  std::stable_sort(active.begin(), active.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  constexpr int64_t WEIGHT_ROWS = 16;  // streaming an expert's weights costs about as much as this many rows
+  std::vector<int64_t> load(members, 0);
+  std::vector<int> owner(E, -1);
+  for (const auto& [rows, e] : active) {
+    const int m = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[e] = m;
+    load[m] += rows + WEIGHT_ROWS;
+  }
+  return owner;
+}
+
+}  // namespace
+
 void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down,
                       const float* x, int64_t T, int64_t H, int64_t k, const float* weights,
-                      const ExpertGroups& groups, MoEScratch& scratch, float* out, ActivationCodes& codes,
-                      const Team* team) {
+                      const ExpertGroups& groups, MoEScratch& scratch, float* out, const Team* team) {
   const int64_t E = static_cast<int64_t>(gate_up.size());
-  const int64_t I = gate_up[0].out_features / 2;
-  float* rowsp = scratch.rows.data_ptr<float>();
-  float* gup = scratch.gate_up.data_ptr<float>();
-  float* actp = scratch.act.data_ptr<float>();
-  float* yp = scratch.y.data_ptr<float>();
-  float* pairsp = scratch.pairs.data_ptr<float>();
-  // Row-wise work goes by shares of the rows (a team member's own, or ATen's threads'); the
-  // products meet at the barrier inside packed_linear_into (before reading their input, after
-  // writing their output), which also orders each expert's buffers against the previous one's.
+  float* pairs = scratch.pairs.data_ptr<float>();
+  const std::vector<int> owner = assign_experts(groups, team == nullptr ? 1 : team->size);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = groups.start[e + 1] - groups.start[e];
     if (n == 0) continue;
     const int64_t* mine = groups.order.data() + groups.start[e];
-    for_range(team, n, 16, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) std::memcpy(rowsp + j * H, x + (mine[j] / k) * H, H * sizeof(float));
-    });
-    packed_linear_into(gate_up[e], rowsp, n, H, gup, codes, team);
-    // ATen's own SiLU and product on whole rows: the module path's exact bits. Alone, one call over
-    // all n rows (ATen splits it across its threads itself); in a team, each member's share.
-    int64_t j0 = 0, j1 = n;
-    if (team != nullptr) team->share(n, j0, j1);
-    if (j0 < j1) {
-      const torch::Tensor g = scratch.gate_up.narrow(0, j0, j1 - j0);
-      torch::Tensor a = scratch.act.narrow(0, j0, j1 - j0);
-      at::mul_out(a, at::silu(g.narrow(1, 0, I)), g.narrow(1, I, I));
+    if (owner.empty()) {  // every member takes part in each product (meeting at its barriers)
+      run_expert(gate_up[e], down[e], x, H, k, weights, mine, n, scratch.members[0], pairs, team);
+    } else if (owner[e] == team->rank) {  // this member's whole experts, on its own buffers, no barrier
+      run_expert(gate_up[e], down[e], x, H, k, weights, mine, n, scratch.members[team->rank], pairs, nullptr);
     }
-    packed_linear_into(down[e], actp, n, I, yp, codes, team);
-    for_range(team, n, 16, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const float w = weights[mine[j]];
-        const float* src = yp + j * H;
-        float* dst = pairsp + mine[j] * H;
-        for (int64_t c = 0; c < H; ++c) dst[c] = src[c] * w;
-      }
-    });
   }
   if (team != nullptr) team->sync();  // a token's pairs may be any member's
   for_range(team, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* dst = out + t * H;
-      std::memcpy(dst, pairsp + t * k * H, H * sizeof(float));
+      std::memcpy(dst, pairs + t * k * H, H * sizeof(float));
       for (int64_t s = 1; s < k; ++s) {
-        const float* src = pairsp + (t * k + s) * H;
+        const float* src = pairs + (t * k + s) * H;
         for (int64_t c = 0; c < H; ++c) dst[c] += src[c];
       }
     }
@@ -153,20 +198,17 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_id
   // would be each member's own).
   thread_local ExpertGroups caller_groups;
   thread_local MoEScratch caller_scratch;
-  thread_local ActivationCodes caller_codes;  // the integer-dot and bf16 formats' scratch
   ExpertGroups& groups = caller_groups;
   MoEScratch& scratch = caller_scratch;
-  ActivationCodes& codes = caller_codes;
+  const int threads = std::max(1, at::get_num_threads());
   group_by_expert(expert_ids.data_ptr<int64_t>(), T * k, E, groups);
-  scratch.fit(groups.most, T * k, H, I);
-  codes.fit(groups.most, std::max(H, I));
+  scratch.fit(threads, groups.most, T * k, H, I);
   const float* xp = x.data_ptr<float>();
   const float* wp = weights.data_ptr<float>();
   float* outp = out.data_ptr<float>();
 
-  const int threads = std::max(1, at::get_num_threads());
   if (threads == 1) {
-    moe_experts_into(gate_up, down, xp, T, H, k, wp, groups, scratch, outp, codes, nullptr);
+    moe_experts_into(gate_up, down, xp, T, H, k, wp, groups, scratch, outp, nullptr);
     return out;
   }
   // One team of OpenMP threads for the whole pass, as the fused decoder step runs: one parallel
@@ -181,7 +223,7 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_id
     barrier.set_size(size);  // OpenMP may grant fewer threads than asked; every member sets the same size
     const Team team{omp_get_thread_num(), size, &barrier};
     try {
-      moe_experts_into(gate_up, down, xp, T, H, k, wp, groups, scratch, outp, codes, &team);
+      moe_experts_into(gate_up, down, xp, T, H, k, wp, groups, scratch, outp, &team);
     } catch (...) {
       barrier.break_();
       std::lock_guard<std::mutex> lock(failure_lock);

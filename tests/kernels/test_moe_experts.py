@@ -94,12 +94,18 @@ def test_matches_reference_and_the_torch_loop(fmt: str, k: int) -> None:
 
 @pytest.mark.parametrize("fmt", ["float32", "int8_dot", "int4_dot"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_token_alone_equals_the_token_in_a_batch(fmt: str, threads: int) -> None:
+@pytest.mark.parametrize("spread", [False, True], ids=["crowded", "spread"])
+def test_a_token_alone_equals_the_token_in_a_batch(fmt: str, threads: int, spread: bool) -> None:
+    """Crowded: three experts, which a team shares product by product; spread: five, which its
+    members take whole; alone, one token's two experts. The same bits every way."""
     gate_up, down = _experts(fmt, seed=3)
     bound = moe.bind([(p, None) for p in gate_up], [(p, None) for p in down])
     g = torch.Generator().manual_seed(5)
     x = torch.randn(64, HIDDEN, generator=g)
-    ids = torch.tensor([[0, 1]] * 40 + [[1, 2]] * 24)[torch.randperm(64, generator=g)]  # crowded experts
+    if spread:
+        ids = _routing(64, 2, g)[0]
+    else:
+        ids = torch.tensor([[0, 1]] * 40 + [[1, 2]] * 24)[torch.randperm(64, generator=g)]
     weights = torch.softmax(torch.randn(64, 2, generator=g), dim=-1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
