@@ -124,6 +124,8 @@ def test_kill_fails_only_the_killed_replicas_in_flight_calls(mesh):
         )
         time.sleep(2)
         mesh.replicas[victim].process.send_signal(signal.SIGKILL)
+        # Gone (sockets closed) only once reaped: the kernel frees its memory before its files.
+        mesh.replicas[victim].process.wait(30)
         killed_at = time.monotonic()
         outcomes = load.result()
     mesh.stopped.add(victim)
