@@ -1,0 +1,74 @@
+"""What the Triton kernels share: argument checks that name the bad argument, and bfloat16 rounding.
+
+``round_to_bf16`` rounds float32 values to the nearest bfloat16 (ties to even) and keeps them in
+float32. The kernels use it wherever a value is rounded to bfloat16 (the scaled query and the
+softmax probabilities of a bfloat16 KV pool) instead of ``.to(tl.bfloat16)``: Triton's interpreter
+truncates on that cast where the GPU rounds to nearest, so the explicit integer rounding gives
+one result on both. Under the interpreter the launchers also keep bfloat16 operands out of
+``tl.dot`` (``interpreted``), whose bfloat16 dot returns garbage in triton 3.9.0: there the
+rounded float32 values go through a float32 dot, which computes the same exact products (only the
+summation order differs from a GPU's bfloat16 dot with float32 accumulation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+INDEX_DTYPE = torch.int32
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``t`` as a tensor of the given rank, dtype and device, else a ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        allowed = tuple(dtypes)
+        if t.dtype not in allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise ValueError(f"{name} must be {names}, got {str(t.dtype).removeprefix('torch.')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the other operands on {device}")
+    return t
+
+
+def check_dim(name: str, actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise ValueError(f"{name}: {what} is {actual}, expected {expected}")
+
+
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The kernels read the last dimension as contiguous lanes."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(max(1, n)))
+
+
+def interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` runs in the interpreter. Triton decides when a ``@triton.jit`` function
+    is defined (from ``TRITON_INTERPRET`` then), so the kernel object, not the environment now, says.
+    Interpreted kernels get small tiles and no bfloat16 ``tl.dot`` (see the module docstring)."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """float32 -> the nearest bfloat16 (ties to even), as float32 (finite inputs)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)

@@ -1,0 +1,167 @@
+"""Decode attention over the paged KV cache: one new query row per sequence.
+
+The special case of ``prefill_attention`` where every sequence brings one token (q ``[B, H, D]``,
+the query of sequence b at position ``seq_lens[b] - 1``), with the same cache layout and
+semantics as the CPU kernel (``kernels/cpu/paged_attention.py``): ``[num_blocks, block_size,
+KVH, D]`` float32 or bfloat16 pools, int32 block tables (key j of sequence b at slot
+``block_tables[b][j // block_size] * block_size + j % block_size``), GQA (query head h reads KV
+head ``h // (H // KVH)``) and an optional sliding window (key j visible iff ``j > p - W``).
+
+One program per (sequence, KV head) serves the whole group of query heads that share the KV
+head, so each cached K/V row is read once per group rather than once per query head: the
+group's heads are the rows of one ``tl.dot`` (padded to 16, the GPU minimum). Keys are walked in
+tiles of ``BLOCK_N`` aligned to position 0 with an online softmax in float32; float32 pools
+multiply in IEEE float32, bfloat16 pools with the query and P rounded to bfloat16 as
+``prefill_attention`` does. One program walks the whole context (no split over the keys).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from protoserve.kernels.triton._common import interpreted, next_pow2, round_to_bf16
+from protoserve.kernels.triton.prefill_attention import check_paged_operands
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_len_ptr,
+    scale, window, block_size, group, head_dim,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_oh,
+    stride_table,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BF16: tl.constexpr, BF16_DOT: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_len_ptr + seq)
+    pos = seq_len - 1
+
+    heads = kv_head * group + tl.arange(0, BLOCK_G)
+    head_ok = tl.arange(0, BLOCK_G) < group
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q_mask = head_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = q.to(tl.float32) * scale
+    if BF16:
+        q = round_to_bf16(q)
+
+    first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)  # the first visible key
+    lo = (first // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives exp(-inf) = 0, not NaN
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, seq_len, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = (keys >= first) & (keys < seq_len)
+        block = tl.load(table_ptr + seq * stride_table + keys // block_size, mask=keys < seq_len, other=0).to(tl.int64)  # pools past 2**31 elements
+        offset = keys % block_size
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+            mask=kv_mask, other=0.0,
+        ).to(tl.float32)
+        v = tl.load(
+            v_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+            mask=kv_mask, other=0.0,
+        ).to(tl.float32)
+        if BF16_DOT:
+            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BF16:
+            p = round_to_bf16(p)
+        if BF16_DOT:
+            pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+        else:
+            pv = tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out, mask=q_mask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence, q [B, H, D], over the cache -> float32 [B, H, D].
+
+    ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] (each at least 1) are int32 on q's
+    device; the pools already hold this step's K/V. ``sliding_window`` None or 0: no window.
+    """
+    num_seqs = q.shape[0] if q.dim() == 3 else -1
+    check_paged_operands(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (no window) or positive, got {sliding_window}")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    if num_seqs == 0:
+        return out
+    bf16 = k_cache.dtype == torch.bfloat16
+    cpu = interpreted(_paged_decode_kernel)
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens,
+        float(scale), int(sliding_window or 0), k_cache.shape[1], group, head_dim,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        BLOCK_G=next_pow2(group, 16), BLOCK_N=16 if cpu else 64, BLOCK_D=next_pow2(head_dim, 16),
+        BF16=bf16, BF16_DOT=bf16 and not cpu,
+    )  # fmt: skip
+    return out
+
+
+def reference_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    round_query: bool = False,
+) -> torch.Tensor:
+    """The contract in plain PyTorch, one sequence at a time in float64 -> float32 [B, H, D].
+
+    ``round_query``: score against ``bfloat16(float32(q) * scale)``, as the kernel does for a
+    bfloat16 pool (its rounding of P is not modelled)."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_slots = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    v_slots = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float64)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        first = max(0, seq_len - sliding_window) if sliding_window else 0
+        keys = torch.arange(first, seq_len)
+        table = block_tables[b].long().cpu()
+        slots = table[keys // block_size] * block_size + keys % block_size
+        k = k_slots[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_slots[slots].repeat_interleave(group, dim=1)
+        if round_query:
+            scores = torch.einsum("hd,lhd->hl", (q[b].float().cpu() * scale).bfloat16().double(), k)
+        else:
+            scores = torch.einsum("hd,lhd->hl", q[b].double().cpu(), k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+    return out.float().to(q.device)

@@ -1,0 +1,80 @@
+"""Compile every Triton kernel for a CUDA GPU on a machine without one (run as a script).
+
+Triton's front end and NVIDIA back end (with its bundled ptxas) run on the CPU: this builds each
+kernel down to a cubin for ``sm_<arch>`` in the variants the launchers use (float32 and bfloat16,
+every quantized format), which catches what the interpreter never checks (typing of branches,
+native bfloat16 ``tl.dot``, early returns, 16-row dot minimums). It must run with
+``TRITON_INTERPRET`` off, so the kernels are defined as JIT functions: the test runs it in a
+subprocess. Prints one JSON object: {variant: "ok" or the error}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def variants() -> dict[str, tuple[object, dict[str, str], dict[str, object]]]:
+    """name -> (kernel, pointer types, constexpr values); other args: i32, or fp32 for scale/eps."""
+    from protoserve.kernels.triton import moe, norm_rope, paged_attention, prefill_attention, quantized_matmul
+
+    out: dict[str, tuple[object, dict[str, str], dict[str, object]]] = {}
+    index = {"table_ptr": "*i32", "start_ptr": "*i32", "seq_len_ptr": "*i32"}
+    for pool in ("fp32", "bf16"):
+        bf16 = pool == "bf16"
+        ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{pool}", "v_ptr": f"*{pool}", "out_ptr": "*fp32", **index}
+        flags = {"BLOCK_N": 64, "BLOCK_D": 128, "BF16": bf16, "BF16_DOT": bf16}
+        out[f"prefill_attention/{pool}"] = (prefill_attention._prefill_attention_kernel, ptrs, {"BLOCK_M": 16, **flags})
+        out[f"paged_decode/{pool}"] = (paged_attention._paged_decode_kernel, ptrs, {"BLOCK_G": 16, **flags})
+    for fmt, code in quantized_matmul.FORMATS.items():
+        data, meta = ("*i8", "*fp32") if fmt == "int8" else ("*u8", "*fp32" if fmt == "int4" else "*fp16")
+        ptrs = {"x_ptr": "*bf16", "data_ptr": data, "scale_ptr": meta, "min_ptr": meta, "bias_ptr": "*fp32",
+                "out_ptr": "*fp32"}  # fmt: skip
+        consts = {"FMT": code, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}
+        out[f"quantized_matmul/{fmt}"] = (quantized_matmul._quantized_matmul_kernel, ptrs, consts)
+    norm_ptrs = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    for residual in (False, True):
+        consts = {"HAS_RESIDUAL": residual, "RES_BF16": True, "OUT_BF16": True, "BLOCK_D": 4096}
+        out[f"rms_norm/residual={residual}"] = (norm_rope._rms_norm_kernel, norm_ptrs, consts)
+    rope_ptrs = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    out["rope"] = (norm_rope._rope_kernel, rope_ptrs, {"X_BF16": True, "BLOCK_H": 32, "BLOCK_HALF": 64})
+    for dtype in ("fp32", "bf16"):
+        bf16 = dtype == "bf16"
+        tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
+        ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "pairs_ptr": "*i32",
+                "experts_ptr": "*i32"}  # fmt: skip
+        out[f"moe_gate_up/{dtype}"] = (moe._gate_up_kernel, ptrs, {"BF16": bf16, "BF16_DOT": bf16, **tiles})
+        ptrs = {"act_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "route_ptr": "*fp32", "out_ptr": "*fp32",
+                "pairs_ptr": "*i32", "experts_ptr": "*i32"}  # fmt: skip
+        out[f"moe_down/{dtype}"] = (moe._down_kernel, ptrs, {"BF16_DOT": bf16, **tiles})
+    return out
+
+
+def compile_all(arch: int) -> dict[str, str]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = {}
+    for name, (kernel, ptrs, consts) in variants().items():
+        signature = {}
+        for arg in kernel.arg_names:
+            if arg in consts:
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                signature[arg] = ptrs[arg]
+            else:
+                signature[arg] = "fp32" if arg in ("scale", "eps") else "i32"
+        try:
+            compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", arch, 32))
+            results[name] = "ok" if compiled.asm.get("cubin") else "no cubin"
+        except Exception as e:  # reported per variant, the test names them
+            results[name] = f"{type(e).__name__}: {str(e)[-400:]}"
+    return results
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("run with TRITON_INTERPRET=0: the interpreter defines no compilable kernels")
+    print(json.dumps(compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)))
