@@ -344,7 +344,13 @@ class Decoder(nn.Module):
         if self.fused_step is not None and self.fused_step.accepts(kv_cache):
             # The fused step computes in float32 whatever the weights' dtype (see FusedStep).
             cos, sin = rope_cos_sin(batch.positions, self.inv_freq, torch.float32)
-            return self.fused_step(batch, kv_cache, x.float(), cos, sin, self.config.sliding_window, lora)
+            local = None if self.local_inv_freq is None else rope_cos_sin(
+                batch.positions, self.local_inv_freq, torch.float32)
+            windows = self.config.layer_windows()
+            logits = self.fused_step(batch, kv_cache, x.float(), cos, sin,
+                                     windows if len(set(windows)) > 1 else windows[0], lora,
+                                     local, self._layer_ropes() if local is not None else None)
+            return self._soft_cap(logits)
         tables = [self.inv_freq] if self.local_inv_freq is None else [self.inv_freq, self.local_inv_freq]
         ropes = [rope_cos_sin(batch.positions, inv_freq, self.dtype) for inv_freq in tables]
         windows = self.config.layer_windows()

@@ -90,6 +90,9 @@ class FusedStep:
         ext = load("decoder_step")
         if ext is None or model.dtype not in (torch.float32, torch.bfloat16):
             return None
+        def norm(module) -> torch.Tensor | None:
+            return None if module is None else module.weight.detach().float().contiguous()
+
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -106,6 +109,9 @@ class FusedStep:
                     o=linears[1],
                     gate_up=linears[2],
                     down=linears[3],
+                    # Gemma's sandwich block: two more norms around the MLP.
+                    pre_feedforward_norm=norm(getattr(layer, "pre_feedforward_layernorm", None)),
+                    post_feedforward_norm=norm(getattr(layer, "post_feedforward_layernorm", None)),
                 )
             )
         head = _linear_weights(ext, model.lm_head)
@@ -118,7 +124,8 @@ class FusedStep:
             head_dim=cfg.head_dim,
             intermediate_size=cfg.intermediate_size,
             rms_norm_eps=cfg.rms_norm_eps,
-            attention_scale=cfg.head_dim**-0.5,  # Attention.scale's own expression, bit for bit
+            attention_scale=cfg.attention_scale,  # Attention.scale's own expression, bit for bit
+            gelu_tanh=cfg.mlp == "geglu",
         )
         step = ext.DecoderStep(shape, layers, model.norm.weight.detach().float().contiguous(), head)
         return cls(step, ext, len(layers))
@@ -136,12 +143,18 @@ class FusedStep:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        sliding_window: int | None,
+        sliding_window: int | None | list[int | None],
         lora: LoraBatch | None = None,
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layer_ropes: list[int] | None = None,
     ) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] float32 of the embedded batch ``x`` (updated in place);
-        ``lora``'s adapter rows get their adapter's updates inside the step."""
+        ``lora``'s adapter rows get their adapter's updates inside the step. ``sliding_window`` is one
+        window for every layer or a list with each layer's; the layers ``layer_ropes`` marks 1 rotate by
+        ``local_rope``'s (cos, sin) instead of ``cos``/``sin``."""
         weights, rows, starts = self._lora_args(lora, x.shape[0])
+        per_layer = isinstance(sliding_window, list)
+        local_cos, local_sin = local_rope if local_rope is not None else (None, None)
         return self._step.forward(
             x,
             cos,
@@ -153,10 +166,14 @@ class FusedStep:
             batch.query_start_loc,
             batch.seq_lens,
             batch.logits_indices,
-            sliding_window or 0,
+            0 if per_layer else sliding_window or 0,
             weights,
             rows,
             starts,
+            [w or 0 for w in sliding_window] if per_layer else [],
+            local_cos,
+            local_sin,
+            layer_ropes or [],
         )
 
     def _lora_args(self, lora: LoraBatch | None, num_tokens: int) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:

@@ -48,6 +48,12 @@ DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, t
     TORCH_CHECK(layer.o.out_features == hidden_ && layer.down.out_features == hidden_,
                 "o and down projections must return the hidden size ", hidden_);
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "q_norm and k_norm come together");
+    TORCH_CHECK(layer.pre_feedforward_norm.has_value() == layer.post_feedforward_norm.has_value(),
+                "pre_feedforward_norm and post_feedforward_norm come together");
+    if (layer.pre_feedforward_norm.has_value()) {
+      check_norm(*layer.pre_feedforward_norm, hidden_, "pre_feedforward_norm");
+      check_norm(*layer.post_feedforward_norm, hidden_, "post_feedforward_norm");
+    }
     check_norm(layer.input_norm, hidden_, "input_norm");
     check_norm(layer.post_attention_norm, hidden_, "post_attention_norm");
     if (layer.q_norm.has_value()) {
@@ -69,7 +75,11 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                                    const torch::Tensor& seq_lens, const torch::Tensor& logits_indices,
                                    int64_t sliding_window, const std::vector<LoraWeights>& lora,
                                    const c10::optional<torch::Tensor>& lora_rows,
-                                   const c10::optional<torch::Tensor>& lora_starts) const {
+                                   const c10::optional<torch::Tensor>& lora_starts,
+                                   const std::vector<int64_t>& layer_windows,
+                                   const c10::optional<torch::Tensor>& local_cos,
+                                   const c10::optional<torch::Tensor>& local_sin,
+                                   const std::vector<int64_t>& layer_rope) const {
   // Every check happens here, before the team starts: inside it nothing may throw.
   const int64_t num_layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
@@ -85,6 +95,29 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                     t->size(1) == D,
                 "cos and sin must be contiguous float32 [T, head_dim]");
   TORCH_CHECK(num_layers > 0, "the decoder has no layers");
+  // Per-layer windows and rope tables: each layer's attention plan (one per distinct window) and table.
+  TORCH_CHECK(layer_windows.empty() || static_cast<int64_t>(layer_windows.size()) == num_layers,
+              "layer_windows must be empty or hold one window per layer");
+  TORCH_CHECK(layer_rope.empty() || static_cast<int64_t>(layer_rope.size()) == num_layers,
+              "layer_rope must be empty or hold one table index per layer");
+  TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "local_cos and local_sin come together");
+  if (local_cos.has_value())
+    for (const auto* t : {&*local_cos, &*local_sin})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                      t->size(1) == D,
+                  "local_cos and local_sin must be contiguous float32 [T, head_dim]");
+  for (const int64_t r : layer_rope)
+    TORCH_CHECK(r == 0 || (r == 1 && local_cos.has_value()), "layer_rope entries are 0, or 1 with local_cos/sin");
+  std::vector<int64_t> windows;  // the distinct windows, in first-use order
+  std::vector<int64_t> plan_of(num_layers, 0);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const int64_t w = layer_windows.empty() ? sliding_window : layer_windows[i];
+    TORCH_CHECK(w >= 0, "sliding_window must be >= 0 (0 for none), got ", w, " for layer ", i);
+    int64_t k = 0;
+    while (k < static_cast<int64_t>(windows.size()) && windows[k] != w) ++k;
+    if (k == static_cast<int64_t>(windows.size())) windows.push_back(w);
+    plan_of[i] = k;
+  }
   const torch::Tensor& pool0 = k_caches[0];
   const bool bf16_pools = pool0.scalar_type() == torch::kBFloat16;
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -148,12 +181,14 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   }
 
   // thread_local: the calling thread's, reused across steps; the team reaches them through these pointers.
-  thread_local AttentionPlan step_plan;
+  thread_local std::vector<AttentionPlan> step_plans;
   thread_local ActivationCodes step_codes;
-  AttentionPlan* const plan = &step_plan;
+  if (step_plans.size() < windows.size()) step_plans.resize(windows.size());
+  for (size_t k = 0; k < windows.size(); ++k)
+    plan_attention(step_plans[k], block_tables, query_start_loc, seq_lens, T, H, D, pool0.size(0), pool0.size(1),
+                   windows[k]);
+  const AttentionPlan* const plans = step_plans.data();
   ActivationCodes* const codes = &step_codes;
-  plan_attention(*plan, block_tables, query_start_loc, seq_lens, T, H, D, pool0.size(0), pool0.size(1),
-                 sliding_window);
 
   // The step's activations, written and read by the whole team.
   const auto opts = x.options();
@@ -179,6 +214,8 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   float* actp = act.data_ptr<float>();
   const float* cosp = cos.data_ptr<float>();
   const float* sinp = sin.data_ptr<float>();
+  const float* local_cosp = local_cos.has_value() ? local_cos->data_ptr<float>() : nullptr;
+  const float* local_sinp = local_sin.has_value() ? local_sin->data_ptr<float>() : nullptr;
   const float eps = static_cast<float>(shape_.rms_norm_eps);
 
   // One member's whole step. Row-wise work goes by the member's share of the rows (the same
@@ -211,6 +248,9 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
       // This member's tokens: q/k norms, RoPE, and their K/V into the pool, which the attention reads.
       void* kpool = k_caches[i].data_ptr();
       void* vpool = v_caches[i].data_ptr();
+      const bool local_rope = !layer_rope.empty() && layer_rope[i] == 1;
+      const float* lcos = local_rope ? local_cosp : cosp;
+      const float* lsin = local_rope ? local_sinp : sinp;
       for (int64_t r = r0; r < r1; ++r) {
         float* qr = qkvp + r * qkv_size;
         float* kr = qr + q_size;
@@ -220,8 +260,8 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
           for (int64_t hh = 0; hh < KVH; ++hh)
             rms_norm_row(kr + hh * D, layer.k_norm->data_ptr<float>(), eps, D, kr + hh * D);
         }
-        rope_row(qr, H, D, cosp + r * D, sinp + r * D, D);
-        rope_row(kr, KVH, D, cosp + r * D, sinp + r * D, D);
+        rope_row(qr, H, D, lcos + r * D, lsin + r * D, D);
+        rope_row(kr, KVH, D, lcos + r * D, lsin + r * D, D);
         if (bf16_pools) {
           // Round to nearest even, as the module path's k.to(torch.bfloat16) does.
           auto* kdst = static_cast<c10::BFloat16*>(kpool) + slots[r] * kv_size;
@@ -234,25 +274,38 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         }
       }
       team.sync();
-      paged_attention_into(*plan, qkvp, qkv_size, H, k_caches[i], v_caches[i], attnp, shape_.attention_scale, &team,
+      paged_attention_into(plans[plan_of[i]], qkvp, qkv_size, H, k_caches[i], v_caches[i], attnp, shape_.attention_scale, &team,
                            &next_unit[i]);
       team.sync();  // the o projection quantizes its own rows, which any member's units wrote
       packed_linear_into(layer.o, attnp, T, q_size, op, *codes, &team);
       add_lora(i, 1, attnp, q_size, op, hidden_);
-      for (int64_t r = r0; r < r1; ++r)
-        add_rms_norm_row(op + r * hidden_, xp + r * hidden_, layer.post_attention_norm.data_ptr<float>(), eps, hidden_,
-                         hp + r * hidden_);
+      const bool sandwich = layer.pre_feedforward_norm.has_value();
+      for (int64_t r = r0; r < r1; ++r) {
+        if (sandwich) {  // x += norm(attention); h = norm(x), as the module path's three operations
+          rms_norm_row(op + r * hidden_, layer.post_attention_norm.data_ptr<float>(), eps, hidden_, op + r * hidden_);
+          add_row(xp + r * hidden_, op + r * hidden_, hidden_);
+          rms_norm_row(xp + r * hidden_, layer.pre_feedforward_norm->data_ptr<float>(), eps, hidden_, hp + r * hidden_);
+        } else {
+          add_rms_norm_row(op + r * hidden_, xp + r * hidden_, layer.post_attention_norm.data_ptr<float>(), eps,
+                           hidden_, hp + r * hidden_);
+        }
+      }
       packed_linear_into(layer.gate_up, hp, T, hidden_, gup, *codes, &team);
       add_lora(i, 2, hp, hidden_, gup, 2 * I);
       if (r0 < r1) {
-        // ATen's own SiLU and product, on whole rows: the module path's exact bits.
+        // ATen's own activation and product, on whole rows: the module path's exact bits.
         const torch::Tensor rows = gate_up.narrow(0, r0, r1 - r0);
         torch::Tensor out_rows = act.narrow(0, r0, r1 - r0);
-        at::mul_out(out_rows, at::silu(rows.narrow(1, 0, I)), rows.narrow(1, I, I));
+        const torch::Tensor gate = rows.narrow(1, 0, I);
+        at::mul_out(out_rows, shape_.gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate), rows.narrow(1, I, I));
       }
       packed_linear_into(layer.down, actp, T, I, op, *codes, &team);
       add_lora(i, 3, actp, I, op, hidden_);
-      for (int64_t r = r0; r < r1; ++r) add_row(xp + r * hidden_, op + r * hidden_, hidden_);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (sandwich)
+          rms_norm_row(op + r * hidden_, layer.post_feedforward_norm->data_ptr<float>(), eps, hidden_, op + r * hidden_);
+        add_row(xp + r * hidden_, op + r * hidden_, hidden_);
+      }
     }
     team.sync();  // the picked rows may be any member's
     int64_t j0 = 0, j1 = 0;

@@ -108,16 +108,20 @@ void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_s
                           const torch::Tensor& k_cache, const torch::Tensor& v_cache, float* out, double scale,
                           const Team* team, std::atomic<int64_t>* next);
 
-// One pre-norm decoder block's weights (engine/models/decoder.py: DecoderLayer).
+// One decoder block's weights (engine/models/decoder.py: DecoderLayer).
 struct LayerWeights {
   torch::Tensor input_norm;
   torch::Tensor post_attention_norm;
-  c10::optional<torch::Tensor> q_norm;  // Qwen3: RMSNorm over each head of q and k
+  c10::optional<torch::Tensor> q_norm;  // Qwen3, Gemma 3: RMSNorm over each head of q and k
   c10::optional<torch::Tensor> k_norm;
   LinearWeights qkv;
   LinearWeights o;
   LinearWeights gate_up;
   LinearWeights down;
+  // Gemma's "sandwich" block: with these, post_attention_norm norms the attention's output before the
+  // residual add, pre_feedforward_norm the MLP's input and post_feedforward_norm its output.
+  c10::optional<torch::Tensor> pre_feedforward_norm;
+  c10::optional<torch::Tensor> post_feedforward_norm;
 };
 
 // lora.cpp: one adapter's low-rank update of one fused linear layer (engine/lora/adapter.py's
@@ -151,7 +155,8 @@ struct DecoderShape {
   int64_t head_dim = 0;
   int64_t intermediate_size = 0;
   double rms_norm_eps = 0.0;
-  double attention_scale = 0.0;  // the model's own head_dim ** -0.5, bit for bit
+  double attention_scale = 0.0;  // the model's own attention scale (Attention.scale), bit for bit
+  bool gelu_tanh = false;        // the MLP gate's activation: gelu (tanh approximation) instead of SiLU
 };
 
 // The decoder's layers, final norm and LM head run as one C++ call per forward.
@@ -164,14 +169,19 @@ class DecoderStep {
   // float32 or all bfloat16 (K/V rounded to nearest even as they are stored).
   // sliding_window: 0 for none. lora: the adapters of the batch's adapter groups; group g's rows are
   // lora_rows[lora_starts[g] : lora_starts[g + 1]] (each row in at most one group; rows in none run the
-  // base model alone). Returns float32 logits [len(logits_indices), vocab].
+  // base model alone). layer_windows: each layer's window (0 for none) where layers differ; empty: every
+  // layer takes sliding_window. local_cos/local_sin: a second rope table [T, head_dim], which the layers
+  // with layer_rope[i] == 1 rotate by (empty layer_rope: every layer takes cos/sin).
+  // Returns float32 logits [len(logits_indices), vocab].
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
                         const torch::Tensor& logits_indices, int64_t sliding_window,
                         const std::vector<LoraWeights>& lora, const c10::optional<torch::Tensor>& lora_rows,
-                        const c10::optional<torch::Tensor>& lora_starts) const;
+                        const c10::optional<torch::Tensor>& lora_starts, const std::vector<int64_t>& layer_windows,
+                        const c10::optional<torch::Tensor>& local_cos, const c10::optional<torch::Tensor>& local_sin,
+                        const std::vector<int64_t>& layer_rope) const;
 
  private:
   DecoderShape shape_;

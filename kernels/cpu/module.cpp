@@ -41,13 +41,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
                        c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, LinearWeights qkv,
-                       LinearWeights o, LinearWeights gate_up, LinearWeights down) {
+                       LinearWeights o, LinearWeights gate_up, LinearWeights down,
+                       c10::optional<torch::Tensor> pre_feedforward_norm,
+                       c10::optional<torch::Tensor> post_feedforward_norm) {
              return LayerWeights{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
                                  std::move(k_norm), std::move(qkv), std::move(o), std::move(gate_up),
-                                 std::move(down)};
+                                 std::move(down), std::move(pre_feedforward_norm), std::move(post_feedforward_norm)};
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("pre_feedforward_norm") = py::none(), py::arg("post_feedforward_norm") = py::none());
   py::class_<LoraLinear>(m, "LoraLinear")
       .def(py::init([](torch::Tensor a, torch::Tensor bt, std::vector<int64_t> slice_begin,
                        std::vector<int64_t> slice_end, int64_t rank) {
@@ -61,11 +64,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("rows"), no_gil);
   py::class_<DecoderShape>(m, "DecoderShape")
       .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                       double rms_norm_eps, double attention_scale) {
-             return DecoderShape{num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, attention_scale};
+                       double rms_norm_eps, double attention_scale, bool gelu_tanh) {
+             return DecoderShape{num_heads,    num_kv_heads,    head_dim, intermediate_size,
+                                 rms_norm_eps, attention_scale, gelu_tanh};
            }),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
-           py::arg("rms_norm_eps"), py::arg("attention_scale"));
+           py::arg("rms_norm_eps"), py::arg("attention_scale"), py::arg("gelu_tanh") = false);
   py::class_<DecoderStep>(m, "DecoderStep")
       .def(py::init<DecoderShape, std::vector<LayerWeights>, torch::Tensor, LinearWeights>(), py::arg("shape"),
            py::arg("layers"), py::arg("final_norm"), py::arg("lm_head"))
@@ -73,7 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("logits_indices"),
            py::arg("sliding_window"), py::arg("lora") = std::vector<LoraWeights>(), py::arg("lora_rows") = py::none(),
-           py::arg("lora_starts") = py::none(), no_gil);
+           py::arg("lora_starts") = py::none(), py::arg("layer_windows") = std::vector<int64_t>(),
+           py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
+           py::arg("layer_rope") = std::vector<int64_t>(), no_gil);
   m.def("moe_experts", &protoserve::moe_experts,
         "a MoE block's routed experts, grouped by expert over packed weights (float32 [T, H])", py::arg("x"),
         py::arg("expert_ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), no_gil);

@@ -6,11 +6,13 @@ head_dim and final logit soft-capping; Qwen2/3 slide from max_window_layers on.
 The window (8) is shorter than the prompts, so local and global layers differ.
 Checked: every position's logits within 1e-4 in deterministic and fast mode,
 batch invariance across schedules, 32 greedy tokens equal transformers' alone
-and inside a mixed continuous batch (LLMEngine), and the fused step's fallback.
+and inside a mixed continuous batch (LLMEngine), the fused C++ step bit-identical
+to the module path (float32, int8, int4), and the fallback of a family it cannot run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import warnings
@@ -22,6 +24,9 @@ from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cac
 from family_checkpoints import EOS, FAMILIES, VOCAB, WINDOW, hf_greedy, make_checkpoint
 
 from protoserve.engine.loader.load import load_model
+from protoserve.engine.models import families
+from protoserve.engine.models.decoder import DecoderLayer
+from protoserve.kernels.cpu import extension
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,13 +132,40 @@ def test_config_mapping(checkpoint) -> None:
     assert qwen3.layer_pattern == ["global", "global", "sliding"]
 
 
+@pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_step_falls_back_with_a_reason(checkpoint, family: str, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="protoserve.engine.models.decoder"):
-        loaded = load_model(checkpoint(family)[0], progress=False)
+def test_fused_step_bit_identical_to_module_path(checkpoint, family: str, quantization: str) -> None:
+    """Per-layer windows and rope tables, sandwich norms and GeGLU in the C++ step: the same logits and
+    K/V, bit for bit, as the module path, on a random mix of prefill chunks and decodes."""
+    loaded = load_model(checkpoint(family)[0], progress=False, quantization=quantization)
+    model = loaded.model
+    assert model.fused_step is not None and model.fused_step_unsupported() is None
+    prompts = _prompts(7)
+    fused_cache = paged_cache(model)
+    with pytest.MonkeyPatch.context() as mp:  # the module path's layers may not run
+        mp.setattr(DecoderLayer, "forward", lambda *a, **k: pytest.fail("the module path ran"))
+        fused = Driver(model, fused_cache).run(prompts, random_mix(8))
+    model.fused_step, step = None, model.fused_step
+    module_cache = paged_cache(model)
+    module = Driver(model, module_cache).run(prompts, random_mix(8))
+    model.fused_step = step
+    for a, b in zip(fused, module, strict=True):
+        assert torch.equal(a, b)
+    for pools in ("k", "v"):
+        for a, b in zip(getattr(fused_cache, pools), getattr(module_cache, pools), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_family_the_fused_step_cannot_run_falls_back_with_a_reason(checkpoint, caplog) -> None:
+    gemma = families.FAMILIES["gemma3"]
+    refusing = dataclasses.replace(gemma, fused_step_unsupported=lambda config: "a block it lacks")
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, logger="protoserve.engine.models.decoder"):
+        mp.setitem(families.FAMILIES, "gemma3", refusing)
+        loaded = load_model(checkpoint("gemma3")[0], progress=False)
     assert loaded.model.fused_step is None
-    assert loaded.model.fused_step_unsupported() is not None
-    assert any("module path" in r.getMessage() and family.split("-")[0] in r.getMessage() for r in caplog.records)
+    assert any("gemma3: the fused C++ step does not run a block it lacks; serving on the module path"
+               in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -91,7 +91,7 @@ def test_config_and_summary(gemma) -> None:
     s = gemma.summary()
     assert s.layer_pattern == (["sliding"] * 5 + ["global"]) * 3
     assert s.parameters == s.active_parameters == gemma.num_parameters
-    print(f"Gemma 3 270M: {s.parameters:,} parameters, fused step: {gemma.model.fused_step_unsupported()}")
+    print(f"Gemma 3 270M: {s.parameters:,} parameters, fused step: {gemma.model.fused_step is not None}")
 
 
 def test_logits_match_transformers(gemma, gemma_hf, prompts) -> None:
@@ -143,3 +143,16 @@ def test_auto_quantization_logit_error(gemma_path, gemma, prompts) -> None:
     print(f"Gemma 3 270M auto (int8) vs float32: max |logit diff| {diffs.max():.3f}, mean {diffs.mean():.4f}, "
           f"top-1 agreement {agree:.3f}")
     assert diffs.mean() < 0.35 and agree >= 0.9  # measured: mean 0.225, max 3.7, agreement 0.938
+
+
+def test_fused_step_equals_module_path(gemma, prompts) -> None:
+    """The C++ step runs Gemma's blocks (the comparisons above went through it): bit-identical logits."""
+    model = gemma.model
+    assert model.fused_step is not None
+    fused = Driver(model, paged_cache(model, 64, 16)).run(prompts, all_at_once)
+    model.fused_step, step = None, model.fused_step
+    try:
+        module = Driver(model, paged_cache(model, 64, 16)).run(prompts, all_at_once)
+    finally:
+        model.fused_step = step
+    assert all(torch.equal(a, b) for a, b in zip(fused, module, strict=True))

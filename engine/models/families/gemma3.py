@@ -191,10 +191,6 @@ def shift_hf_norm(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch
     return tensor
 
 
-def fused_step_unsupported(config: ModelConfig) -> str | None:
-    return "Gemma 3 blocks (sandwich norms, GeGLU, per-layer windows and rope bases)"
-
-
 FAMILY = Family(
     name="gemma3",
     hf_model_types=("gemma3_text",),
@@ -203,7 +199,6 @@ FAMILY = Family(
     config_from_gguf=from_gguf,
     gguf_layer_names=GGUF_LAYER_NAMES,
     hf_weight=shift_hf_norm,
-    fused_step_unsupported=fused_step_unsupported,
     chat_template=CHAT_TEMPLATE,
     summary="Gemma 3 (text): local/global layers, GeGLU, sandwich norms, q/k norms",
 )

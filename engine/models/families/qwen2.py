@@ -21,18 +21,11 @@ def from_gguf(meta: GGUFFields) -> ModelConfig:
     return ModelConfig(architecture="qwen2", **meta.common())
 
 
-def fused_step_unsupported(config: ModelConfig) -> str | None:
-    if config.layer_types is not None and len(set(config.layer_windows())) > 1:
-        return "per-layer sliding windows (use_sliding_window with max_window_layers)"
-    return None
-
-
 FAMILY = Family(
     name="qwen2",
     hf_model_types=("qwen2",),
     gguf_architectures=("qwen2",),
     config_from_hf=from_hf,
     config_from_gguf=from_gguf,
-    fused_step_unsupported=fused_step_unsupported,
     summary="Qwen2/2.5: q/k/v biases, optional per-layer sliding windows",
 )

@@ -6,7 +6,6 @@ from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
 from protoserve.engine.models.families.gguf_fields import GGUFFields
 from protoserve.engine.models.families.hf_fields import HFFields
-from protoserve.engine.models.families.qwen2 import fused_step_unsupported
 
 # transformers' Qwen3Config default when config.json omits head_dim.
 DEFAULT_HEAD_DIM = 128
@@ -40,6 +39,5 @@ FAMILY = Family(
     gguf_architectures=("qwen3",),
     config_from_hf=from_hf,
     config_from_gguf=from_gguf,
-    fused_step_unsupported=fused_step_unsupported,
     summary="Qwen3 (dense): q/k norms, optional per-layer sliding windows",
 )
