@@ -14,11 +14,12 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 
-.PHONY: help install prometheus kernels proto proto-check lint test fuzz soak run bench clean
+.PHONY: help install prometheus kernels proto proto-check lint test test-gpu fuzz soak run bench clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
 	@echo "make test     install, check generated code, lint, run the test suite"
+	@echo "make test-gpu the Triton kernels' tests compiled for a CUDA device (skips without one)"
 	@echo "make fuzz     the fuzz suite (tests/fuzz) with $(FUZZ_EXAMPLES) examples per property"
 	@echo "make soak     $(SOAK_DURATION_S) s of mixed hostile load on a fresh server (bench/soak.py)"
 	@echo "make install  create .venv and node_modules, generate code from proto/"
@@ -89,6 +90,12 @@ lint: install
 
 test: install proto-check lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The Triton kernels' tests on a CUDA device (make test runs them under the CPU interpreter).
+test-gpu: install
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  TRITON_INTERPRET=0 $(VENV)/bin/pytest tests/kernels_triton $(PYTEST_ARGS); \
+	else echo "make test-gpu: no CUDA device here (torch.cuda.is_available() is False); nothing to run"; fi
 
 # `make test` runs tests/fuzz with a few examples per property; this is the long run.
 FUZZ_EXAMPLES ?= 150
