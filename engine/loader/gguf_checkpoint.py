@@ -35,7 +35,7 @@ from protoserve.engine.models.families.gguf_fields import (
     torch_shape,
 )
 from protoserve.engine.models.families.llama import unpermute_qk
-from protoserve.engine.models.families.weights import expected_hf_shapes, gguf_to_hf_name
+from protoserve.engine.models.families.weights import gguf_to_hf_name
 
 # Re-exported: the tokenizer and the tests read GGUF metadata and llama.cpp's layouts through here.
 __all__ = [
@@ -146,7 +146,7 @@ def _tensor_plan(
     path: Path, family: Family, config: ModelConfig, tensors: dict[str, ReaderTensor]
 ) -> list[tuple[str, ReaderTensor]]:
     """Pair each GGUF tensor with its HF name, checking names and shapes against the config."""
-    expected = expected_hf_shapes(config)
+    expected = family.hf_shapes(config)
     plan: list[tuple[str, ReaderTensor]] = []
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:

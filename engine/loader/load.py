@@ -31,8 +31,7 @@ from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, h
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.decoder import Decoder
-from protoserve.engine.models.families.summary import ModelSummary, model_summary
-from protoserve.engine.models.families.weights import expected_hf_shapes, parameter_count
+from protoserve.engine.models.families.summary import ModelSummary, model_summary, parameter_count
 from protoserve.engine.models.linear import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
@@ -115,7 +114,7 @@ def load_model(
         stored = "none"  # safetensors hold float weights
         ckpt = open_hf_checkpoint(source)
         config = ckpt.config
-        weights = load_hf_tensors(ckpt, expected_hf_shapes(config), progress=progress)
+        weights = load_hf_tensors(ckpt, families.hf_shapes(config), progress=progress)
         convert = families.get(config.architecture).hf_weight
         weights = {name: convert(config, name, tensor) for name, tensor in weights.items()}
         tokenizer = (
@@ -132,7 +131,7 @@ def load_model(
         stored = mode_for_gguf_tensors((t.name, t.tensor_type.name) for t in gguf.reader.tensors)
         config = gguf.config
         weights = dict(gguf.iter_weights(dtype=torch_dtype, progress=progress))
-        check_weights(weights, expected_hf_shapes(config), source)
+        check_weights(weights, families.hf_shapes(config), source)
         tokenizer = Tokenizer.from_gguf(gguf.reader, source) if load_tokenizer else None
         sampling_defaults = gguf_sampling_defaults(gguf.reader, source)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pkgutil
 import warnings
 from pathlib import Path
@@ -15,7 +16,6 @@ from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
 from protoserve.engine.models.families.summary import model_summary
-from protoserve.engine.models.families.weights import expected_hf_shapes
 
 # The registry's own machinery; every other module of the package is a family.
 INFRASTRUCTURE = {"family", "hf_fields", "gguf_fields", "weights", "summary"}
@@ -37,8 +37,8 @@ def test_family_declares_what_it_must(name: str) -> None:
     family = families.FAMILIES[name]
     assert isinstance(family, Family) and family.name == name
     assert family.hf_model_types and family.gguf_architectures and family.summary
-    for hook in (family.config_from_hf, family.config_from_gguf, family.hf_weight, family.gguf_weight,
-                 family.fused_step_unsupported):
+    for hook in (family.config_from_hf, family.config_from_gguf, family.hf_shapes, family.hf_weight,
+                 family.gguf_weight, family.fused_step_unsupported):
         assert callable(hook)
     # GGUF layer parts map onto distinct Hugging Face names.
     assert len(set(family.gguf_layer_names.values())) == len(family.gguf_layer_names)
@@ -69,10 +69,24 @@ def test_weight_names_are_transformers_names(model_type: str, tmp_path: Path) ->
     theirs = {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         theirs.pop("lm_head.weight", None)
-    assert expected_hf_shapes(config) == theirs
+    assert families.hf_shapes(config) == theirs
     summary = model_summary(config)
     assert summary.parameters == sum(p.numel() for p in model.parameters())  # tied embedding once
     assert summary.active_parameters == summary.parameters and len(summary.layer_pattern) == config.num_layers
+
+
+def test_summary_takes_a_family_s_active_parameters(tmp_path: Path) -> None:
+    """A family whose tokens use part of the weights (MoE) declares its count; dense ones use all."""
+    from transformers import AutoConfig
+
+    config = parse_hf_config(AutoConfig.for_model("qwen3", **TINY, head_dim=16).to_dict(), None, tmp_path)
+    dense = model_summary(config)
+    assert dense.active_parameters == dense.parameters
+    partial = dataclasses.replace(families.FAMILIES["qwen3"], active_parameters=lambda c: 1234)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(families.FAMILIES, "qwen3", partial)
+        summary = model_summary(config)
+    assert (summary.parameters, summary.active_parameters) == (dense.parameters, 1234)
 
 
 def test_unknown_names_list_the_supported_ones(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
@@ -51,6 +52,11 @@ def get(name: str) -> Family:
     if family is None:
         raise UnknownFamilyError("architecture", name, list(FAMILIES))
     return family
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor ``config``'s family needs, by Hugging Face name, with its shape."""
+    return get(config.architecture).hf_shapes(config)
 
 
 def for_hf_model_type(model_type: object) -> Family:

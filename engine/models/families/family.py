@@ -8,9 +8,12 @@ A family module (llama.py, gemma3.py, ...) builds one ``Family`` and says:
   config.json, ``config_from_gguf`` the GGUF metadata); the ModelConfig it returns
   also carries the family's blocks (MLP kind, norm placement, q/k norm, windows,
   rope bases), which the shared Decoder composes;
-* its weight names: GGUF ``blk.N.<part>`` names onto Hugging Face suffixes, and
-  any per-tensor transform the source format needs (llama.cpp's q/k row
+* its weight names: every tensor by Hugging Face name and shape (``hf_shapes``;
+  the dense default follows the blocks in ModelConfig, an MoE family lists its
+  experts), GGUF ``blk.N.<part>`` names onto Hugging Face suffixes, and any
+  per-tensor transform the source format needs (llama.cpp's q/k row
   permutation, Gemma's ``1 + w`` norms);
+* its parameters used per token (``active_parameters``; None: all of them);
 * what the fused C++ step cannot run yet (``fused_step_unsupported``).
 
 Weights are always named as in Hugging Face checkpoints (``model.layers.N.…``).
@@ -27,6 +30,7 @@ import torch
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.gguf_fields import GGUFFields
 from protoserve.engine.models.families.hf_fields import HFFields
+from protoserve.engine.models.families.weights import expected_hf_shapes
 
 # llama.cpp's per-layer tensor parts -> Hugging Face suffixes, as its converter names them for
 # Llama-like families. A family with other parts (Gemma's sandwich norms) declares its own map.
@@ -74,6 +78,8 @@ class Family:
     gguf_architectures: tuple[str, ...]
     config_from_hf: Callable[[HFFields], ModelConfig]
     config_from_gguf: Callable[[GGUFFields], ModelConfig]
+    hf_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] = expected_hf_shapes
+    active_parameters: Callable[[ModelConfig], int] | None = None  # an MoE family's per-token count
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
     hf_weight: WeightTransform = keep_weight  # applied to each safetensors tensor
     gguf_weight: WeightTransform = keep_weight  # applied to each dequantized GGUF tensor

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.families.weights import parameter_count
 
 
 @dataclass(frozen=True)
@@ -17,12 +18,19 @@ class ModelSummary:
     sliding_window: int | None  # the window of the sliding layers
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters by their logical (Hugging Face) shapes; a tied embedding counts once."""
+    return sum(math.prod(shape) for shape in families.hf_shapes(config).values())
+
+
 def model_summary(config: ModelConfig) -> ModelSummary:
     count = parameter_count(config)
+    active = families.get(config.architecture).active_parameters
+    pattern = config.layer_pattern()
     return ModelSummary(
         family=config.architecture,
         parameters=count,
-        active_parameters=count,
-        layer_pattern=config.layer_pattern(),
-        sliding_window=config.sliding_window if "sliding" in config.layer_pattern() else None,
+        active_parameters=count if active is None else active(config),
+        layer_pattern=pattern,
+        sliding_window=config.sliding_window if "sliding" in pattern else None,
     )

@@ -2,13 +2,12 @@
 
 Shared by every dense family: the blocks in ModelConfig (biases, q/k norm,
 norm placement) decide which tensors exist, so a family declares no list of
-its own. A family with other blocks (an MoE MLP) adds its names through its
-own function of the same shape.
+its own. A family with other blocks (an MoE MLP) sets ``Family.hf_shapes`` to
+its own function of the same signature.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 
@@ -53,11 +52,6 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
-
-
-def parameter_count(config: ModelConfig) -> int:
-    """Parameters by their logical (Hugging Face) shapes; a tied embedding counts once."""
-    return sum(math.prod(shape) for shape in expected_hf_shapes(config).values())
 
 
 def gguf_to_hf_name(
