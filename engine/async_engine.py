@@ -47,6 +47,7 @@ class AsyncEngine:
         self.kv_cache_dtype = engine.kv_cache_dtype
         self.max_model_len = engine.max_model_len
         self.num_parameters = engine.num_parameters
+        self.model_summary = engine.model_summary
         self.sampling_defaults = engine.sampling_defaults
         self._lock = threading.Lock()
         self._wakeup = threading.Event()

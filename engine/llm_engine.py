@@ -89,6 +89,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
         self.num_parameters = loaded.num_parameters
+        self.model_summary = loaded.summary()  # family, active parameters, layer pattern (GetModel)
         self.sampling_defaults = loaded.sampling_defaults  # the checkpoint's recommendation; the server applies it
         self.tokenizer = loaded.tokenizer
         loaded.model.set_deterministic(self.config.deterministic)

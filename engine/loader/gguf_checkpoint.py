@@ -101,22 +101,33 @@ class GGUFCheckpoint:
         self.config = self.family.config_from_gguf(
             GGUFFields(self.reader, metadata_value(self.reader, "general.architecture"), self._tensors, self.path)
         )
+        # llama.cpp files some families under another's architecture (Mixtral as "llama" with experts):
+        # the config names the family whose weight names and transforms apply.
+        self.family = families.get(self.config.architecture)
         self._plan = _tensor_plan(self.path, self.family, self.config, self._tensors)
 
     @property
     def parameter_names(self) -> list[str]:
         """Hugging Face names of the weights, in file order."""
-        return [hf_name for hf_name, _ in self._plan]
+        return [name for hf_name, _ in self._plan
+                for name in ([hf_name.format(e=e) for e in range(self.config.num_experts)]
+                             if "{e}" in hf_name else [hf_name])]
 
     def iter_weights(
         self, *, dtype: torch.dtype = torch.float32, progress: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` one dequantized tensor at a time (peak memory: one tensor)."""
+        """Yield ``(hf_name, tensor)`` one dequantized tensor at a time (peak memory: one tensor;
+        a stacked expert tensor yields each expert's slice under its own name)."""
         for hf_name, tensor in tensor_progress(self._plan, desc=f"Loading {self.path.name}", enabled=progress):
             shape = torch_shape(tensor)
             weight = dequantize(
                 tensor.data, tensor.tensor_type, shape, tensor_name=tensor.name, source=self.path
             )
+            if "{e}" in hf_name:
+                for e, expert in enumerate(weight.unbind(0)):
+                    name = hf_name.format(e=e)
+                    yield name, self.family.gguf_weight(self.config, name, expert.contiguous()).to(dtype)
+                continue
             yield hf_name, self.family.gguf_weight(self.config, hf_name, weight).to(dtype)
 
     def load_weights(
@@ -148,19 +159,26 @@ def _tensor_plan(
     """Pair each GGUF tensor with its HF name, checking names and shapes against the config."""
     expected = family.hf_shapes(config)
     plan: list[tuple[str, ReaderTensor]] = []
+    covered: set[str] = set()
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
             continue
         hf_name = gguf_to_hf_name(name, family.gguf_layer_names, GGUF_GLOBAL_NAMES)
-        if hf_name is None or hf_name not in expected:
+        stacked = gguf_to_hf_name(name, family.gguf_expert_names, {})  # experts' template, "{e}" in it
+        experts = [] if stacked is None else [stacked.format(e=e) for e in range(config.num_experts)]
+        if stacked is not None and all(n in expected for n in experts):
+            want = (config.num_experts, *expected[experts[0]])
+            hf_name, names = stacked, experts
+        elif hf_name is not None and hf_name in expected:
+            want, names = expected[hf_name], [hf_name]
+        else:
             raise ModelLoadError(path, f"unexpected tensor {name!r} for a {config.architecture} model")
         shape = torch_shape(tensor)
-        if shape != expected[hf_name]:
-            raise ModelLoadError(
-                path, f"tensor {name!r} has shape {shape}, expected {expected[hf_name]} for {hf_name}"
-            )
+        if shape != want:
+            raise ModelLoadError(path, f"tensor {name!r} has shape {shape}, expected {want} for {hf_name}")
         plan.append((hf_name, tensor))
-    missing = sorted(set(expected) - {hf_name for hf_name, _ in plan})
+        covered.update(names)
+    missing = sorted(set(expected) - covered)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(path, f"missing tensors: {', '.join(missing[:5])}{more}")

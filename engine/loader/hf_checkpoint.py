@@ -24,8 +24,8 @@ from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.progress import tensor_progress
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.decoder import ROPE_TYPES, rope_inv_freq
 from protoserve.engine.models.families.hf_fields import HFFields
+from protoserve.engine.models.rope import RopeConfigError, rope_spec
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -74,13 +74,10 @@ def parse_hf_config(raw: Mapping[str, Any], generation: Mapping[str, Any] | None
         raise ModelLoadError(
             path, f"num_attention_heads {config.num_heads} is not a multiple of num_key_value_heads"
         )
-    rope_type = (config.rope_scaling or {}).get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(path, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     try:
-        rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(path, f"bad rope scaling parameters {config.rope_scaling}: {e!r}") from e
+        rope_spec(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+    except RopeConfigError as e:
+        raise ModelLoadError(path, f"rope scaling: {e}") from e
     return config
 
 

@@ -138,6 +138,16 @@ def check_adapter_config(cfg: dict) -> tuple[int, float, bool, tuple[str, ...]]:
     return r, float(alpha), bool(cfg.get("use_rslora", False)), tuple(p for p in PROJECTIONS if p in targets)
 
 
+def check_adapter_targets(config: ModelConfig, targets: tuple[str, ...]) -> None:
+    """AdapterError for targets the base model does not have as plain layers: the MLP projections of a
+    mixture-of-experts model live per expert, where a PEFT LoRA of the dense names does not apply."""
+    mlp = sorted(t for t in targets if PARENT[t] == "mlp")
+    if config.num_experts and mlp:
+        raise AdapterError(f"{CONFIG_FILE}: target_modules {mlp} are MLP projections, and this base model's "
+                           f"MLPs are mixture-of-experts blocks; LoRA on experts is not supported (target the "
+                           f"attention projections)")
+
+
 def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -163,6 +173,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
                            f"and {WEIGHTS_FILE})")
     cfg = read_adapter_config(path)
     r, alpha, rslora, targets = check_adapter_config(cfg)
+    check_adapter_targets(config, targets)
     scale = alpha / math.sqrt(r) if rslora else alpha / r
     tensors = read_adapter_tensors(path)
     shapes = projection_shapes(config)

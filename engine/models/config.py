@@ -15,6 +15,9 @@ MlpKind = Literal["swiglu", "geglu"]
 # Where a layer's norms sit: "pre" (Llama: before attention and before the MLP) or
 # "sandwich" (Gemma: before and after each of them, four per layer).
 NormPlacement = Literal["pre", "sandwich"]
+# How an MoE layer picks a token's experts: a softmax top-k over a router (Mixtral, Qwen-MoE) or
+# integer arithmetic on the token id (the token-routed family).
+MoeRouting = Literal["softmax_top_k", "token"]
 
 
 @dataclass
@@ -54,6 +57,22 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (engine/models/moe.py): num_experts > 0 makes the layers ``moe_layers``
+    # names (all when None) MoE blocks of experts of ``moe_intermediate_size``; the rest stay dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_routing: MoeRouting = "softmax_top_k"
+    moe_normalize_top_k: bool = True  # renormalise the top-k weights (Mixtral; Qwen's norm_topk_prob)
+    moe_token_shift: int = 0  # token routing: expert = (token_id >> shift) & (num_experts - 1)
+    moe_shared_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    moe_shared_expert_gate: bool = False  # its sigmoid gate
+    moe_layers: list[bool] | None = None
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.num_experts == 0:
+            return False
+        return self.moe_layers is None or self.moe_layers[index]
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window (None: attends to the whole context)."""

@@ -29,7 +29,6 @@ shape-dependent kernels.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING
 
@@ -41,73 +40,20 @@ from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.lora.batch import LayerLora, lora_batch
 from protoserve.engine.models import families
 from protoserve.engine.models.config import SLIDING, ModelConfig
+from protoserve.engine.models.families.moe_family import block_config
 from protoserve.engine.models.families.weights import SANDWICH_NORMS
 from protoserve.engine.models.families.weights import expected_hf_shapes as expected_hf_shapes
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
 from protoserve.engine.models.linear import KernelPackable, Linear
+from protoserve.engine.models.moe import MoEBlock
+from protoserve.engine.models.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec
 from protoserve.kernels.cpu import norm_rope
 
 if TYPE_CHECKING:
     from protoserve.engine.lora.stack import AdapterStack
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------
-# Pure math
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3: long wavelengths slowed by ``factor``, short ones kept, the band between blended."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-# rope_type -> (the unscaled inverse frequencies, the HF scaling dict) -> the scaled ones.
-# A new rope type is one entry here.
-ROPE_TYPES: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
-    "default": lambda inv_freq, scaling: inv_freq,
-    "linear": lambda inv_freq, scaling: inv_freq / scaling["factor"],
-    "llama3": _llama3_inv_freq,
-}
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] float32, as Hugging Face computes them."""
-    # Explicit CPU device: the decoder is built under torch.device("meta") before its weights arrive.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r} (supported: {tuple(ROPE_TYPES)})")
-    return ROPE_TYPES[rope_type](inv_freq, scaling or {})
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] for absolute positions (both halves repeated, HF layout)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim] (the rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 # ---------------------------------------------------------------------------
@@ -228,7 +174,12 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.moe = config.is_moe_layer(layer_idx)
+        self.mlp = MoEBlock(block_config(config), dtype) if self.moe else MLP(config, dtype)
+
+    def feed_forward(self, h: torch.Tensor, lora: LayerLora | None, token_ids: torch.Tensor | None) -> torch.Tensor:
+        # An MoE block routes on the batch's token ids; adapters never target it (engine/lora/adapter.py).
+        return self.mlp(h, token_ids) if self.moe else self.mlp(h, lora)
 
     def forward(
         self,
@@ -238,17 +189,19 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         lora: LayerLora | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, lora)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
+            ff = self.feed_forward(self.pre_feedforward_layernorm(x), lora, token_ids)
+            return x + self.post_feedforward_layernorm(ff)
         if _fused(x):  # x += attn and the second norm in one pass; x is this forward's own buffer
             h = norm_rope.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
                                         self.post_attention_layernorm.eps)
-            return x.add_(self.mlp(h, lora))
+            return x.add_(self.feed_forward(h, lora, token_ids))
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x + self.feed_forward(self.post_attention_layernorm(x), lora, token_ids)
 
 
 class Decoder(nn.Module):
@@ -270,13 +223,9 @@ class Decoder(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq",
-            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
-            persistent=False,
-        )
-        # Sliding layers of a family with a local rope base (Gemma 3) rotate by this table, unscaled.
-        self.local_inv_freq = self._local_inv_freq()
+        self.rope = self._rope()
+        # Sliding layers of a family with a local rope base (Gemma 3) rotate by this one, unscaled.
+        self.local_rope = self._local_rope()
         self.deterministic = True
         self.fused_step: FusedStep | None = None  # set by pack_for_kernels where it can run
         self.adapters: AdapterStack | None = None  # LoRA adapters the batch's lora_slots name (engine/lora)
@@ -288,14 +237,20 @@ class Decoder(nn.Module):
             if module is not self and hasattr(module, "deterministic"):
                 module.deterministic = enabled
 
-    def _local_inv_freq(self) -> torch.Tensor | None:
+    def _rope(self) -> RopeSpec:
         c = self.config
-        return None if c.rope_local_theta is None else rope_inv_freq(c.head_dim, c.rope_local_theta, None)
+        return rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+
+    def _local_rope(self) -> RopeSpec | None:
+        c = self.config
+        if c.rope_local_theta is None:
+            return None
+        return rope_spec(c.head_dim, c.rope_local_theta, None, c.max_position_embeddings)
 
     def _layer_ropes(self) -> list[int]:
         """Per layer, 0 for the global rope table or 1 for the local one."""
         c = self.config
-        if self.local_inv_freq is None or c.layer_types is None:
+        if self.local_rope is None or c.layer_types is None:
             return [0] * c.num_layers
         return [1 if t == SLIDING else 0 for t in c.layer_types]
 
@@ -343,16 +298,15 @@ class Decoder(nn.Module):
         lora = lora_batch(batch.lora_slots, self.adapters, self.deterministic)
         if self.fused_step is not None and self.fused_step.accepts(kv_cache):
             # The fused step computes in float32 whatever the weights' dtype (see FusedStep).
-            cos, sin = rope_cos_sin(batch.positions, self.inv_freq, torch.float32)
-            local = None if self.local_inv_freq is None else rope_cos_sin(
-                batch.positions, self.local_inv_freq, torch.float32)
+            cos, sin = rope_cos_sin(batch.positions, self.rope, torch.float32)
+            local = None if self.local_rope is None else rope_cos_sin(batch.positions, self.local_rope, torch.float32)
             windows = self.config.layer_windows()
             logits = self.fused_step(batch, kv_cache, x.float(), cos, sin,
                                      windows if len(set(windows)) > 1 else windows[0], lora,
                                      local, self._layer_ropes() if local is not None else None)
             return self._soft_cap(logits)
-        tables = [self.inv_freq] if self.local_inv_freq is None else [self.inv_freq, self.local_inv_freq]
-        ropes = [rope_cos_sin(batch.positions, inv_freq, self.dtype) for inv_freq in tables]
+        specs = [self.rope] if self.local_rope is None else [self.rope, self.local_rope]
+        ropes = [rope_cos_sin(batch.positions, spec, self.dtype) for spec in specs]
         windows = self.config.layer_windows()
         metas = {
             window: kv_cache.prepare(
@@ -362,7 +316,8 @@ class Decoder(nn.Module):
         }
         for i, (layer, rope) in enumerate(zip(self.layers, self._layer_ropes(), strict=True)):
             cos, sin = ropes[rope]
-            x = layer(x, cos, sin, kv_cache, metas[windows[i]], None if lora is None else lora.layer(i))
+            x = layer(x, cos, sin, kv_cache, metas[windows[i]], None if lora is None else lora.layer(i),
+                      batch.input_ids)
         x = self.norm(x[batch.logits_indices])
         return self._soft_cap(self.lm_head(x).float())
 
@@ -404,6 +359,12 @@ class Decoder(nn.Module):
             if cfg.qk_norm:
                 state[f"{ours}self_attn.q_norm.weight"] = take(f"{attn_hf}q_norm.weight")
                 state[f"{ours}self_attn.k_norm.weight"] = take(f"{attn_hf}k_norm.weight")
+            if cfg.is_moe_layer(i):
+                block = self.layers[i].mlp
+                moe_names = families.get(cfg.architecture).moe_names
+                block.load_hf_weights(weights, f"{hf}{moe_names.prefix}", moe_names.experts)
+                state.update({f"{ours}mlp.{k}": v for k, v in block.state_dict().items()})
+                continue
             mlp = f"{hf}mlp."
             state[f"{ours}mlp.gate_up_proj.weight"] = torch.cat(
                 [take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]
@@ -414,8 +375,8 @@ class Decoder(nn.Module):
         self.load_state_dict(state, strict=True, assign=True)
         if cfg.tie_word_embeddings:  # assign wraps each entry in its own Parameter: share one again
             self.lm_head.weight = self.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.local_inv_freq = self._local_inv_freq()
+        self.rope = self._rope()
+        self.local_rope = self._local_rope()
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold: the state dict (quantized codes and scales included, the rope

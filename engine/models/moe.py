@@ -301,6 +301,24 @@ MIXTRAL_EXPERT_NAMES = ExpertNames("w1", "w3", "w2")
 QWEN_EXPERT_NAMES = ExpertNames("gate_proj", "up_proj", "down_proj")
 
 
+def hf_weight_shapes(cfg: MoEConfig, prefix: str, names: ExpertNames) -> dict[str, tuple[int, ...]]:
+    """The per-expert checkpoint tensors of a block of ``cfg`` under ``prefix`` (as saved on the Hub)."""
+    h, i, si = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.routing == "softmax_top_k":
+        shapes[f"{prefix}gate.weight"] = (cfg.num_experts, h)
+    for e in range(cfg.num_experts):
+        shapes[f"{prefix}experts.{e}.{names.gate}.weight"] = (i, h)
+        shapes[f"{prefix}experts.{e}.{names.up}.weight"] = (i, h)
+        shapes[f"{prefix}experts.{e}.{names.down}.weight"] = (h, i)
+    if si:
+        for proj, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
+            shapes[f"{prefix}shared_expert.{proj}.weight"] = shape
+    if cfg.shared_expert_gate:
+        shapes[f"{prefix}shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
 class MoEBlock(nn.Module):
     """The MoE feed-forward: route, run the experts grouped, add the (gated) shared expert."""
 
@@ -345,21 +363,7 @@ class MoEBlock(nn.Module):
 
     def hf_weight_shapes(self, prefix: str, names: ExpertNames) -> dict[str, tuple[int, ...]]:
         """The per-expert checkpoint tensors this block loads under ``prefix`` (as saved on the Hub)."""
-        cfg = self.config
-        h, i, si = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
-        shapes: dict[str, tuple[int, ...]] = {}
-        if self.gate is not None:
-            shapes[f"{prefix}gate.weight"] = (cfg.num_experts, h)
-        for e in range(cfg.num_experts):
-            shapes[f"{prefix}experts.{e}.{names.gate}.weight"] = (i, h)
-            shapes[f"{prefix}experts.{e}.{names.up}.weight"] = (i, h)
-            shapes[f"{prefix}experts.{e}.{names.down}.weight"] = (h, i)
-        if self.shared_expert is not None:
-            for proj, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
-                shapes[f"{prefix}shared_expert.{proj}.weight"] = shape
-        if self.shared_expert_gate is not None:
-            shapes[f"{prefix}shared_expert_gate.weight"] = (1, h)
-        return shapes
+        return hf_weight_shapes(self.config, prefix, names)
 
     def load_hf_weights(
         self, weights: MutableMapping[str, torch.Tensor], prefix: str, names: ExpertNames

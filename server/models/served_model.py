@@ -254,6 +254,7 @@ class ServedModel:
     def model_info(self) -> pb.ModelInfo:
         """ListModels/GetModel description of this model."""
         config = self.engine.model_config
+        summary = self.engine.model_summary
         return pb.ModelInfo(
             name=self.name,
             architecture=config.architecture,
@@ -266,6 +267,11 @@ class ServedModel:
             source=self.card.source,
             kv_cache_dtype=self.card.kv_cache_dtype,
             sampling_defaults=pb.SamplingParams(**self.sampling.effective_defaults()),
+            num_active_parameters=summary.active_parameters,
+            layer_pattern=summary.layer_pattern,
+            sliding_window=summary.sliding_window or 0,
+            num_experts=config.num_experts,
+            experts_per_token=config.experts_per_token,
         )
 
     @functools.cached_property

@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 import torch  # noqa: E402
 
-from protoserve.engine.models.decoder import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from protoserve.engine.models.decoder import RMSNorm  # noqa: E402
+from protoserve.engine.models.rope import apply_rope, rope_cos_sin, rope_spec  # noqa: E402
 from protoserve.kernels.triton import norm_rope as nr  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -71,7 +72,7 @@ def test_rope_in_place_on_a_qkv_view(dtype: torch.dtype, device) -> None:
     tokens, heads, kv_heads, head_dim = 5, 3, 1, 24
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     positions = torch.tensor([0, 1, 7, 100, 4000])
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, 10000.0, None), torch.float32)
+    cos, sin = rope_cos_sin(positions, rope_spec(head_dim, 10000.0, None, 4096), torch.float32)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     want = nr.reference_rope(q, cos, sin)
     engine = apply_rope(q.float(), cos, sin)

@@ -11,6 +11,7 @@ The cost of the mode is measured and printed (tokens/s).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -184,7 +185,7 @@ def measure_throughput(config: ModelConfig, num_tokens: int, deterministic: bool
     model.load_state_dict(state, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = torch.ones(config.head_dim // 2)
+    model.rope = dataclasses.replace(model.rope, inv_freq=torch.ones(config.head_dim // 2))
     model.set_deterministic(deterministic)
     bs = 16
     if num_tokens <= 32:

@@ -108,7 +108,7 @@ def test_windows_and_local_rope_matter(checkpoint) -> None:
     assert torch.allclose(got[:WINDOW], ref[:WINDOW], atol=1e-4)
     assert (got[WINDOW + 1 :] - ref[WINDOW + 1 :]).abs().max() > 1e-2
     one_rope = load_model(path, progress=False)
-    one_rope.model.local_inv_freq = one_rope.model.inv_freq
+    one_rope.model.local_rope = one_rope.model.rope
     got = Driver(one_rope.model, paged_cache(one_rope.model)).run([prompt], all_at_once)[0]
     assert (got - ref).abs().max() > 1e-2
 

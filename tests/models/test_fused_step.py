@@ -34,10 +34,11 @@ from forward_batches import forward_batch, scheduled
 
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.decoder import Decoder, DecoderLayer, rope_cos_sin
+from protoserve.engine.models.decoder import Decoder, DecoderLayer
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import KVCache, PagedKVCache
 from protoserve.engine.models.linear import KernelPackable, quantize_linears
+from protoserve.engine.models.rope import rope_cos_sin
 from protoserve.kernels.cpu import extension
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
@@ -442,7 +443,7 @@ def test_bad_arguments_raise_clear_errors(tiny_checkpoint) -> None:
     batch = forward_batch([scheduled(list(range(5)), 0, [0, 1]), scheduled([0, 0, 0, 7], 3, [2])], bs)
     cache = paged_cache(model, num_blocks=8, block_size=bs)
     x = model.embed_tokens(batch.input_ids)
-    cos, sin = rope_cos_sin(batch.positions, model.inv_freq, torch.float32)
+    cos, sin = rope_cos_sin(batch.positions, model.rope, torch.float32)
     good = dict(
         x=x,
         cos=cos,

@@ -438,24 +438,7 @@ def test_specs_built_under_meta_device_are_real_cpu_tensors() -> None:
 
 
 # ---------------------------------------------------------------------------
-# default / linear / llama3 are the decoder's functions, bit for bit
-
-
-@pytest.mark.parametrize("case", LLAMA3 + LINEAR + DEFAULT, ids=_case_id)
-def test_default_linear_llama3_bit_identical_to_decoder(case: dict) -> None:
-    decoder = pytest.importorskip("protoserve.engine.models.decoder")
-    if not hasattr(decoder, "rope_inv_freq"):
-        pytest.skip("decoder.py no longer has its own rope functions (rope.py is the only copy)")
-    spec = rope_spec(case["head_dim"], case["theta"], case["scaling"], case["max_pos"])
-    old = decoder.rope_inv_freq(case["head_dim"], case["theta"], case["scaling"])
-    assert torch.equal(spec.inv_freq, old)
-    pos = torch.tensor([0, 1, 2, 1000, 70000])
-    for dtype in (torch.float32, torch.bfloat16):
-        for a, b in zip(rope_cos_sin(pos, spec, dtype), decoder.rope_cos_sin(pos, old, dtype), strict=True):
-            assert torch.equal(a, b)
-    x = torch.randn(5, 3, case["head_dim"])
-    cos, sin = rope_cos_sin(pos, spec, torch.float32)
-    assert torch.equal(apply_rope(x, cos, sin), decoder.apply_rope(x, cos, sin))
+# linear / llama3 bit for bit as transformers computes them
 
 
 @pytest.mark.parametrize("case", LLAMA3 + LINEAR, ids=_case_id)
@@ -803,3 +786,46 @@ def test_gguf_errors_name_their_key(meta: dict, key: str, tensors: dict) -> None
     with pytest.raises(RopeConfigError) as info:
         rope_scaling_from_gguf(meta, "llama", 32, 10000.0, 2048, **tensors)
     assert key in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Served end to end: a tiny Llama with yarn or longrope scaling against transformers
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+    # A prompt longer than original_max_position_embeddings: transformers then takes the long
+    # factors, as the engine does for a context (512) past it.
+    {"rope_type": "longrope", "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+     "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.4 * i for i in range(8)]},
+], ids=lambda s: s["rope_type"])
+def test_scaled_llama_logits_match_transformers(tmp_path, scaling: dict) -> None:
+    import warnings as _warnings
+
+    from decoder_test_helpers import Driver, all_at_once, paged_cache
+    from family_checkpoints import write_byte_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from protoserve.engine.loader.load import load_model
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=320, max_position_embeddings=512,
+                         rope_parameters=scaling)
+    torch.manual_seed(0)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")
+        hf = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
+        hf.save_pretrained(tmp_path)
+    write_byte_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, progress=False)
+    assert loaded.config.rope_scaling["rope_type"] == scaling["rope_type"]
+    assert loaded.model.rope.attention_factor != 1.0  # both types scale cos/sin
+    prompt = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    ours = Driver(loaded.model, paged_cache(loaded.model)).run([prompt], all_at_once)[0]
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max() < 1e-4

@@ -131,6 +131,10 @@ async def test_models_and_health(stub, channel):
     assert model.has_chat_template and model.source.endswith(".gguf") and model.dtype == "float32"
     assert model.quantization == "int4"  # --quantization auto: the default GGUF is Q4_1
     assert model.kv_cache_dtype == "bfloat16"  # --kv-cache-dtype auto: quantized weights keep bf16 K/V
+    # SmolLM2-135M: dense, 30 global layers, every parameter active.
+    assert list(model.layer_pattern) == ["global"] * 30 and model.sliding_window == 0
+    assert model.num_active_parameters == model.num_parameters > 100_000_000
+    assert (model.num_experts, model.experts_per_token) == (0, 0)
     got = await stub.GetModel(pb.GetModelRequest(name=model.name))
     assert got.model == model
     health = await stub.CheckHealth(pb.CheckHealthRequest())

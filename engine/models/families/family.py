@@ -30,6 +30,7 @@ import torch
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.gguf_fields import GGUFFields
 from protoserve.engine.models.families.hf_fields import HFFields
+from protoserve.engine.models.families.moe_family import MoeNames
 from protoserve.engine.models.families.weights import expected_hf_shapes
 
 # llama.cpp's per-layer tensor parts -> Hugging Face suffixes, as its converter names them for
@@ -69,6 +70,15 @@ def fused_step_runs_everything(config: ModelConfig) -> str | None:
     return None
 
 
+def no_gguf(family: str) -> Callable[[GGUFFields], ModelConfig]:
+    """config_from_gguf of a family whose GGUF form is not read (its gguf_architectures is empty)."""
+
+    def refuse(meta: GGUFFields) -> ModelConfig:
+        raise meta.error(f"GGUF files of the {family} family are not supported; load its safetensors checkpoint")
+
+    return refuse
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family: its checkpoint names, config mapping, weight names and blocks."""
@@ -80,6 +90,10 @@ class Family:
     config_from_gguf: Callable[[GGUFFields], ModelConfig]
     hf_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] = expected_hf_shapes
     active_parameters: Callable[[ModelConfig], int] | None = None  # an MoE family's per-token count
+    moe_names: MoeNames | None = None  # an MoE family: where its checkpoints keep each layer's block
+    # An MoE family's GGUF parts that stack every expert ([experts, rows, cols], llama.cpp's
+    # ``ffn_*_exps``) onto the Hugging Face suffix of expert {e}, e.g. "mlp.experts.{e}.gate_proj".
+    gguf_expert_names: Mapping[str, str] = field(default_factory=dict)
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
     hf_weight: WeightTransform = keep_weight  # applied to each safetensors tensor
     gguf_weight: WeightTransform = keep_weight  # applied to each dequantized GGUF tensor

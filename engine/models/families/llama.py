@@ -42,6 +42,10 @@ def from_hf(hf: HFFields) -> ModelConfig:
 
 
 def from_gguf(meta: GGUFFields) -> ModelConfig:
+    if meta.get("expert_count"):  # llama.cpp writes Mixtral as "llama" with experts
+        from protoserve.engine.models.families.mixtral import from_gguf as mixtral_from_gguf
+
+        return mixtral_from_gguf(meta)
     fields = meta.common()
     return ModelConfig(architecture="llama", **fields, o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"))
 
