@@ -58,25 +58,35 @@ _LORA_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _LORA_CACHE = 16
 
 
-def _lora_weights(ext, adapter: LoraAdapter, num_layers: int):
-    """The C++ view of an adapter: float32 A and B^T per fused linear (exact widening of bf16)."""
+def lora_linear(ext, a: torch.Tensor, b: torch.Tensor, out_slices, rank: int, dtype: torch.dtype):
+    """The C++ view of one fused layer's update (kernels/cpu/lora.cpp): A [R, in] and B^T [R, out] in
+    ``dtype``, zero-padded to A [R, in rounded up to 16] and B^T [R, out + 16]."""
+    r, n_in = a.shape
+    a_padded = torch.zeros(r, -(-n_in // 16) * 16, dtype=dtype)
+    a_padded[:, :n_in] = a
+    bt = torch.zeros(r, b.shape[0] + 16, dtype=dtype)
+    bt[:, : b.shape[0]] = b.t()
+    return ext.LoraLinear(a=a_padded, bt=bt, slice_begin=[s for s, _ in out_slices],
+                          slice_end=[e for _, e in out_slices], rank=rank)
+
+
+def _lora_weights(ext, adapter: LoraAdapter, num_layers: int, dtype: torch.dtype):
     linears = []
     for i in range(num_layers):
         for name in _LORA_LINEARS:
             d = adapter.deltas.get((i, name))
-            linears.append(None if d is None else ext.LoraLinear(
-                a=d.a.float().contiguous(), bt=d.b.float().t().contiguous(),
-                slice_begin=[b for b, _ in d.out_slices], slice_end=[e for _, e in d.out_slices], rank=adapter.rank))
+            linears.append(None if d is None else lora_linear(ext, d.a, d.b, d.out_slices, adapter.rank, dtype))
     return ext.LoraWeights(linears)
 
 
 class FusedStep:
     """A Decoder's packed weights bound to the C++ layer loop."""
 
-    def __init__(self, step, ext: Any = None, num_layers: int = 0) -> None:
+    def __init__(self, step, ext: Any = None, num_layers: int = 0, lora_dtype: torch.dtype = torch.float32) -> None:
         self._step = step
         self._ext = ext
         self._num_layers = num_layers
+        self._lora_dtype = lora_dtype
         self._lora: dict[int, tuple[LoraAdapter, Any]] = {}  # id(adapter) -> (adapter, its LoraWeights)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -128,7 +138,13 @@ class FusedStep:
             gelu_tanh=cfg.mlp == "geglu",
         )
         step = ext.DecoderStep(shape, layers, model.norm.weight.detach().float().contiguous(), head)
-        return cls(step, ext, len(layers))
+        # LoRA weights in the precision class of the layers they update: float32 over float32 layers,
+        # bfloat16 over bfloat16 or quantized ones (half the bytes a decode step streams per adapter;
+        # its rounding is far below what int8/int4 base weights already carry).
+        formats = {m.packed.format for layer in model.layers for m in layer.modules()
+                   if isinstance(m, KernelPackable) and m.packed is not None}
+        lora_dtype = torch.float32 if formats == {"float32"} else torch.bfloat16
+        return cls(step, ext, len(layers), lora_dtype)
 
     @staticmethod
     def accepts(kv_cache: KVCache) -> bool:
@@ -195,6 +211,6 @@ class FusedStep:
         hit = self._lora.get(id(adapter))
         if hit is not None and hit[0] is adapter:
             return hit[1]
-        weights = _lora_weights(self._ext, adapter, self._num_layers)
+        weights = _lora_weights(self._ext, adapter, self._num_layers, self._lora_dtype)
         self._lora[id(adapter)] = (adapter, weights)
         return weights

@@ -127,8 +127,9 @@ struct LayerWeights {
 // lora.cpp: one adapter's low-rank update of one fused linear layer (engine/lora/adapter.py's
 // FusedDelta), out[r] += B (A x[r]) on the rows that run the adapter.
 struct LoraLinear {
-  torch::Tensor a;   // [R, in] float32: the targets' A stacked, `rank` rows each
-  torch::Tensor bt;  // [R, out] float32: B transposed, the scale folded in
+  // float32 or bfloat16, rows zero-padded so every weight load is a whole vector:
+  torch::Tensor a;   // [R, in rounded up to 16]: the targets' A stacked, `rank` rows each
+  torch::Tensor bt;  // [R, out + 16]: B transposed, the scale folded in
   std::vector<int64_t> slice_begin;  // target j (rows j * rank .. of a and bt) writes out[slice_begin[j], slice_end[j])
   std::vector<int64_t> slice_end;
   int64_t rank = 0;

@@ -10,8 +10,13 @@
 // Each row is computed on its own, in a fixed order of operations (A's rows dotted with x
 // 16 lanes at a time, then B's columns accumulated in rank order), so a row's update does not
 // depend on which or how many rows share its adapter: the batch invariance of the base step
-// holds with adapters too. Rows go in blocks of four only so each loaded weight vector serves
-// four rows; every row keeps its own accumulators.
+// holds with adapters too. Rows go in blocks of eight only so each loaded weight vector serves
+// eight rows; every row keeps its own accumulators.
+//
+// At decode a step reads every resident adapter's A and B once, which for a few adapters of
+// rank 16 is as many bytes as the int4 base model: the weights may be stored in bfloat16
+// (widened exactly in registers) to halve that. Rows of A and B^T are padded with zeros to whole
+// vectors, so weight loads need no masks; only x's and the output's tails are masked.
 
 #include "kernels.h"
 #include "simd.h"
@@ -22,21 +27,75 @@ namespace protoserve {
 
 namespace {
 
-constexpr int64_t kBlockRows = 4;
+constexpr int64_t kBlockRows = 8;
 
 using simd::F16;
+
+inline F16 load_weights(const float* p) { return simd::load(p); }
+inline F16 load_weights(const c10::BFloat16* p) { return simd::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+
+template <typename W>
+void add_rows(const LoraLinear& w, const float* x, int64_t in, float* out, int64_t out_stride, const int64_t* rows,
+              int64_t n, float* scratch) {
+  const int64_t R = w.a.size(0);
+  const int64_t a_stride = w.a.size(1), bt_stride = w.bt.size(1);
+  const W* a = w.a.data_ptr<W>();
+  const W* bt = w.bt.data_ptr<W>();
+  float* t = scratch;  // [kBlockRows, R]: A x of each row of the block
+  for (int64_t first = 0; first < n; first += kBlockRows) {
+    const int64_t nb = std::min(kBlockRows, n - first);
+    const float* xr[kBlockRows];
+    float* yr[kBlockRows];
+    for (int64_t b = 0; b < nb; ++b) {
+      xr[b] = x + rows[first + b] * in;
+      yr[b] = out + rows[first + b] * out_stride;
+    }
+    for (int64_t j = 0; j < R; ++j) {
+      const W* aj = a + j * a_stride;
+      F16 acc[kBlockRows];
+      for (int64_t b = 0; b < nb; ++b) acc[b] = simd::zero();
+      for (int64_t i = 0; i < in; i += 16) {
+        const simd::Mask m = simd::first_lanes(in - i);
+        const F16 av = load_weights(aj + i);  // zero past `in`, where x's masked lanes are zero too
+        for (int64_t b = 0; b < nb; ++b) acc[b] = simd::fmadd(av, simd::load_masked(m, xr[b] + i), acc[b]);
+      }
+      for (int64_t b = 0; b < nb; ++b) t[b * R + j] = simd::reduce_add(acc[b]);
+    }
+    // Target s touches only its own slice of the output, from its own `rank` rows of B^T.
+    for (size_t s = 0; s < w.slice_begin.size(); ++s) {
+      const int64_t j0 = static_cast<int64_t>(s) * w.rank;
+      for (int64_t o = w.slice_begin[s]; o < w.slice_end[s]; o += 16) {
+        const simd::Mask m = simd::first_lanes(w.slice_end[s] - o);
+        F16 acc[kBlockRows];
+        for (int64_t b = 0; b < nb; ++b) acc[b] = simd::zero();
+        for (int64_t j = j0; j < j0 + w.rank; ++j) {
+          const F16 bv = load_weights(bt + j * bt_stride + o);  // lanes past the slice are never stored
+          for (int64_t b = 0; b < nb; ++b) acc[b] = simd::fmadd(simd::set1(t[b * R + j]), bv, acc[b]);
+        }
+        // The whole update first, then one add: base + delta, as the reference adds them.
+        for (int64_t b = 0; b < nb; ++b)
+          simd::store_masked(yr[b] + o, m, simd::add(simd::load_masked(m, yr[b] + o), acc[b]));
+      }
+    }
+  }
+}
+
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
 }  // namespace
 
 void check_lora_linear(const LoraLinear& w, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(w.rank > 0, "a LoRA update needs a positive rank");
-  TORCH_CHECK(w.a.scalar_type() == torch::kFloat32 && w.a.is_contiguous() && w.a.dim() == 2 &&
-                  w.a.size(1) == in_features,
-              "LoRA A must be contiguous float32 [R, ", in_features, "]");
+  const auto dtype = w.a.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && w.bt.scalar_type() == dtype,
+              "LoRA A and B^T must both be float32 or both bfloat16");
+  TORCH_CHECK(w.a.is_contiguous() && w.a.dim() == 2 && w.a.size(1) == padded(in_features),
+              "LoRA A must be contiguous [R, ", padded(in_features), "] (", in_features,
+              " inputs, zero-padded to whole vectors)");
   const int64_t R = w.a.size(0);
-  TORCH_CHECK(w.bt.scalar_type() == torch::kFloat32 && w.bt.is_contiguous() && w.bt.dim() == 2 &&
-                  w.bt.size(0) == R && w.bt.size(1) == out_features,
-              "LoRA B^T must be contiguous float32 [", R, ", ", out_features, "]");
+  TORCH_CHECK(w.bt.is_contiguous() && w.bt.dim() == 2 && w.bt.size(0) == R && w.bt.size(1) == out_features + 16,
+              "LoRA B^T must be contiguous [", R, ", ", out_features + 16, "] (", out_features,
+              " outputs and one vector of zero padding)");
   const auto targets = static_cast<int64_t>(w.slice_begin.size());
   TORCH_CHECK(targets > 0 && static_cast<int64_t>(w.slice_end.size()) == targets && R == targets * w.rank,
               "LoRA A has ", R, " rows, expected rank ", w.rank, " x ", targets, " target slices");
@@ -50,47 +109,10 @@ int64_t lora_scratch_size(const LoraLinear& w) { return kBlockRows * w.a.size(0)
 
 void lora_add_rows(const LoraLinear& w, const float* x, int64_t in, float* out, int64_t out_stride,
                    const int64_t* rows, int64_t n, float* scratch) {
-  const int64_t R = w.a.size(0);
-  const int64_t bt_stride = w.bt.size(1);
-  const float* a = w.a.data_ptr<float>();
-  const float* bt = w.bt.data_ptr<float>();
-  float* t = scratch;  // [kBlockRows, R]: A x of each row of the block
-  for (int64_t first = 0; first < n; first += kBlockRows) {
-    const int64_t nb = std::min(kBlockRows, n - first);
-    const float* xr[kBlockRows];
-    float* yr[kBlockRows];
-    for (int64_t b = 0; b < nb; ++b) {
-      xr[b] = x + rows[first + b] * in;
-      yr[b] = out + rows[first + b] * out_stride;
-    }
-    for (int64_t j = 0; j < R; ++j) {
-      const float* aj = a + j * in;
-      F16 acc[kBlockRows];
-      for (int64_t b = 0; b < nb; ++b) acc[b] = simd::zero();
-      for (int64_t i = 0; i < in; i += 16) {
-        const simd::Mask m = simd::first_lanes(in - i);
-        const F16 av = simd::load_masked(m, aj + i);
-        for (int64_t b = 0; b < nb; ++b) acc[b] = simd::fmadd(av, simd::load_masked(m, xr[b] + i), acc[b]);
-      }
-      for (int64_t b = 0; b < nb; ++b) t[b * R + j] = simd::reduce_add(acc[b]);
-    }
-    // Target s touches only its own slice of the output, from its own `rank` rows of B^T.
-    for (size_t s = 0; s < w.slice_begin.size(); ++s) {
-      const int64_t j0 = static_cast<int64_t>(s) * w.rank;
-      for (int64_t o = w.slice_begin[s]; o < w.slice_end[s]; o += 16) {
-        const simd::Mask m = simd::first_lanes(w.slice_end[s] - o);
-        F16 acc[kBlockRows];
-        for (int64_t b = 0; b < nb; ++b) acc[b] = simd::zero();
-        for (int64_t j = j0; j < j0 + w.rank; ++j) {
-          const F16 bv = simd::load_masked(m, bt + j * bt_stride + o);
-          for (int64_t b = 0; b < nb; ++b) acc[b] = simd::fmadd(simd::set1(t[b * R + j]), bv, acc[b]);
-        }
-        // The whole update first, then one add: base + delta, as the reference adds them.
-        for (int64_t b = 0; b < nb; ++b)
-          simd::store_masked(yr[b] + o, m, simd::add(simd::load_masked(m, yr[b] + o), acc[b]));
-      }
-    }
-  }
+  if (w.a.scalar_type() == torch::kBFloat16)
+    add_rows<c10::BFloat16>(w, x, in, out, out_stride, rows, n, scratch);
+  else
+    add_rows<float>(w, x, in, out, out_stride, rows, n, scratch);
 }
 
 void lora_add_(torch::Tensor& out, const torch::Tensor& x, const LoraLinear& w, const torch::Tensor& rows) {

@@ -11,6 +11,7 @@ from lora_helpers import prompts, run_base, run_prompts
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.lora.stack import NO_ADAPTER, AdapterStack
 from protoserve.engine.models.decoder import DecoderLayer
+from protoserve.engine.models.fused_step import lora_linear
 from protoserve.kernels.cpu.extension import load
 
 ext = load("decoder_step")
@@ -19,14 +20,14 @@ pytestmark = pytest.mark.skipif(ext is None, reason="the C++ kernels did not bui
 TARGET_SETS = (None, ["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj", "o_proj"])
 
 
-def _lora_linear(g: torch.Generator, in_f: int, out_f: int, rank: int, slices: list[tuple[int, int]]):
-    a = torch.randn(rank * len(slices), in_f, generator=g)
+def _lora_linear(g: torch.Generator, in_f: int, out_f: int, rank: int, slices: list[tuple[int, int]],
+                 dtype: torch.dtype = torch.float32):
+    a = torch.randn(rank * len(slices), in_f, generator=g).to(dtype).float()
     b = torch.zeros(out_f, rank * len(slices))
     for j, (begin, end) in enumerate(slices):
         b[begin:end, j * rank : (j + 1) * rank] = torch.randn(end - begin, rank, generator=g)
-    w = ext.LoraLinear(a=a, bt=b.t().contiguous(), slice_begin=[s for s, _ in slices],
-                       slice_end=[e for _, e in slices], rank=rank)
-    return w, a, b
+    b = b.to(dtype).float()
+    return lora_linear(ext, a, b, slices, rank, dtype), a, b
 
 
 @pytest.mark.parametrize(("in_f", "out_f", "rank", "slices"), [
@@ -34,12 +35,16 @@ def _lora_linear(g: torch.Generator, in_f: int, out_f: int, rank: int, slices: l
     (37, 53, 3, [(5, 29)]),  # tails everywhere, a slice not at 0
     (19, 40, 16, [(0, 20), (20, 40)]),  # gate/up-like
 ])
-def test_kernel_matches_reference(in_f: int, out_f: int, rank: int, slices: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(in_f: int, out_f: int, rank: int, slices: list[tuple[int, int]],
+                                  dtype: torch.dtype) -> None:
+    """float32 or bfloat16 weights (widened exactly): the same products as the float64 reference of
+    the weights as stored."""
     g = torch.Generator().manual_seed(0)
-    w, a, b = _lora_linear(g, in_f, out_f, rank, slices)
+    w, a, b = _lora_linear(g, in_f, out_f, rank, slices, dtype)
     x = torch.randn(11, in_f, generator=g)
     base = torch.randn(11, out_f, generator=g)
-    rows = torch.tensor([9, 0, 3, 4, 7, 1, 10], dtype=torch.int64)  # 7 rows: a block of 4, then 3
+    rows = torch.tensor([9, 0, 3, 4, 7, 1, 10, 2, 5, 6], dtype=torch.int64)  # a block of 8 rows, then 2
     out = base.clone()
     ext.lora_add_(out, x, w, rows)
     want = base.clone()
@@ -62,9 +67,16 @@ def test_kernel_refuses_bad_shapes() -> None:
         ext.lora_add_(torch.zeros(2, 32), torch.zeros(2, 17), w, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="outside the batch"):
         ext.lora_add_(torch.zeros(2, 32), torch.zeros(2, 16), w, torch.tensor([2]))
-    bad = ext.LoraLinear(a=torch.zeros(4, 16), bt=torch.zeros(4, 32), slice_begin=[0], slice_end=[33], rank=4)
+    bad = ext.LoraLinear(a=torch.zeros(4, 16), bt=torch.zeros(4, 48), slice_begin=[0], slice_end=[33], rank=4)
     with pytest.raises(RuntimeError, match="outside 32 outputs"):
         ext.lora_add_(torch.zeros(2, 32), torch.zeros(2, 16), bad, torch.tensor([0]))
+    unpadded = ext.LoraLinear(a=torch.zeros(4, 16), bt=torch.zeros(4, 32), slice_begin=[0], slice_end=[32], rank=4)
+    with pytest.raises(RuntimeError, match="zero padding"):
+        ext.lora_add_(torch.zeros(2, 32), torch.zeros(2, 16), unpadded, torch.tensor([0]))
+    mixed = ext.LoraLinear(a=torch.zeros(4, 16), bt=torch.zeros(4, 48, dtype=torch.bfloat16), slice_begin=[0],
+                           slice_end=[32], rank=4)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        ext.lora_add_(torch.zeros(2, 32), torch.zeros(2, 16), mixed, torch.tensor([0]))
 
 
 def _stack(loaded, make_adapter, family: str) -> AdapterStack:
