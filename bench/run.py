@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import machine_peak
+from bench import machine_peak, resources
 from bench.compare import compare_figures
 from bench.context import BenchContext
 from bench.figures import Figure, resolve
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"run only this section (repeatable or comma-separated): {', '.join(SECTIONS)}",
     )
+    parser.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help=f"measure this model instead of the default SmolLM2 GGUF: a checkpoint path or one of "
+        f"{', '.join(resources.PACKAGED_MODELS)} (installed by make install); transformers loads the same file",
+    )
     parser.add_argument("--json-out", metavar="FILE", help="also write all results to FILE")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, here and in the server [2]")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (prompt bodies and lengths) [0]")
@@ -112,12 +118,11 @@ def finish(figures: list[Figure], served: str = "fp32", roofline: RooflineInputs
 def roofline_inputs(profile: Profile) -> RooflineInputs | None:
     """The default model's linear work, the profile's serving workload and this CPU; None (no
     roofline figures, the rest of the report intact) if the model's shape cannot be read."""
-    from protoserve.engine.loader.default_model import default_model_path
     from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint
     from protoserve.kernels.cpu.extension import cpu_flags
 
     try:
-        config = GGUFCheckpoint(default_model_path()).config
+        config = GGUFCheckpoint(resources.model_path()).config
     except Exception as exc:  # noqa: BLE001 - reported, and the measured figures still print
         log.warning("no roofline figures: the model's shape could not be read (%s)", exc)
         return None
@@ -141,6 +146,7 @@ def metadata(
         "threads": threads,
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
+        "model": resources.model_path().name,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -166,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     profile = PROFILES["full" if args.full else "smoke" if args.smoke else "default"]
+    resources.use_model(args.model)
     sections = selected_sections(args.only)
     started, load_start = time.time(), os.getloadavg()
 
@@ -190,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         f"protoserve bench: profile={meta['profile']} sections={','.join(sections)} threads={args.threads} "
-        f"cpus={meta['cpus']} torch={meta['torch']} served={profile.serving_variant.label} "
+        f"cpus={meta['cpus']} torch={meta['torch']} model={meta['model']} served={profile.serving_variant.label} "
         f"took={meta['seconds']}s "
         f"load_avg start={meta['load_average_start'][0]} end={meta['load_average_end'][0]}"
     )

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.resources import DEFAULT_VARIANT, Variant
+from bench.resources import DEFAULT_VARIANT, Variant, model_args
 
 REPO = Path(__file__).resolve().parents[1]
 LISTEN_RE = re.compile(r"protoserve listening on (\S+) \(grpc\)(?:, http on \S+:(\d+))?")
@@ -51,7 +51,7 @@ class ServerProcess:
             sys.executable, "-m", "protoserve.server.cli", "serve",
             "--host", "127.0.0.1", "--port", "0", "--http-port", str(free_port()),
             "--dtype", variant.dtype, "--quantization", variant.quantization,
-            "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress",
+            "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress", *model_args(),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         with open(log_path, "wb") as log:
