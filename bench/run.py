@@ -2,7 +2,7 @@
 
     python -m bench.run                    # default run: a few minutes on 2 cores
     python -m bench.run --full             # the thorough run
-    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, constrained, rag, speculative, lora, moe)
+    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, constrained, rag, speculative, lora, moe, activation)
     python -m bench.run --json-out r.json  # also write every figure (and the run's metadata) here
 
 Prints a table, then one JSON line per figure, on stdout; progress goes to
@@ -32,6 +32,7 @@ from bench.report import format_table, json_lines
 from bench.roofline import LinearWork, RooflineInputs, roofline_figures
 from bench.runner import Step, run_steps
 from bench.sections import (
+    activation,
     affinity,
     constrained,
     decode,
@@ -58,6 +59,7 @@ SECTIONS = {
     "speculative": speculative.steps,
     "moe": moe.steps,
     "affinity": affinity.steps,
+    "activation": activation.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from protoserve.engine.speculative.params import SpeculativeParams
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# How int8/int4 layers on the integer-dot kernels quantize their activations: "exact", int8 codes plus
+# int8 codes of their rounding error; "fast", the codes alone (llama.cpp's Q8 activations), half the
+# integer products at a coarser result (kernels/cpu/int8_dot_linear.cpp, figures in docs/performance.md).
+ACTIVATION_PRECISIONS = ("exact", "fast")
 
 
 @dataclass
@@ -36,6 +40,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens of one sequence
     enable_prefix_caching: bool = True
     deterministic: bool = True  # batch-invariant model kernels: same tokens alone or batched
+    # "exact" or "fast" activation codes for int8/int4 layers (ACTIVATION_PRECISIONS); float32 and
+    # bfloat16 weights multiply float activations either way. Both are batch invariant.
+    activation_precision: str = "exact"
     # A waiting or running sequence gains one priority level per this many steps
     # it has existed, so a steady stream of high-priority work cannot starve it. 0 disables.
     priority_aging_steps: int = 512
@@ -60,6 +67,9 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be positive")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.activation_precision not in ACTIVATION_PRECISIONS:
+            raise ValueError(f"activation_precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, "
+                             f"got {self.activation_precision!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

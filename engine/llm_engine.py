@@ -93,6 +93,7 @@ class LLMEngine:
         self.sampling_defaults = loaded.sampling_defaults  # the checkpoint's recommendation; the server applies it
         self.tokenizer = loaded.tokenizer
         loaded.model.set_deterministic(self.config.deterministic)
+        loaded.model.set_activation_precision(self.config.activation_precision)
         self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization)
         self.kv_cache_dtype = str(self.runner.kv_dtype).removeprefix("torch.")  # "auto" resolved
         self.adapters: AdapterStack | None = None  # LoRA adapters, once enable_lora is called

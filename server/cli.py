@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from protoserve.engine.config import KV_CACHE_DTYPES, EngineConfig
+from protoserve.engine.config import ACTIVATION_PRECISIONS, KV_CACHE_DTYPES, EngineConfig
 from protoserve.engine.errors import EngineError
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.request import RequestStats, TokenizedRequest
@@ -44,6 +44,7 @@ ENGINE_FLAGS = (
     ("max_queue", "max_queue"),
     ("max_model_len", "max_model_len"),
     ("kv_cache_dtype", "kv_cache_dtype"),
+    ("activation_precision", "activation_precision"),
 )
 
 # --speculative-model's default --speculative-disable-by-batch-size: with SmolLM2 int4 drafting for
@@ -165,6 +166,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="K/V storage: bfloat16 holds twice the tokens per budget and halves what a batched "
         "decode step reads, at bf16 rounding of K and V [auto: the model's dtype, bfloat16 when the weights "
         "are served int8/int4]",
+    )
+    parser.add_argument(
+        "--activation-precision",
+        choices=ACTIVATION_PRECISIONS,
+        help="how int8/int4 layers quantize their activations: exact, int8 codes plus codes of their "
+        "rounding error; fast, one int8 code per value as llama.cpp does (half the integer products, "
+        "larger logit error); float32/bfloat16 weights ignore it [exact]",
     )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")

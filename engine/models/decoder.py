@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protoserve.engine.config import ACTIVATION_PRECISIONS
 from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.lora.batch import LayerLora, lora_batch
 from protoserve.engine.models import families
@@ -227,6 +228,7 @@ class Decoder(nn.Module):
         # Sliding layers of a family with a local rope base (Gemma 3) rotate by this one, unscaled.
         self.local_rope = self._local_rope()
         self.deterministic = True
+        self.activation_precision = "exact"  # see set_activation_precision
         self.fused_step: FusedStep | None = None  # set by pack_for_kernels where it can run
         self.adapters: AdapterStack | None = None  # LoRA adapters the batch's lora_slots name (engine/lora)
 
@@ -236,6 +238,20 @@ class Decoder(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "deterministic"):
                 module.deterministic = enabled
+
+    def set_activation_precision(self, precision: str) -> None:
+        """How int8/int4 layers on the integer-dot kernels quantize activations: "exact" (int8 codes
+        plus codes of their rounding error) or "fast" (the codes alone: half the integer products, a
+        coarser result). Float32/bfloat16 weights ignore it; the fused step and every layer follow it."""
+        if precision not in ACTIVATION_PRECISIONS:
+            raise ValueError(f"activation_precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, "
+                             f"got {precision!r}")
+        self.activation_precision = precision
+        for module in self.modules():
+            if isinstance(module, KernelPackable):
+                module.fine_activations = precision == "exact"
+        if self.fused_step is not None:
+            self.fused_step.fine_activations = precision == "exact"
 
     def _rope(self) -> RopeSpec:
         c = self.config
@@ -289,6 +305,7 @@ class Decoder(nn.Module):
             self.fused_step = None
         else:
             self.fused_step = FusedStep.build(self)
+        self.set_activation_precision(self.activation_precision)  # layers quantized since take it too
         return moved
 
     @torch.inference_mode()

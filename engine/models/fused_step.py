@@ -88,6 +88,8 @@ class FusedStep:
         self._num_layers = num_layers
         self._lora_dtype = lora_dtype
         self._lora: dict[int, tuple[LoraAdapter, Any]] = {}  # id(adapter) -> (adapter, its LoraWeights)
+        # The integer-dot layers' fine activation codes (Decoder.set_activation_precision).
+        self.fine_activations = True
 
     def __deepcopy__(self, memo: dict) -> None:
         # A copied Decoder has new weight tensors this step does not see: the copy runs its module
@@ -144,7 +146,9 @@ class FusedStep:
         formats = {m.packed.format for layer in model.layers for m in layer.modules()
                    if isinstance(m, KernelPackable) and m.packed is not None}
         lora_dtype = torch.float32 if formats == {"float32"} else torch.bfloat16
-        return cls(step, ext, len(layers), lora_dtype)
+        fused = cls(step, ext, len(layers), lora_dtype)
+        fused.fine_activations = getattr(model, "activation_precision", "exact") == "exact"
+        return fused
 
     @staticmethod
     def accepts(kv_cache: KVCache) -> bool:
@@ -190,6 +194,7 @@ class FusedStep:
             local_cos,
             local_sin,
             layer_ropes or [],
+            self.fine_activations,
         )
 
     def _lora_args(self, lora: LoraBatch | None, num_tokens: int) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:

@@ -85,6 +85,10 @@ class KernelPackable(nn.Module, ABC):
         super().__init__()
         self.packed: kernel.PackedWeight | None = None
         self.released = False  # the PyTorch path's weights were dropped once packed
+        # The integer-dot packs' activation precision (Decoder.set_activation_precision): fine codes of
+        # the activations' rounding error ("exact") or the coarse int8 codes alone ("fast"). Float packs
+        # and the PyTorch paths multiply float activations and ignore it.
+        self.fine_activations = True
 
     def pack_for_kernel(self, release: bool = False) -> bool:
         """Copy the (final) weights into the kernel's layout; False where the kernel cannot run them.
@@ -215,7 +219,7 @@ class Int8Linear(KernelPackable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:  # float32 activations: no bfloat16 rounding on this path
-            return kernel.packed_linear(x, self.packed, self.bias).to(self.out_dtype)
+            return kernel.packed_linear(x, self.packed, self.bias, self.fine_activations).to(self.out_dtype)
         y = torch.ops.aten._weight_int8pack_mm(
             x.to(torch.bfloat16).contiguous(), self.weight_int8, self.scales
         )
@@ -327,7 +331,7 @@ class Int4Linear(KernelPackable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return kernel.packed_linear(x, self.packed, self.bias).to(self.out_dtype)
+            return kernel.packed_linear(x, self.packed, self.bias, self.fine_activations).to(self.out_dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16).contiguous(), self.weight_int4, self.group_size, self.scales_and_zeros
         )

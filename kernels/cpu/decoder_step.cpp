@@ -79,7 +79,7 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                                    const std::vector<int64_t>& layer_windows,
                                    const c10::optional<torch::Tensor>& local_cos,
                                    const c10::optional<torch::Tensor>& local_sin,
-                                   const std::vector<int64_t>& layer_rope) const {
+                                   const std::vector<int64_t>& layer_rope, bool fine_activations) const {
   // Every check happens here, before the team starts: inside it nothing may throw.
   const int64_t num_layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
@@ -202,6 +202,7 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   torch::Tensor logits = torch::empty({L, lm_head_.out_features}, opts);
   if (T == 0) return logits;
   codes->fit(T, std::max({hidden_, q_size, I}));
+  codes->fine = fine_activations;  // the step's scratch is the thread's: set on every call
   std::vector<std::atomic<int64_t>> next_unit(num_layers);
   for (auto& n : next_unit) n.store(0, std::memory_order_relaxed);
 

@@ -21,7 +21,11 @@
 // greedy agreement with the float32 model; with fine codes it matches the
 // float-activation figure (docs/performance.md). Fine codes double the dot
 // products, which costs nothing at decode (memory-bound) and shows on large
-// batches.
+// batches. ActivationCodes::fine picks per call: off ("fast" activation
+// precision) every path is compiled without the fine codes, their dot products
+// and their accumulators, and a block's dot is the coarse sum alone in units of
+// sx (mathematically the exact mode's scaling: sx / 256 and 256 * coarse differ
+// by a power of two).
 // Weights are w = q * s + m per (output channel, group along K) with unsigned
 // codes q (int4: 0..15, s and m per group; int8: the signed code + 128, s per
 // channel and m = -128 s), s and m stored as float16, as GGUF's Q4_1 does: at
@@ -110,7 +114,7 @@ constexpr bool CODE_SUMS = true;
 
 // Block b of a register tile's R rows: their codes, and the sums of those codes (for the AVX2
 // int8 path's offset).
-template <int R>
+template <int R, bool FINE>
 struct BlockRows {
   const int8_t* coarse[R];
   const int8_t* fine[R];
@@ -120,10 +124,10 @@ struct BlockRows {
   BlockRows(const QuantizedRows& x, int64_t m0, int64_t b) {
     for (int r = 0; r < R; ++r) {
       coarse[r] = x.coarse_at(m0 + r, b);
-      fine[r] = x.fine_at(m0 + r, b);
+      if constexpr (FINE) fine[r] = x.fine_at(m0 + r, b);
       if constexpr (CODE_SUMS) {
         coarse_sum[r] = x.coarse_sum(m0 + r, b);
-        fine_sum[r] = x.fine_sum(m0 + r, b);
+        if constexpr (FINE) fine_sum[r] = x.fine_sum(m0 + r, b);
       }
     }
   }
@@ -134,7 +138,9 @@ struct BlockRows {
 // coarse = round(x / s), s = max|x| / 127; fine = round((x - coarse * s) / (s / 256)): the
 // rounding error of the coarse codes, itself in int8 (|x - coarse * s| <= s / 2; the +-128 of an
 // exact tie is clamped to +-127, and -128 never occurs: the AVX2 int8 path negates codes).
-// scales[b] gets s / 256 (exact: a power of two), the scale of 256 * coarse + fine.
+// scales[b] gets s / 256 (exact: a power of two), the scale of 256 * coarse + fine; without FINE,
+// s itself, and only the coarse codes are written.
+template <bool FINE>
 void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* coarse, int8_t* fine, float* scales,
                   float* sums, int32_t* coarse_sums, int32_t* fine_sums) {
   for (int64_t b = 0; b < blocks; ++b) {
@@ -145,12 +151,15 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
     if (amax == 0.0f) {
       scales[b] = 0.0f;
       std::fill(coarse + b * block_stride, coarse + b * block_stride + BLOCK, int8_t{0});
-      std::fill(fine + b * block_stride, fine + b * block_stride + BLOCK, int8_t{0});
-      coarse_sums[b] = fine_sums[b] = 0;
+      coarse_sums[b] = 0;
+      if constexpr (FINE) {
+        std::fill(fine + b * block_stride, fine + b * block_stride + BLOCK, int8_t{0});
+        fine_sums[b] = 0;
+      }
       continue;
     }
     const float scale = amax / 127.0f;
-    scales[b] = scale * (1.0f / FINE_STEPS);
+    scales[b] = FINE ? scale * (1.0f / FINE_STEPS) : scale;
     const F16 inv = simd::set1(127.0f / amax);
     const F16 vscale = simd::set1(scale);
     const F16 fine_inv = simd::set1(FINE_STEPS / scale);
@@ -158,21 +167,21 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
     for (int h = 0; h < 2; ++h) {
       // Round to nearest even (the default MXCSR mode), as torch.round does in the reference.
       const F16 q = simd::round(simd::mul(v[h], inv));
-      const F16 residual = simd::sub(v[h], simd::mul(q, vscale));
       // The stored (saturated) codes, summed from registers: reading back the bytes just stored
       // stalls on store forwarding, which made quantizing cost a third of a small linear layer.
       const I16 qc = simd::iclamp(simd::to_int(q), -127, 127);
-      const I16 qf = simd::iclamp(simd::to_int(simd::mul(residual, fine_inv)), -127, 127);
       simd::istore_i8_saturated(coarse + b * block_stride + h * LANES, qc);
-      simd::istore_i8_saturated(fine + b * block_stride + h * LANES, qf);
-      if constexpr (CODE_SUMS) {
-        coarse_total = simd::iadd(coarse_total, qc);
-        fine_total = simd::iadd(fine_total, qf);
+      if constexpr (CODE_SUMS) coarse_total = simd::iadd(coarse_total, qc);
+      if constexpr (FINE) {
+        const F16 residual = simd::sub(v[h], simd::mul(q, vscale));
+        const I16 qf = simd::iclamp(simd::to_int(simd::mul(residual, fine_inv)), -127, 127);
+        simd::istore_i8_saturated(fine + b * block_stride + h * LANES, qf);
+        if constexpr (CODE_SUMS) fine_total = simd::iadd(fine_total, qf);
       }
     }
     if constexpr (CODE_SUMS) {
       coarse_sums[b] = simd::ireduce_add(coarse_total);
-      fine_sums[b] = simd::ireduce_add(fine_total);
+      if constexpr (FINE) fine_sums[b] = simd::ireduce_add(fine_total);
     }
   }
 }
@@ -184,12 +193,15 @@ void quantize_row(const float* x, int64_t blocks, int64_t block_stride, int8_t* 
 #if defined(__AVX512VNNI__)
 struct Int4Codes {
   static constexpr int64_t BLOCK_BYTES = 256;
-  template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+  template <int R, bool FINE>
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R, FINE>& x, I16 acc[R][CV],
                            I16 acc_fine[R][CV]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
+      for (int c = 0; c < CV; ++c) {
+        acc[r][c] = _mm512_setzero_si512();
+        if constexpr (FINE) acc_fine[r][c] = _mm512_setzero_si512();
+      }
     for (int j = 0; j < 4; ++j) {
       __m512i lo[CV], hi[CV];
       for (int c = 0; c < CV; ++c) {
@@ -204,6 +216,7 @@ struct Int4Codes {
           acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], xlo);
           acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], xhi);
         }
+        if constexpr (!FINE) continue;
         const __m512i flo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.fine[r] + 8 * j));
         const __m512i fhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.fine[r] + 8 * j + 4));
         for (int c = 0; c < CV; ++c) {
@@ -217,17 +230,21 @@ struct Int4Codes {
 
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
-  template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+  template <int R, bool FINE>
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R, FINE>& x, I16 acc[R][CV],
                            I16 acc_fine[R][CV]) {
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CV; ++c) acc[r][c] = acc_fine[r][c] = _mm512_setzero_si512();
+      for (int c = 0; c < CV; ++c) {
+        acc[r][c] = _mm512_setzero_si512();
+        if constexpr (FINE) acc_fine[r][c] = _mm512_setzero_si512();
+      }
     for (int j = 0; j < 8; ++j) {
       __m512i q[CV];
       for (int c = 0; c < CV; ++c) q[c] = _mm512_loadu_si512(w + c * stride + j * 64);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.coarse[r] + 4 * j));
         for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], q[c], xv);
+        if constexpr (!FINE) continue;
         const __m512i fv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.fine[r] + 4 * j));
         for (int c = 0; c < CV; ++c) acc_fine[r][c] = _mm512_dpbusd_epi32(acc_fine[r][c], q[c], fv);
       }
@@ -273,8 +290,8 @@ inline void nibbles(const uint8_t* chunk, __m256i lo[2], __m256i hi[2]) {
 
 struct Int4Codes {
   static constexpr int64_t BLOCK_BYTES = 256;
-  template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+  template <int R, bool FINE>
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R, FINE>& x, I16 acc[R][CV],
                            I16 acc_fine[R][CV]) {
     NibbleDot coarse[R][CV], fine[R][CV];
     for (int j = 0; j < 4; ++j) {
@@ -282,19 +299,23 @@ struct Int4Codes {
       for (int c = 0; c < CV; ++c) nibbles(w + c * stride + j * 64, lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {
         const __m256i xlo = broadcast4(x.coarse[r] + 8 * j), xhi = broadcast4(x.coarse[r] + 8 * j + 4);
-        const __m256i flo = broadcast4(x.fine[r] + 8 * j), fhi = broadcast4(x.fine[r] + 8 * j + 4);
         for (int c = 0; c < CV; ++c) {
           coarse[r][c].add(lo[c], xlo);
           coarse[r][c].add(hi[c], xhi);
-          fine[r][c].add(lo[c], flo);
-          fine[r][c].add(hi[c], fhi);
+        }
+        if constexpr (FINE) {
+          const __m256i flo = broadcast4(x.fine[r] + 8 * j), fhi = broadcast4(x.fine[r] + 8 * j + 4);
+          for (int c = 0; c < CV; ++c) {
+            fine[r][c].add(lo[c], flo);
+            fine[r][c].add(hi[c], fhi);
+          }
         }
       }
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CV; ++c) {
         acc[r][c] = coarse[r][c].widen();
-        acc_fine[r][c] = fine[r][c].widen();
+        if constexpr (FINE) acc_fine[r][c] = fine[r][c].widen();
       }
   }
 };
@@ -325,8 +346,8 @@ struct SignedDot {
 
 struct Int8Codes {
   static constexpr int64_t BLOCK_BYTES = 512;
-  template <int R>
-  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R>& x, I16 acc[R][CV],
+  template <int R, bool FINE>
+  static inline void block(const uint8_t* w, int64_t stride, const BlockRows<R, FINE>& x, I16 acc[R][CV],
                            I16 acc_fine[R][CV]) {
     const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
     SignedDot coarse[R][CV], fine[R][CV];
@@ -336,28 +357,37 @@ struct Int8Codes {
         for (int h = 0; h < 2; ++h)
           q[c][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + j * 64 + 32 * h)), bias);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = broadcast4(x.coarse[r] + 4 * j), fv = broadcast4(x.fine[r] + 4 * j);
-        const __m256i ax = _mm256_abs_epi8(xv), af = _mm256_abs_epi8(fv);
-        for (int c = 0; c < CV; ++c) {
-          coarse[r][c].add(q[c], xv, ax);
-          fine[r][c].add(q[c], fv, af);
+        const __m256i xv = broadcast4(x.coarse[r] + 4 * j);
+        const __m256i ax = _mm256_abs_epi8(xv);
+        for (int c = 0; c < CV; ++c) coarse[r][c].add(q[c], xv, ax);
+        if constexpr (FINE) {
+          const __m256i fv = broadcast4(x.fine[r] + 4 * j);
+          const __m256i af = _mm256_abs_epi8(fv);
+          for (int c = 0; c < CV; ++c) fine[r][c].add(q[c], fv, af);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m256i coarse_offset = _mm256_set1_epi32(128 * x.coarse_sum[r]);
-      const __m256i fine_offset = _mm256_set1_epi32(128 * x.fine_sum[r]);
-      for (int c = 0; c < CV; ++c) {
-        acc[r][c] = coarse[r][c].finish(coarse_offset);
-        acc_fine[r][c] = fine[r][c].finish(fine_offset);
+      for (int c = 0; c < CV; ++c) acc[r][c] = coarse[r][c].finish(coarse_offset);
+      if constexpr (FINE) {
+        const __m256i fine_offset = _mm256_set1_epi32(128 * x.fine_sum[r]);
+        for (int c = 0; c < CV; ++c) acc_fine[r][c] = fine[r][c].finish(fine_offset);
       }
     }
   }
 };
 #endif
 
-// 256 * coarse + fine in int32, then float: the block's dot in units of sx / 256.
-inline F16 joined_dot(I16 coarse, I16 fine) { return simd::to_float(simd::iadd(simd::shift_left(coarse, FINE_BITS), fine)); }
+// 256 * coarse + fine in int32, then float: the block's dot in units of sx / 256 (without FINE, the
+// coarse sum alone, in units of sx: quantize_row stored the matching scale).
+template <bool FINE>
+inline F16 joined_dot(I16 coarse, I16 fine) {
+  if constexpr (FINE)
+    return simd::to_float(simd::iadd(simd::shift_left(coarse, FINE_BITS), fine));
+  else
+    return simd::to_float(coarse);
+}
 
 struct Problem {
   const uint8_t* data;    // [Nv, K/32, BLOCK_BYTES]
@@ -369,7 +399,7 @@ struct Problem {
 };
 
 // Rows [m0, m0 + R) against channel vectors [v0, v0 + cv) (cv <= CV; a short last tile reads vector v0 twice).
-template <typename Codes, int R>
+template <typename Codes, int R, bool FINE>
 void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int cv) {
   const int64_t blocks = x.blocks;
   const int64_t stride = blocks * Codes::BLOCK_BYTES;  // bytes of one channel vector
@@ -380,8 +410,8 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
     for (int c = 0; c < CV; ++c) accf[r][c] = simd::zero();
   for (int64_t b = 0; b < blocks; ++b) {
     I16 acc[R][CV], acc_fine[R][CV];
-    Codes::template block<R>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride, BlockRows<R>(x, m0, b), acc,
-                             acc_fine);
+    Codes::template block<R, FINE>(w + b * Codes::BLOCK_BYTES, (v_second - v0) * stride,
+                                   BlockRows<R, FINE>(x, m0, b), acc, acc_fine);
     const int64_t g = b / p.blocks_per_group;
     for (int c = 0; c < CV; ++c) {
       const int64_t v = c == 0 ? v0 : v_second;
@@ -390,7 +420,7 @@ void tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t v0, int 
       for (int r = 0; r < R; ++r) {
         const int64_t row_block = (m0 + r) * blocks + b;
         const F16 sx = simd::mul(s, simd::set1(x.scales[row_block]));
-        const F16 dot = joined_dot(acc[r][c], acc_fine[r][c]);
+        const F16 dot = joined_dot<FINE>(acc[r][c], acc_fine[r][c]);
         accf[r][c] = simd::fmadd(dot, sx, accf[r][c]);
         accf[r][c] = simd::fmadd(mn, simd::set1(x.sums[row_block]), accf[r][c]);
       }
@@ -428,6 +458,7 @@ bool amx_permitted() {
 
 // Tiles 0-1: coarse and fine activation codes (16 rows x 32 bytes); 2-3: the weight blocks of two
 // channel vectors (8 rows x 64 bytes); 4-7: int32 sums (16 x 16) for (coarse, fine) x 2 vectors.
+// Without fine codes tiles 1, 5 and 7 stay unused.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -465,6 +496,7 @@ inline const uint8_t* weight_tile(const uint8_t* block, uint8_t* buffer) {
 using BlockSums = int32_t[AMX_PANEL / AMX_ROWS][4][AMX_ROWS][LANES];
 
 // The VNNI tile's epilogue, operation for operation, for block b of every group in the panel.
+template <bool FINE>
 inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSums& sums, int64_t m0,
                          int64_t groups, int64_t b, int64_t v0, int64_t v_second,
                          float (*accf)[CV][LANES]) {
@@ -483,7 +515,8 @@ inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSu
       for (int c = 0; c < CV; ++c) {
         float* a = accf[grp * AMX_ROWS + r][c];
         const F16 sx = simd::mul(s[c], row_scale);
-        const F16 dot = joined_dot(simd::iload(sums[grp][2 * c][r]), simd::iload(sums[grp][2 * c + 1][r]));
+        const I16 coarse = simd::iload(sums[grp][2 * c][r]);
+        const F16 dot = joined_dot<FINE>(coarse, FINE ? simd::iload(sums[grp][2 * c + 1][r]) : coarse);
         F16 acc = simd::fmadd(dot, sx, simd::load(a));
         acc = simd::fmadd(mn[c], row_sum, acc);
         simd::store(a, acc);
@@ -495,7 +528,7 @@ inline void amx_epilogue(const Problem& p, const QuantizedRows& x, const BlockSu
 // Rows [m0, m0 + groups * 16) against channel vectors [v0, v0 + cv), written to out.
 // Software-pipelined: the tiles of block b are stored while the epilogue reads block b - 1's sums,
 // because a vector load of bytes a tile store just wrote waits for the store to reach L1.
-template <typename Codes>
+template <typename Codes, bool FINE>
 void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t groups, int64_t v0, int cv) {
   const int64_t blocks = x.blocks;
   const int64_t stride = blocks * Codes::BLOCK_BYTES;
@@ -513,23 +546,25 @@ void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t grou
     for (int64_t grp = 0; grp < groups; ++grp) {
       const int64_t r0 = m0 + grp * AMX_ROWS;
       _tile_loadd(0, x.coarse_at(r0, b), BLOCK);
-      _tile_loadd(1, x.fine_at(r0, b), BLOCK);
       _tile_zero(4);
-      _tile_zero(5);
       _tile_zero(6);
-      _tile_zero(7);
       _tile_dpbsud(4, 0, 2);
-      _tile_dpbsud(5, 1, 2);
       _tile_dpbsud(6, 0, 3);
-      _tile_dpbsud(7, 1, 3);
       _tile_stored(4, out[grp][0], 64);
-      _tile_stored(5, out[grp][1], 64);
       _tile_stored(6, out[grp][2], 64);
-      _tile_stored(7, out[grp][3], 64);
+      if constexpr (FINE) {
+        _tile_loadd(1, x.fine_at(r0, b), BLOCK);
+        _tile_zero(5);
+        _tile_zero(7);
+        _tile_dpbsud(5, 1, 2);
+        _tile_dpbsud(7, 1, 3);
+        _tile_stored(5, out[grp][1], 64);
+        _tile_stored(7, out[grp][3], 64);
+      }
     }
-    if (b > 0) amx_epilogue(p, x, sums[(b - 1) & 1], m0, groups, b - 1, v0, v_second, accf);
+    if (b > 0) amx_epilogue<FINE>(p, x, sums[(b - 1) & 1], m0, groups, b - 1, v0, v_second, accf);
   }
-  amx_epilogue(p, x, sums[(blocks - 1) & 1], m0, groups, blocks - 1, v0, v_second, accf);
+  amx_epilogue<FINE>(p, x, sums[(blocks - 1) & 1], m0, groups, blocks - 1, v0, v_second, accf);
   for (int c = 0; c < cv; ++c) {
     const int64_t n0 = (v0 + c) * LANES;
     const int64_t valid = std::min<int64_t>(LANES, p.N - n0);
@@ -542,21 +577,21 @@ void amx_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t grou
 #endif
 
 // The register tile of `rows` (1..RT) rows.
-template <typename Codes, int R = RT>
+template <typename Codes, bool FINE, int R = RT>
 inline void dispatch_tile(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t rows, int64_t v0, int cv) {
   if constexpr (R > 1) {
-    if (rows < R) return dispatch_tile<Codes, R - 1>(p, x, m0, rows, v0, cv);
+    if (rows < R) return dispatch_tile<Codes, FINE, R - 1>(p, x, m0, rows, v0, cv);
   }
-  tile<Codes, R>(p, x, m0, v0, cv);
+  tile<Codes, R, FINE>(p, x, m0, v0, cv);
 }
 
 // Rows [m0, m1) against channel vectors [v0, v0 + cv) on the vector register tiles (VNNI or AVX2).
-template <typename Codes>
+template <typename Codes, bool FINE>
 void vector_rows(const Problem& p, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t v0, int cv) {
-  for (; m0 < m1; m0 += RT) dispatch_tile<Codes>(p, x, m0, std::min<int64_t>(RT, m1 - m0), v0, cv);
+  for (; m0 < m1; m0 += RT) dispatch_tile<Codes, FINE>(p, x, m0, std::min<int64_t>(RT, m1 - m0), v0, cv);
 }
 
-template <typename Codes>
+template <typename Codes, bool FINE>
 void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::Team* team) {
   const int64_t tiles = (p.Nv + CV - 1) / CV;
 #if defined(PROTOSERVE_AMX)
@@ -569,8 +604,8 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
         const int64_t v0 = t * CV;
         const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
         for (int64_t p0 = 0; p0 < amx_rows; p0 += AMX_PANEL)
-          amx_tile<Codes>(p, x, p0, std::min<int64_t>(AMX_PANEL, amx_rows - p0) / AMX_ROWS, v0, cv);
-        vector_rows<Codes>(p, x, amx_rows, M, v0, cv);
+          amx_tile<Codes, FINE>(p, x, p0, std::min<int64_t>(AMX_PANEL, amx_rows - p0) / AMX_ROWS, v0, cv);
+        vector_rows<Codes, FINE>(p, x, amx_rows, M, v0, cv);
       }
       _tile_release();  // drop the tile state: context switches then need not save it
     });
@@ -584,7 +619,7 @@ void run(const Problem& p, const QuantizedRows& x, int64_t M, const protoserve::
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t v0 = t * CV;
         const int cv = static_cast<int>(std::min<int64_t>(CV, p.Nv - v0));
-        vector_rows<Codes>(p, x, p0, p1, v0, cv);
+        vector_rows<Codes, FINE>(p, x, p0, p1, v0, cv);
       }
     }
   });
@@ -609,11 +644,13 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
   float* sp = codes.scales.data();
   float* up = codes.sums.data();
   int32_t* csp = codes.code_sums.data();
+  const bool fine = codes.fine;
   // Each member quantizes its share of the rows; the tiles then read every row.
   protoserve::for_range(team, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      quantize_row(x + r * K, blocks, M * BLOCK, cp + r * BLOCK, cp + M * K + r * BLOCK, sp + r * blocks,
-                   up + r * blocks, csp + r * blocks, csp + (M + r) * blocks);
+      (fine ? quantize_row<true> : quantize_row<false>)(x + r * K, blocks, M * BLOCK, cp + r * BLOCK,
+                                                          cp + M * K + r * BLOCK, sp + r * blocks, up + r * blocks,
+                                                          csp + r * blocks, csp + (M + r) * blocks);
   });
   if (team != nullptr) team->sync();
   const QuantizedRows rows{cp, cp + M * K, sp, up, csp, M, blocks};
@@ -627,9 +664,9 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
                   K / w.group_size,
                   w.group_size / BLOCK};
   if (bits == 4)
-    run<Int4Codes>(p, rows, M, team);
+    (fine ? run<Int4Codes, true> : run<Int4Codes, false>)(p, rows, M, team);
   else
-    run<Int8Codes>(p, rows, M, team);
+    (fine ? run<Int8Codes, true> : run<Int8Codes, false>)(p, rows, M, team);
   if (team != nullptr) team->sync();
 }
 

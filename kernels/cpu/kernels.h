@@ -21,6 +21,10 @@ struct ActivationCodes {
   std::vector<float> scales;  // [M, K / 32] per block
   std::vector<float> sums;    // [M, K / 32] per block: the exact float sum of x
   std::vector<int32_t> code_sums;  // [2, M, K / 32] per block: the sum of its coarse codes, then of its fine ones
+  // Set by the caller before each product: the fine codes of the coarse codes' rounding error ("exact"
+  // activation precision), or the coarse codes alone ("fast": llama.cpp's Q8 activations, half the
+  // integer products, a coarser result). Either way a row's result does not depend on the batch.
+  bool fine = true;
 
   void fit(int64_t M, int64_t K) {
     const size_t blocks = static_cast<size_t>(M) * (K / 32);
@@ -43,9 +47,11 @@ struct LinearWeights {
 };
 
 // linear.cpp: y = x @ W^T (+ bias) over a weight packed by packed_linear.py; float32 [M, N].
+// fine_activations: the integer-dot formats' fine codes (ActivationCodes::fine); other formats ignore it.
 torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
                             const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
-                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size);
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
+                            bool fine_activations);
 // Throws unless `w` is a well-formed pack for `in_features` inputs; packed_linear_into trusts it.
 void check_packed_linear(const LinearWeights& w, int64_t in_features);
 // out [M, N] = x [M, K] @ W^T (+ bias), raw rows; as one member of `team` (which then meets at
@@ -172,7 +178,8 @@ class DecoderStep {
   // lora_rows[lora_starts[g] : lora_starts[g + 1]] (each row in at most one group; rows in none run the
   // base model alone). layer_windows: each layer's window (0 for none) where layers differ; empty: every
   // layer takes sliding_window. local_cos/local_sin: a second rope table [T, head_dim], which the layers
-  // with layer_rope[i] == 1 rotate by (empty layer_rope: every layer takes cos/sin).
+  // with layer_rope[i] == 1 rotate by (empty layer_rope: every layer takes cos/sin). fine_activations:
+  // ActivationCodes::fine for every integer-dot layer of the step.
   // Returns float32 logits [len(logits_indices), vocab].
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
@@ -182,7 +189,7 @@ class DecoderStep {
                         const std::vector<LoraWeights>& lora, const c10::optional<torch::Tensor>& lora_rows,
                         const c10::optional<torch::Tensor>& lora_starts, const std::vector<int64_t>& layer_windows,
                         const c10::optional<torch::Tensor>& local_cos, const c10::optional<torch::Tensor>& local_sin,
-                        const std::vector<int64_t>& layer_rope) const;
+                        const std::vector<int64_t>& layer_rope, bool fine_activations) const;
 
  private:
   DecoderShape shape_;

@@ -368,7 +368,8 @@ void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64
 // x: [M, K] float32; data/scales/mins: packed by packed_linear.py; returns [M, N] float32.
 torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
                             const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
-                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size) {
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
+                            bool fine_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const LinearWeights w{format, data, scales, mins, bias, out_features, group_size};
@@ -380,6 +381,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch:
   if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT) ||
       (BF16_LINEAR && format == static_cast<int64_t>(Format::BF16)))
     codes.fit(M, K);
+  codes.fine = fine_activations;
   packed_linear_into(w, x.data_ptr<float>(), M, K, out.data_ptr<float>(), codes, nullptr);
   return out;
 }

@@ -16,7 +16,8 @@ using protoserve::LoraWeights;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("packed_linear", &protoserve::packed_linear, "y = x @ W^T (+ bias) over a packed weight (float32 out)",
-        no_gil);
+        py::arg("x"), py::arg("format"), py::arg("data"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
+        py::arg("out_features"), py::arg("group_size"), py::arg("fine_activations") = true, no_gil);
   m.def("linear_multiplies_in_bf16", &protoserve::linear_multiplies_in_bf16,
         "whether bfloat16 packs multiply in bfloat16 here (x rounded to bf16 once per call)");
   m.def("int8_dot_amx_available", &protoserve::int8_dot_amx_available,
@@ -79,7 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("sliding_window"), py::arg("lora") = std::vector<LoraWeights>(), py::arg("lora_rows") = py::none(),
            py::arg("lora_starts") = py::none(), py::arg("layer_windows") = std::vector<int64_t>(),
            py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
-           py::arg("layer_rope") = std::vector<int64_t>(), no_gil);
+           py::arg("layer_rope") = std::vector<int64_t>(), py::arg("fine_activations") = true, no_gil);
   m.def("moe_experts", &protoserve::moe_experts,
         "a MoE block's routed experts, grouped by expert over packed weights (float32 [T, H])", py::arg("x"),
         py::arg("expert_ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), no_gil);

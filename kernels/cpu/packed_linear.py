@@ -23,7 +23,10 @@ weight from memory once a step, and float32 metadata costs an int4 group of 32
 values 24 bytes instead of 20.
 
 They trade a tiny activation rounding (measured and bounded in the tests)
-for 2-4x fewer instructions per weight at decode batch sizes.
+for 2-4x fewer instructions per weight at decode batch sizes. ``fine=False``
+("fast" activation precision) drops the fine codes: one int8 code per value,
+as llama.cpp's Q8 activations, half the integer products, a coarser product
+(``reference_linear`` models either).
 
 ``reference_linear`` computes the same product in plain PyTorch from the
 unpacked weight, for tests and for machines without the kernel.
@@ -199,8 +202,11 @@ def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
     )
 
 
-def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for x [M, K] (any float dtype), float32 result [M, N]."""
+def packed_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, fine: bool = True
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for x [M, K] (any float dtype), float32 result [M, N]. ``fine``: the
+    integer-dot formats' fine activation codes (the "exact" activation precision); others ignore it."""
     ext = load("linear")
     if ext is None:
         raise RuntimeError("the CPU linear kernel is not available on this machine")
@@ -213,6 +219,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         None if bias is None else bias.float().contiguous(),
         weight.out_features,
         weight.group_size,
+        fine,
     )
 
 
@@ -276,11 +283,13 @@ def _dot_codes(weight: PackedWeight) -> torch.Tensor:
     return codes.reshape(-1, k)[:n]
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(
+    x: torch.Tensor, fine: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The integer-dot formats' activation rounding: per row and block of 32, coarse codes
-    round(x / s) with s = max|x| / 127, plus fine codes round((x - coarse * s) * 256 / s) for the
-    rounding error, both clamped to -127..127. Returns (coarse + fine / 256 [M, K] float64, scales
-    [M, K/32], exact block sums)."""
+    round(x / s) with s = max|x| / 127, plus (``fine``) fine codes round((x - coarse * s) * 256 / s)
+    for the rounding error, both clamped to -127..127. Returns (coarse + fine / 256 [M, K] float64,
+    scales [M, K/32], exact block sums)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // DOT_BLOCK, DOT_BLOCK)
     amax = xb.abs().amax(dim=-1)
@@ -288,17 +297,21 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     fine_inv = torch.where(amax > 0, 256.0 / scale, torch.zeros_like(amax))
     coarse = torch.round(xb * inv[..., None]).clamp(-127, 127)
-    fine = torch.round((xb - coarse * scale[..., None]) * fine_inv[..., None]).clamp(-127, 127)
-    codes = coarse.double() + fine.double() / 256.0
+    codes = coarse.double()
+    if fine:
+        residual = torch.round((xb - coarse * scale[..., None]) * fine_inv[..., None]).clamp(-127, 127)
+        codes = codes + residual.double() / 256.0
     return codes.reshape(m, k), scale, xb.double().sum(dim=-1)
 
 
-def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, fine: bool = True
+) -> torch.Tensor:
     """The same product in float64 PyTorch (for the integer-dot formats, of the int8-rounded
-    activations, block by block, as the kernel computes it; for bfloat16 packs where the kernel
-    multiplies in bf16, of x rounded to bf16), rounded to float32."""
+    activations, block by block, as the kernel computes it, with or without the fine codes; for
+    bfloat16 packs where the kernel multiplies in bf16, of x rounded to bf16), rounded to float32."""
     if weight.format in ("int4_dot", "int8_dot"):
-        return _reference_dot(x, weight, bias)
+        return _reference_dot(x, weight, bias, fine)
     if weight.format == "bfloat16" and multiplies_in_bf16():
         x = x.bfloat16()
     y = x.double() @ unpack(weight).double().T
@@ -307,10 +320,10 @@ def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     return y.float()
 
 
-def _reference_dot(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _reference_dot(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, fine: bool) -> torch.Tensor:
     n, k = weight.out_features, weight.in_features
     blocks, per_group = k // DOT_BLOCK, weight.group_size // DOT_BLOCK
-    codes, x_scales, x_sums = quantize_activations(x)
+    codes, x_scales, x_sums = quantize_activations(x, fine)
     w_codes = _dot_codes(weight).double().reshape(n, blocks, DOT_BLOCK)
     xq = codes.double().reshape(-1, blocks, DOT_BLOCK)
     dots = torch.einsum("mbk,nbk->mnb", xq, w_codes)
