@@ -31,6 +31,13 @@ import asyncio
 import atexit
 import contextlib
 import os
+
+# Where no CUDA device is present, tests/kernels_triton runs Triton's kernels under its CPU
+# interpreter. Triton decides its standard library's mode when it is first imported, and the test
+# modules collected before that folder import it through transformers: so the switch is set here,
+# in the first conftest, before anything imports triton.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import re
 import shutil
 import signal

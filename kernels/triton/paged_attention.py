@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from protoserve.kernels.triton._common import interpreted, next_pow2, round_to_bf16
-from protoserve.kernels.triton.prefill_attention import check_paged_operands
+from protoserve.kernels.triton.prefill_attention import check_paged_operands, reference_prefill_attention
 
 
 @triton.jit
@@ -142,26 +142,8 @@ def reference_paged_decode_attention(
     sliding_window: int | None = None,
     round_query: bool = False,
 ) -> torch.Tensor:
-    """The contract in plain PyTorch, one sequence at a time in float64 -> float32 [B, H, D].
-
-    ``round_query``: score against ``bfloat16(float32(q) * scale)``, as the kernel does for a
-    bfloat16 pool (its rounding of P is not modelled)."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k_slots = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
-    v_slots = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float64)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        first = max(0, seq_len - sliding_window) if sliding_window else 0
-        keys = torch.arange(first, seq_len)
-        table = block_tables[b].long().cpu()
-        slots = table[keys // block_size] * block_size + keys % block_size
-        k = k_slots[slots].repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_slots[slots].repeat_interleave(group, dim=1)
-        if round_query:
-            scores = torch.einsum("hd,lhd->hl", (q[b].float().cpu() * scale).bfloat16().double(), k)
-        else:
-            scores = torch.einsum("hd,lhd->hl", q[b].double().cpu(), k) * scale
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
-    return out.float().to(q.device)
+    """The contract in plain PyTorch: the prefill reference with one query per sequence, its last
+    position (float64 -> float32 [B, H, D])."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return reference_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       sliding_window, round_query)

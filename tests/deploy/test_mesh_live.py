@@ -60,6 +60,36 @@ def test_replica_memory_fits_the_manifests_request(mesh):
         assert peak_kib * 1024 < float(request.removesuffix("Gi")) * 2**30
 
 
+def test_websocket_streams_through_envoy_to_the_identity_s_replica(mesh):
+    """/v1/ws/completions through Envoy to a real replica's gateway: two streams multiplexed on one
+    socket finish, and both land on the identity's home replica (the upgrade is hashed like any call)."""
+    import json
+
+    from websockets.sync.client import connect
+
+    user = USERS[0]
+    home = mesh.homes.get(user)
+    before = mesh.served(home, user) if home is not None else None
+    url = mesh.envoy.url.replace("http://", "ws://") + "/v1/ws/completions"
+    body = {"model": mesh.model, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with connect(url, additional_headers={"x-user-id": user}, open_timeout=30) as ws:
+        ws.send(json.dumps({"id": "a", "type": "completion", "request": {**body, "prompt": "The capital of France"}}))
+        ws.send(json.dumps({"id": "b", "type": "chat.completion",
+                            "request": {**body, "messages": [{"role": "user", "content": "Hi"}]}}))
+        chunks: dict[str, int] = {"a": 0, "b": 0}
+        done: set[str] = set()
+        while done != {"a", "b"}:
+            frame = json.loads(ws.recv(timeout=60))
+            assert frame["type"] in ("chunk", "done"), frame
+            if frame["type"] == "chunk":
+                chunks[frame["id"]] += 1
+            else:
+                done.add(frame["id"])
+    assert chunks["a"] > 0 and chunks["b"] > 0
+    if home is not None:
+        assert mesh.served(home, user) == before + 2
+
+
 def test_one_trace_spans_envoy_gateway_grpc_and_engine(mesh):
     traceparent = f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01"
     body = {"model": mesh.model, "prompt": "trace me", "max_tokens": 2}

@@ -1,8 +1,8 @@
 """Triton kernel tests: on a CUDA device when there is one, else under Triton's CPU interpreter.
 
-``TRITON_INTERPRET=1`` is set here, at import, before any kernel module is imported (triton reads
-it when a ``@triton.jit`` function is defined), unless a CUDA device is present or the variable is
-already set. The ``device`` fixture is the one place that picks where the tensors live: CUDA when
+``TRITON_INTERPRET=1`` is set by tests/conftest.py before anything imports triton (it decides its
+standard library's mode when first imported), unless a CUDA device is present or the variable is
+already set; here again for a run of this folder alone. The ``device`` fixture is the one place that picks where the tensors live: CUDA when
 it is available and the interpreter is off, else the CPU (which the interpreter runs on).
 Without triton installed every module here skips (each starts with ``pytest.importorskip``).
 """

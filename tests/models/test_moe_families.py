@@ -169,7 +169,7 @@ def test_greedy_tokens_and_schedules(checkpoint, family: str) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "token_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_continuous_batch(checkpoint, family: str) -> None:
     """Greedy requests among seeded sampling requests, chunked prefill beside decodes (LLMEngine):
     each greedy request's tokens equal the reference's."""

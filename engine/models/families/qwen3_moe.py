@@ -4,12 +4,13 @@ the others keep a dense MLP of ``intermediate_size``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.families import moe_family
+from protoserve.engine.models.families import moe_family, qwen3
 from protoserve.engine.models.families.family import LLAMA_GGUF_LAYER_NAMES, Family
 from protoserve.engine.models.families.gguf_fields import GGUFFields
 from protoserve.engine.models.families.hf_fields import HFFields
-from protoserve.engine.models.families.qwen3 import DEFAULT_HEAD_DIM
 from protoserve.engine.models.moe import QWEN_EXPERT_NAMES
 
 NAMES = moe_family.MoeNames("mlp.", QWEN_EXPERT_NAMES)
@@ -21,31 +22,22 @@ def moe_layers(num_layers: int, num_experts: int, sparse_step: int, mlp_only: li
 
 
 def from_hf(hf: HFFields) -> ModelConfig:
-    hf.require_activation("silu")
-    common = hf.common()
-    if "head_dim" not in hf.raw:
-        common["head_dim"] = DEFAULT_HEAD_DIM
-    window, layer_types = hf.qwen_windows(common["num_layers"])
+    """Qwen3's attention and windows as qwen3.py reads them, with the experts on top."""
+    dense = qwen3.from_hf(hf)
     step = int(hf.get("decoder_sparse_step", 1))
     if step < 1:
         raise hf.error(f"decoder_sparse_step must be at least 1, got {step}")
     mlp_only = [int(i) for i in hf.get("mlp_only_layers", [])]
     # Qwen's own files say num_experts; transformers 5 writes num_local_experts (its attribute map).
     num_experts = int(hf.need("num_experts" if "num_experts" in hf.raw else "num_local_experts"))
-    bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(
+    return dataclasses.replace(
+        dense,
         architecture="qwen3_moe",
-        **common,
-        attention_bias=bias,
-        o_proj_bias=bias,
-        qk_norm=True,
-        sliding_window=window,
-        layer_types=layer_types,
         num_experts=num_experts,
         experts_per_token=int(hf.need("num_experts_per_tok")),
         moe_intermediate_size=int(hf.need("moe_intermediate_size")),
         moe_normalize_top_k=bool(hf.get("norm_topk_prob", False)),
-        moe_layers=moe_layers(common["num_layers"], num_experts, step, mlp_only),
+        moe_layers=moe_layers(dense.num_layers, num_experts, step, mlp_only),
     )
 
 
