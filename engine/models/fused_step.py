@@ -59,15 +59,28 @@ _LORA_CACHE = 16
 
 
 def lora_linear(ext, a: torch.Tensor, b: torch.Tensor, out_slices, rank: int, dtype: torch.dtype):
-    """The C++ view of one fused layer's update (kernels/cpu/lora.cpp): A [R, in] and B^T [R, out] in
-    ``dtype``, zero-padded to A [R, in rounded up to 16] and B^T [R, out + 16]."""
-    r, n_in = a.shape
-    a_padded = torch.zeros(r, -(-n_in // 16) * 16, dtype=dtype)
-    a_padded[:, :n_in] = a
-    bt = torch.zeros(r, b.shape[0] + 16, dtype=dtype)
-    bt[:, : b.shape[0]] = b.t()
-    return ext.LoraLinear(a=a_padded, bt=bt, slice_begin=[s for s, _ in out_slices],
-                          slice_end=[e for _, e in out_slices], rank=rank)
+    """The C++ view of one fused layer's update (kernels/cpu/lora.cpp) from A [targets * rank, in] and
+    B [out, targets * rank]: float32 as A [R, in rounded up to 16] and B^T [R, out + 16]; bfloat16 with
+    each target's rank padded to even (a zero row of A, a zero column of B), as A [R, in rounded up
+    to 32] and B in rank pairs [R / 2, (out + 32) * 2]."""
+    targets = len(out_slices)
+    n_out, n_in = b.shape[0], a.shape[1]
+    begins, ends = [s for s, _ in out_slices], [e for _, e in out_slices]
+    if dtype == torch.float32:
+        a_padded = torch.zeros(a.shape[0], -(-n_in // 16) * 16)
+        a_padded[:, :n_in] = a
+        bt = torch.zeros(a.shape[0], n_out + 16)
+        bt[:, :n_out] = b.t()
+        return ext.LoraLinear(a=a_padded, bt=bt, slice_begin=begins, slice_end=ends, rank=rank)
+    even = rank + rank % 2
+    a_padded = torch.zeros(targets * even, -(-n_in // 32) * 32)
+    b_padded = torch.zeros(n_out + 32, targets * even)
+    for j in range(targets):
+        a_padded[j * even : j * even + rank, :n_in] = a[j * rank : (j + 1) * rank]
+        b_padded[:n_out, j * even : j * even + rank] = b[:, j * rank : (j + 1) * rank]
+    pairs = b_padded.reshape(n_out + 32, targets * even // 2, 2).transpose(0, 1).reshape(targets * even // 2, -1)
+    return ext.LoraLinear(a=a_padded.to(dtype), bt=pairs.to(dtype).contiguous(), slice_begin=begins,
+                          slice_end=ends, rank=even)
 
 
 def _lora_weights(ext, adapter: LoraAdapter, num_layers: int, dtype: torch.dtype):
@@ -141,11 +154,13 @@ class FusedStep:
         )
         step = ext.DecoderStep(shape, layers, model.norm.weight.detach().float().contiguous(), head)
         # LoRA weights in the precision class of the layers they update: float32 over float32 layers,
-        # bfloat16 over bfloat16 or quantized ones (half the bytes a decode step streams per adapter;
-        # its rounding is far below what int8/int4 base weights already carry).
+        # bfloat16 over bfloat16 or quantized ones where the CPU multiplies in bf16 (half the bytes a
+        # decode step streams per adapter, twice the products per instruction; its rounding is far
+        # below what int8/int4 base weights already carry).
         formats = {m.packed.format for layer in model.layers for m in layer.modules()
                    if isinstance(m, KernelPackable) and m.packed is not None}
-        lora_dtype = torch.float32 if formats == {"float32"} else torch.bfloat16
+        bf16 = formats != {"float32"} and ext.lora_multiplies_in_bf16()
+        lora_dtype = torch.bfloat16 if bf16 else torch.float32
         fused = cls(step, ext, len(layers), lora_dtype)
         fused.fine_activations = getattr(model, "activation_precision", "exact") == "exact"
         return fused

@@ -133,9 +133,11 @@ struct LayerWeights {
 // lora.cpp: one adapter's low-rank update of one fused linear layer (engine/lora/adapter.py's
 // FusedDelta), out[r] += B (A x[r]) on the rows that run the adapter.
 struct LoraLinear {
-  // float32 or bfloat16, rows zero-padded so every weight load is a whole vector:
-  torch::Tensor a;   // [R, in rounded up to 16]: the targets' A stacked, `rank` rows each
-  torch::Tensor bt;  // [R, out + 16]: B transposed, the scale folded in
+  // float32: a [R, in rounded up to 16], bt = B^T [R, out + 16]. bfloat16 (AVX512-BF16 only, even
+  // rank): a [R, in rounded up to 32], bt = B in rank pairs [R / 2, (out + 32) * 2]. Zero padding
+  // makes every weight load a whole vector; the targets' A rows are stacked, `rank` rows each.
+  torch::Tensor a;
+  torch::Tensor bt;  // the scale folded in
   std::vector<int64_t> slice_begin;  // target j (rows j * rank .. of a and bt) writes out[slice_begin[j], slice_end[j])
   std::vector<int64_t> slice_end;
   int64_t rank = 0;
@@ -144,6 +146,8 @@ struct LoraLinear {
 struct LoraWeights {
   std::vector<c10::optional<LoraLinear>> linears;
 };
+// Whether bfloat16 LoRA weights can be multiplied here (vdpbf16ps).
+bool lora_multiplies_in_bf16();
 // Throws unless `w` is well formed for a layer of in_features inputs and out_features outputs.
 void check_lora_linear(const LoraLinear& w, int64_t in_features, int64_t out_features);
 // Floats of scratch lora_add_rows needs for `w`.

@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LoraWeights>(m, "LoraWeights")
       .def(py::init([](std::vector<c10::optional<LoraLinear>> linears) { return LoraWeights{std::move(linears)}; }),
            py::arg("linears"));
+  m.def("lora_multiplies_in_bf16", &protoserve::lora_multiplies_in_bf16,
+        "whether bfloat16 LoRA weights multiply in bf16 pairs here (AVX512-BF16)");
   m.def("lora_add_", &protoserve::lora_add_, "out[rows] += B (A x[rows]) in place (float32)", py::arg("out"),
         py::arg("x"), py::arg("w"), py::arg("rows"), no_gil);
   py::class_<DecoderShape>(m, "DecoderShape")
