@@ -72,3 +72,43 @@ def round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, table_row_ptr, keys, key_ok, d, d_ok, kv_head, block_size,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh):  # fmt: skip
+    """K and V [BLOCK_N, BLOCK_D] float32 of ``keys`` through one sequence's block table (masked keys: 0)."""
+    block = tl.load(table_row_ptr + keys // block_size, mask=key_ok, other=0).to(tl.int64)  # pools past 2**31 elements
+    offset = keys % block_size
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(
+        k_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+        mask=kv_mask, other=0.0,
+    ).to(tl.float32)
+    v = tl.load(
+        v_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+        mask=kv_mask, other=0.0,
+    ).to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, BF16: tl.constexpr, BF16_DOT: tl.constexpr):
+    """One key tile of flash attention: scores of the visible keys, the running max, sum and output
+    rescaled; returns the new (m_i, l_i, acc). Under BF16 P is rounded to bfloat16 as the pool is."""
+    if BF16_DOT:
+        s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if BF16:
+        p = round_to_bf16(p)
+    if BF16_DOT:
+        pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+    else:
+        pv = tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc * alpha[:, None] + pv

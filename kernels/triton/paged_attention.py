@@ -21,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from protoserve.kernels.triton._common import interpreted, next_pow2, round_to_bf16
+from protoserve.kernels.triton._common import (
+    interpreted,
+    load_kv_tile,
+    next_pow2,
+    online_softmax_step,
+    round_to_bf16,
+)
 from protoserve.kernels.triton.prefill_attention import check_paged_operands, reference_prefill_attention
 
 
@@ -60,34 +66,9 @@ def _paged_decode_kernel(
     for start in range(lo, seq_len, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = (keys >= first) & (keys < seq_len)
-        block = tl.load(table_ptr + seq * stride_table + keys // block_size, mask=keys < seq_len, other=0).to(tl.int64)  # pools past 2**31 elements
-        offset = keys % block_size
-        kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(tl.float32)
-        if BF16_DOT:
-            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if BF16:
-            p = round_to_bf16(p)
-        if BF16_DOT:
-            pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
-        else:
-            pv = tl.dot(p, v, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        k, v = load_kv_tile(k_ptr, v_ptr, table_ptr + seq * stride_table, keys, key_ok, d, d_ok, kv_head,
+                            block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
+        m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, BF16, BF16_DOT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out, mask=q_mask)
 
