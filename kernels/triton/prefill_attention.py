@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from protoserve.kernels.cpu.paged_attention import paged_attention_reference
 from protoserve.kernels.triton._common import (
     INDEX_DTYPE,
     check_dim,
@@ -183,34 +184,7 @@ def reference_prefill_attention(
     sliding_window: int | None = None,
     round_query: bool = False,
 ) -> torch.Tensor:
-    """The contract in plain PyTorch, one sequence at a time in float64 -> float32 [T, H, D].
-
-    ``round_query``: score against ``bfloat16(float32(q) * scale)``, as the kernel does for a
-    bfloat16 pool (its rounding of P is not modelled)."""
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k_slots = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
-    v_slots = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
-    starts = query_start_loc.tolist()
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        a, e = starts[b], starts[b + 1]
-        if a == e:
-            continue
-        keys = torch.arange(seq_len)
-        table = block_tables[b].long().cpu()
-        slots = table[keys // block_size] * block_size + keys % block_size
-        k = k_slots[slots].repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_slots[slots].repeat_interleave(group, dim=1)
-        if round_query:
-            scores = torch.einsum("nhd,lhd->hnl", (q[a:e].float().cpu() * scale).bfloat16().double(), k)
-        else:
-            scores = torch.einsum("nhd,lhd->hnl", q[a:e].double().cpu(), k) * scale
-        pos = torch.arange(seq_len - (e - a), seq_len)
-        visible = keys[None, :] <= pos[:, None]
-        if sliding_window:
-            visible &= keys[None, :] > pos[:, None] - sliding_window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[a:e] = torch.einsum("hnl,lhd->nhd", probs, v)
-    return out.float().to(q.device)
+    """The contract the CPU kernel has (kernels/cpu/paged_attention.py's reference, float64 ->
+    float32 [T, H, D]), on q's device; ``round_query`` as there."""
+    cpu = [t.cpu() for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)]
+    return paged_attention_reference(*cpu, scale, sliding_window, round_query).to(q.device)
