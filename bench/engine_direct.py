@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.timeline import RequestTimeline
 from bench.workload import RequestSpec
@@ -48,14 +48,27 @@ def run_requests(engine: LLMEngine, specs: Sequence[RequestSpec]) -> list[Reques
         )
         for s in specs
     ]
-    start = time.perf_counter()
-    timelines = {
-        r.request_id: RequestTimeline(sent=start, prompt_tokens=len(r.prompt_token_ids)) for r in requests
-    }
-    for r in requests:
-        engine.add_request(r)
-    pending = set(timelines)
-    while pending:
+    return run_tokenized(engine, requests)
+
+
+def run_tokenized(engine: Any, requests: Sequence[Any], concurrency: int | None = None) -> list[RequestTimeline]:
+    """Step ``engine`` until every TokenizedRequest has finished; one timeline per request, in order.
+
+    ``concurrency`` None: all are added at once, "sent" at one instant (the offline figure);
+    otherwise at most ``concurrency`` are in the engine, the next added as one finishes.
+    """
+    queue = list(requests)
+    limit = len(queue) if concurrency is None else concurrency
+    start = time.perf_counter() if concurrency is None else None
+    timelines: dict[str, RequestTimeline] = {}
+    pending: set[str] = set()
+    while queue or pending:
+        while queue and len(pending) < limit:
+            r = queue.pop(0)
+            sent = start if start is not None else time.perf_counter()
+            timelines[r.request_id] = RequestTimeline(sent=sent, prompt_tokens=len(r.prompt_token_ids))
+            engine.add_request(r)
+            pending.add(r.request_id)
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:

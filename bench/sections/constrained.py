@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.context import BenchContext
+from bench.engine_direct import run_tokenized
 from bench.figures import Figure, Target
 from bench.resources import EngineModel
 from bench.runner import Step
@@ -96,28 +97,6 @@ def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, const
     return out
 
 
-def _run(engine: Any, requests: list[Any], concurrency: int) -> list[RequestTimeline]:
-    """Keep ``concurrency`` requests in the engine until all have run; one timeline per request, in order."""
-    timelines: dict[str, RequestTimeline] = {}
-    queue = list(requests)
-    pending: set[str] = set()
-    while queue or pending:
-        while queue and len(pending) < concurrency:
-            r = queue.pop(0)
-            timelines[r.request_id] = RequestTimeline(time.perf_counter(), len(r.prompt_token_ids))
-            engine.add_request(r)
-            pending.add(r.request_id)
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            timeline = timelines[out.request_id]
-            timeline.add_chunk(now, sum(len(d.token_ids) for d in out.deltas))
-            if out.finished:
-                timeline.finish(now)
-                pending.discard(out.request_id)
-    return [timelines[r.request_id] for r in requests]
-
-
 @dataclass
 class Pooled:
     """Tokens and seconds summed over rounds, for one path at one concurrency."""
@@ -151,17 +130,17 @@ def _speed_step(ctx: BenchContext, sizes: Sizes) -> Step:
         engine = engine_direct.make_engine(loaded, variant, deterministic=True)
         factory = ctx.factory(WORKLOAD)
         warm = [factory.prompt(PROMPT_LEN) for _ in range(2)]
-        _run(engine, _requests(warm, 8, constrained=True), 2)
+        run_tokenized(engine, _requests(warm, 8, constrained=True), 2)
         figures: list[Figure] = []
         for concurrency, count in levels:
             prompts = [factory.prompt(PROMPT_LEN) for _ in range(count)]
-            first = _run(engine, _requests(prompts, sizes.max_tokens, True), concurrency)
+            first = run_tokenized(engine, _requests(prompts, sizes.max_tokens, True), concurrency)
             counts = [t.output_tokens for t in first]
             pools = {True: Pooled(), False: Pooled()}
             for round_ in range(sizes.rounds):
                 for constrained in (True, False) if round_ % 2 == 0 else (False, True):
                     limits = sizes.max_tokens if constrained else counts
-                    timelines = _run(engine, _requests(prompts, limits, constrained), concurrency)
+                    timelines = run_tokenized(engine, _requests(prompts, limits, constrained), concurrency)
                     if [t.output_tokens for t in timelines] != counts:
                         raise RuntimeError("a greedy rerun generated other token counts than the first run")
                     pools[constrained].add(timelines, concurrency)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 import json
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.context import BenchContext
+from bench.engine_direct import run_tokenized
 from bench.figures import Figure, Target
 from bench.resources import EngineModel
 from bench.runner import Step
@@ -94,25 +94,6 @@ def _requests(prompts: list[tuple[int, ...]], max_tokens: int, adapters: list[st
             for p, a in zip(prompts, adapters, strict=True)]
 
 
-def _run(engine: Any, requests: list[Any]) -> list[RequestTimeline]:
-    """Add every request at once, step until all finish; one timeline per request, in order."""
-    start = time.perf_counter()
-    timelines = {r.request_id: RequestTimeline(start, len(r.prompt_token_ids)) for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    pending = set(timelines)
-    while pending:
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            timeline = timelines[out.request_id]
-            timeline.add_chunk(now, sum(len(d.token_ids) for d in out.deltas))
-            if out.finished:
-                timeline.finish(now)
-                pending.discard(out.request_id)
-    return [timelines[r.request_id] for r in requests]
-
-
 @dataclass
 class Pooled:
     """Output tokens and wall seconds summed over rounds, for one path; each round's rate kept."""
@@ -139,12 +120,12 @@ def _measure(
     """ABBA rounds of the base path (False) and the mixed path (True) on the same fresh prompts."""
     c = sizes.concurrency
     for mixed in (False, True):  # first calls of each path's kernel shapes, unmeasured
-        _run(engine, _requests([factory.prompt(PROMPT_LEN) for _ in range(c)], 8, adapters[mixed]))
+        run_tokenized(engine, _requests([factory.prompt(PROMPT_LEN) for _ in range(c)], 8, adapters[mixed]))
     pools = {False: Pooled(), True: Pooled()}
     for round_ in range(sizes.rounds):
         prompts = [factory.prompt(PROMPT_LEN) for _ in range(c)]
         for mixed in (False, True) if round_ % 2 == 0 else (True, False):
-            timelines = _run(engine, _requests(prompts, sizes.max_tokens, adapters[mixed]))
+            timelines = run_tokenized(engine, _requests(prompts, sizes.max_tokens, adapters[mixed]))
             if any(t.output_tokens != sizes.max_tokens for t in timelines):
                 raise RuntimeError("a request generated other than max_tokens tokens with EOS ignored")
             pools[mixed].add(timelines)
