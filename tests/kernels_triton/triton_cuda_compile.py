@@ -2,7 +2,7 @@
 
 Triton's front end and NVIDIA back end (with its bundled ptxas) run on the CPU: this builds each
 kernel down to a cubin for ``sm_<arch>`` in the variants the launchers use (float32 and bfloat16,
-every quantized format), which catches what the interpreter never checks (typing of branches,
+every quantized format, FP8 weights), which catches what the interpreter never checks (typing of branches,
 native bfloat16 ``tl.dot``, early returns, 16-row dot minimums). It must run with
 ``TRITON_INTERPRET`` off, so the kernels are defined as JIT functions: the test runs it in a
 subprocess. Prints one JSON object: {variant: "ok" or the error}.
@@ -17,7 +17,14 @@ import sys
 
 def variants() -> dict[str, tuple[object, dict[str, str], dict[str, object]]]:
     """name -> (kernel, pointer types, constexpr values); other args: i32, or fp32 for scale/eps."""
-    from protoserve.kernels.triton import moe, norm_rope, paged_attention, prefill_attention, quantized_matmul
+    from protoserve.kernels.triton import (
+        fp8_matmul,
+        moe,
+        norm_rope,
+        paged_attention,
+        prefill_attention,
+        quantized_matmul,
+    )
 
     out: dict[str, tuple[object, dict[str, str], dict[str, object]]] = {}
     index = {"table_ptr": "*i32", "start_ptr": "*i32", "seq_len_ptr": "*i32"}
@@ -33,6 +40,12 @@ def variants() -> dict[str, tuple[object, dict[str, str], dict[str, object]]]:
                 "out_ptr": "*fp32"}  # fmt: skip
         consts = {"FMT": code, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}
         out[f"quantized_matmul/{fmt}"] = (quantized_matmul._quantized_matmul_kernel, ptrs, consts)
+    for x_dtype in ("fp32", "bf16", "fp16"):  # the E4M3 conversion to each dot dtype the launcher uses
+        ptrs = {"x_ptr": f"*{x_dtype}", "codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+                "out_ptr": "*fp32"}  # fmt: skip
+        tiles = {"BLOCK_M": fp8_matmul.BLOCK_M, "BLOCK_N": 32, "BLOCK_K": 256}  # the launcher's GPU_TILES
+        consts = {"HAS_BIAS": True, "LOW_DOT": x_dtype != "fp32", **tiles}
+        out[f"fp8_matmul/{x_dtype}"] = (fp8_matmul._fp8_matmul_kernel, ptrs, consts)
     norm_ptrs = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
     for residual in (False, True):
         consts = {"HAS_RESIDUAL": residual, "RES_BF16": True, "OUT_BF16": True, "BLOCK_D": 4096}
