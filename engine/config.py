@@ -11,6 +11,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # int8 codes of their rounding error; "fast", the codes alone (llama.cpp's Q8 activations), half the
 # integer products at a coarser result (kernels/cpu/int8_dot_linear.cpp, figures in docs/performance.md).
 ACTIVATION_PRECISIONS = ("exact", "fast")
+# Where the model runs: "cpu" (the C++ kernels) or "cuda" (the Triton kernels of kernels/triton and
+# torch CUDA tensors); engine/execution/device.py is the one place that turns the name into a device.
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -43,6 +46,10 @@ class EngineConfig:
     # "exact" or "fast" activation codes for int8/int4 layers (ACTIVATION_PRECISIONS); float32 and
     # bfloat16 weights multiply float activations either way. Both are batch invariant.
     activation_precision: str = "exact"
+    device: str = "cpu"  # DEVICES
+    # Ranks the model is sharded over (engine/parallel): heads and MLP columns split, one all-reduce
+    # after each attention and MLP; 1 is unsharded.
+    tensor_parallel_size: int = 1
     # A waiting or running sequence gains one priority level per this many steps
     # it has existed, so a steady stream of high-priority work cannot starve it. 0 disables.
     priority_aging_steps: int = 512
@@ -70,6 +77,10 @@ class EngineConfig:
         if self.activation_precision not in ACTIVATION_PRECISIONS:
             raise ValueError(f"activation_precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, "
                              f"got {self.activation_precision!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
@@ -84,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"{field} {problem}")
         if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size must be at least 1")
+        if self.speculative_model is not None and self.device != "cpu":
+            raise ValueError(f"speculative_model (a draft model) runs on device cpu only, not {self.device!r}")
         if self.speculative is not None and self.speculative.method == "draft" and self.speculative_model is None:
             raise ValueError("speculative.method \"draft\" needs speculative_model")
 

@@ -94,7 +94,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         loaded.model.set_deterministic(self.config.deterministic)
         loaded.model.set_activation_precision(self.config.activation_precision)
-        self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization)
+        if loaded.device.type != self.config.device:
+            raise ValueError(f"device is {self.config.device!r} but the model was loaded on {loaded.device}: "
+                             "load it with load_model(device=...)")
+        self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization,
+                                  loaded.device)
         self.kv_cache_dtype = str(self.runner.kv_dtype).removeprefix("torch.")  # "auto" resolved
         self.adapters: AdapterStack | None = None  # LoRA adapters, once enable_lora is called
         self.max_model_len = resolve_max_model_len(
@@ -129,7 +133,7 @@ class LLMEngine:
                         config: EngineConfig | None = None, progress: bool = True) -> LLMEngine:
         config = config or EngineConfig()
         loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
-                            deterministic=config.deterministic)
+                            deterministic=config.deterministic, device=config.device)
         engine = cls(loaded, config)
         if config.speculative_model is not None:
             path = None if config.speculative_model == "default" else config.speculative_model
@@ -147,6 +151,8 @@ class LLMEngine:
 
     def enable_lora(self, max_loras: int) -> AdapterStack:
         """Serve LoRA adapters from ``max_loras`` slots (engine/lora); returns the stack to load them into."""
+        if self.config.device != "cpu":
+            raise ValueError(f"LoRA adapters are served on device cpu only, not {self.config.device!r}")
         if self.adapters is None:
             self.adapters = AdapterStack(self.model_config, self.runner.model.dtype, max_loras)
             self.runner.model.adapters = self.adapters

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from protoserve.engine.config import ACTIVATION_PRECISIONS, KV_CACHE_DTYPES, EngineConfig
+from protoserve.engine.config import ACTIVATION_PRECISIONS, DEVICES, KV_CACHE_DTYPES, EngineConfig
 from protoserve.engine.errors import EngineError
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.request import RequestStats, TokenizedRequest
@@ -45,6 +45,8 @@ ENGINE_FLAGS = (
     ("max_model_len", "max_model_len"),
     ("kv_cache_dtype", "kv_cache_dtype"),
     ("activation_precision", "activation_precision"),
+    ("device", "device"),
+    ("tensor_parallel_size", "tensor_parallel_size"),
 )
 
 # --speculative-model's default --speculative-disable-by-batch-size: with SmolLM2 int4 drafting for
@@ -173,6 +175,18 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="how int8/int4 layers quantize their activations: exact, int8 codes plus codes of their "
         "rounding error; fast, one int8 code per value as llama.cpp does (half the integer products, "
         "larger logit error); float32/bfloat16 weights ignore it [exact]",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="where the model runs: cpu (the C++ kernels) or cuda (the Triton kernels; needs a CUDA "
+        "device and triton) [cpu]",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="shard the model over N ranks on torch.distributed (gloo on cpu, nccl on cuda) [1]",
     )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")

@@ -7,7 +7,7 @@ single forward serves both. Everything here is integer state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,3 +37,22 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The batch with its tensors on ``device`` (itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            query_start_loc=move(self.query_start_loc),
+            seq_lens=move(self.seq_lens),
+            block_tables=move(self.block_tables),
+            slot_mapping=move(self.slot_mapping),
+            logits_indices=move(self.logits_indices),
+            lora_slots=None if self.lora_slots is None else move(self.lora_slots),
+        )

@@ -82,8 +82,11 @@ class ModelRunner:
     """Runs the decoder over the paged KV cache it preallocates from the engine's memory budget."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 dtype: torch.dtype, quantization: str = "none") -> None:
+                 dtype: torch.dtype, quantization: str = "none", device: torch.device | None = None) -> None:
         self.model = model
+        # The model's device (engine/execution/device.py): the KV pool and each step's batch live there,
+        # the logits come back to the host, where the sampler runs.
+        self.device = device if device is not None else torch.device("cpu")
         self.model_config = model_config
         # Each sequence's LoRA slot, set by LLMEngine.enable_lora; None: no adapters.
         self.lora_slots_of: Callable[[list[Sequence]], list[int]] | None = None
@@ -100,12 +103,13 @@ class ModelRunner:
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
             dtype=self.kv_dtype,
+            device=self.device,
         )
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
         """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""
         lora_slots = self.lora_slots_of(seqs) if self.lora_slots_of is not None else None
-        batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots)
+        batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots).to(self.device)
         with CPU_GATE.engine():  # background work (embedding) waits for the forward, not beside it
-            return self.model(batch, self.kv_cache).float()
+            return self.model(batch, self.kv_cache).float().cpu()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protoserve.engine.execution.device import resolve_device
 from protoserve.engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.heap import release_freed_memory
@@ -31,6 +32,7 @@ from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, h
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.decoder import Decoder
+from protoserve.engine.models.device_ops import ops_for
 from protoserve.engine.models.families.summary import ModelSummary, model_summary, parameter_count
 from protoserve.engine.models.linear import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -66,6 +68,7 @@ class LoadedModel:
     num_parameters: int = 0
     # The checkpoint's recommended sampling values, by SamplingParams field (engine/loader/sampling_defaults.py).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the weights live
 
     def summary(self) -> ModelSummary:
         """Family, parameter counts and layer pattern, as GetModel reports them."""
@@ -80,6 +83,7 @@ def load_model(
     progress: bool = True,
     deterministic: bool = True,
     load_tokenizer: bool = True,
+    device: str = "cpu",
 ) -> LoadedModel:
     """Load a model for serving.
 
@@ -90,9 +94,12 @@ def load_model(
     precision (engine/loader/auto_quantization.py; int8 where the layers'
     shapes do not take int4), reported in ``LoadedModel.quantization``.
     ``deterministic``: batch-invariant kernels (see engine/models/linear.py); switch later with
-    ``model.set_deterministic``. Raises ModelLoadError for a bad checkpoint and
-    ValueError for bad options (including a group size the model's layers cannot take).
+    ``model.set_deterministic``. ``device``: "cpu" packs the weights for the C++ kernels, "cuda"
+    moves them onto the GPU for the Triton kernels (engine/execution/device.py). Raises ModelLoadError
+    for a bad checkpoint and ValueError for bad options (including a group size the model's layers
+    cannot take, or a device this machine lacks).
     """
+    target = resolve_device(device)  # before the slow part: a missing GPU fails at once
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if quantization not in (*QUANTIZATION_MODES, AUTO):
@@ -156,7 +163,10 @@ def load_model(
         mode = "int8"
         report = quantize_linears(model, mode, group_size, head_int8=True)
     model.set_deterministic(deterministic)
-    model.pack_for_kernels()
+    if ops_for(target).pack_layout == "cpu":
+        model.pack_for_kernels()
+    else:
+        model.to_device(target)
     release_freed_memory()  # the float32 tensors quantization and packing replaced
     return LoadedModel(
         model=model,
@@ -174,6 +184,7 @@ def load_model(
         load_seconds=time.perf_counter() - started,
         num_parameters=parameter_count(config),
         sampling_defaults=sampling_defaults,
+        device=target,
     )
 
 

@@ -41,6 +41,7 @@ from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.lora.batch import LayerLora, lora_batch
 from protoserve.engine.models import families
 from protoserve.engine.models.config import SLIDING, ModelConfig
+from protoserve.engine.models.device_ops import DeviceOps, ops_for
 from protoserve.engine.models.families.moe_family import block_config
 from protoserve.engine.models.families.weights import SANDWICH_NORMS
 from protoserve.engine.models.families.weights import expected_hf_shapes as expected_hf_shapes
@@ -49,7 +50,6 @@ from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
 from protoserve.engine.models.linear import KernelPackable, Linear
 from protoserve.engine.models.moe import MoEBlock
 from protoserve.engine.models.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec
-from protoserve.kernels.cpu import norm_rope
 
 if TYPE_CHECKING:
     from protoserve.engine.lora.stack import AdapterStack
@@ -61,9 +61,11 @@ logger = logging.getLogger(__name__)
 # Layers
 
 
-def _fused(x: torch.Tensor) -> bool:
-    """Float32 activations on a CPU with the fused norm/RoPE kernel (kernels/cpu/norm_rope.cpp)."""
-    return x.dtype == torch.float32 and norm_rope.available()
+def _norm_kernels(x: torch.Tensor) -> DeviceOps | None:
+    """The device's fused norm/RoPE kernels when they take x (kernels/cpu/norm_rope.cpp: float32 on a CPU
+    that builds it; kernels/triton/norm_rope.py on CUDA), else None: the PyTorch path."""
+    ops = ops_for(x.device)
+    return ops if ops.norm_kernel(x) else None
 
 
 class RMSNorm(nn.Module):
@@ -75,8 +77,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x):  # always this path for float32, contiguous or not: one implementation, one result
-            return norm_rope.rms_norm(x.contiguous(), self.weight, self.eps)
+        ops = _norm_kernels(x)
+        if ops is not None:  # always this path where it runs, contiguous or not: one implementation, one result
+            return ops.rms_norm(x.contiguous(), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -123,9 +126,10 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if _fused(q):  # in place on views of the qkv output: no copies
-            norm_rope.rope_(q, cos, sin)
-            norm_rope.rope_(k, cos, sin)
+        ops = _norm_kernels(q)
+        if ops is not None:  # in place on views of the qkv output: no copies
+            ops.rope_(q, cos, sin)
+            ops.rope_(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = kv_cache.attend(self.layer_idx, q, k, v, meta, self.scale).reshape(t, q_size)
@@ -197,9 +201,10 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(attn)
             ff = self.feed_forward(self.pre_feedforward_layernorm(x), lora, token_ids)
             return x + self.post_feedforward_layernorm(ff)
-        if _fused(x):  # x += attn and the second norm in one pass; x is this forward's own buffer
-            h = norm_rope.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
-                                        self.post_attention_layernorm.eps)
+        ops = _norm_kernels(x)
+        if ops is not None:  # x += attn and the second norm in one pass; x is this forward's own buffer
+            h = ops.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
+                                  self.post_attention_layernorm.eps)
             return x.add_(self.feed_forward(h, lora, token_ids))
         x = x + attn
         return x + self.feed_forward(self.post_attention_layernorm(x), lora, token_ids)
@@ -307,6 +312,16 @@ class Decoder(nn.Module):
             self.fused_step = FusedStep.build(self)
         self.set_activation_precision(self.activation_precision)  # layers quantized since take it too
         return moved
+
+    def to_device(self, device: torch.device) -> None:
+        """Move the model onto a GPU once its weights are final (loaded and quantized), instead of
+        ``pack_for_kernels``: quantized layers repack into the layouts the device's kernels read, float
+        layers move as they are (the device's GEMM library multiplies them); the fused C++ step stays off."""
+        for m in self.modules():
+            if isinstance(m, KernelPackable):
+                m.pack_for_device(device)
+        self.to(device)
+        self.fused_step = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

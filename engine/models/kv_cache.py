@@ -11,7 +11,8 @@ Two implementations of that interface:
   head_dim]`` K and V pools addressed by block tables, the engine's cache. Its
   attention is the C++ kernel ``kernels/cpu/paged_attention.cpp`` when the CPU
   can run it: batch invariant by construction, so it serves both modes, and it
-  reads K/V in place, so a step builds no per-batch plan. Otherwise the PyTorch
+  reads K/V in place, so a step builds no per-batch plan; on a CUDA device, the
+  Triton kernels of kernels/triton (engine/models/device_ops.py). Otherwise the PyTorch
   paths of ``protoserve.engine.models.attention`` (deterministic tiles, or the fast gather
   + SDPA).
 * ``ContiguousKVCache``: one contiguous ``[max_seq_len, kv_heads, head_dim]``
@@ -42,7 +43,7 @@ from protoserve.engine.models.attention import (
     sdpa_attention,
     tiled_attention,
 )
-from protoserve.kernels.cpu import paged_attention as attention_kernel
+from protoserve.engine.models.device_ops import ops_for
 
 # How a PagedKVCache step attends: the C++ kernel (both modes), or the PyTorch fallbacks.
 AttentionPath = Literal["kernel", "tiled", "fast", "sdpa"]
@@ -127,10 +128,13 @@ class PagedKVCache(KVCache):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         use_kernel: bool | None = None,
+        device: torch.device | str = "cpu",
     ):
-        kernel_ok = dtype in (torch.float32, torch.bfloat16) and attention_kernel.available()
+        device = torch.device(device)
+        self.ops = ops_for(device)
+        kernel_ok = self.ops.paged_attention is not None and dtype in self.ops.kv_dtypes
         if use_kernel and not kernel_ok:
-            raise RuntimeError(f"the paged attention kernel cannot serve a {dtype} cache on this machine")
+            raise RuntimeError(f"the paged attention kernel cannot serve a {dtype} cache on {device}")
         self.use_kernel = kernel_ok if use_kernel is None else use_kernel
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -139,8 +143,8 @@ class PagedKVCache(KVCache):
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def block_bytes(
@@ -159,11 +163,12 @@ class PagedKVCache(KVCache):
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         use_kernel: bool | None = None,
+        device: torch.device | str = "cpu",
     ) -> PagedKVCache:
         """As many blocks as fit in ``budget_bytes`` (at least one)."""
         per_block = cls.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         num_blocks = max(1, budget_bytes // per_block)
-        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, use_kernel)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, use_kernel, device)
 
     @property
     def nbytes(self) -> int:
@@ -205,16 +210,7 @@ class PagedKVCache(KVCache):
         # First the new K/V into the pool: every path (the kernel too) reads the context from it.
         self._write(self.k[layer], self.v[layer], k, v, batch.slot_mapping)
         if meta.path == "kernel":
-            out = attention_kernel.paged_attention(
-                q,
-                self.k[layer],
-                self.v[layer],
-                batch.block_tables,
-                batch.query_start_loc,
-                batch.seq_lens,
-                scale,
-                meta.sliding_window,
-            )
+            out = self.ops.paged_attention(q, self.k[layer], self.v[layer], batch, scale, meta.sliding_window)
             return out if out.dtype == q.dtype else out.to(q.dtype)
         k_slots = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         v_slots = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protoserve.engine.models.device_ops import ops_for
 from protoserve.kernels.cpu import packed_linear as kernel
 
 # Rows per GEMM tile in deterministic mode. Any fixed value is invariant. Measured on the
@@ -117,6 +118,27 @@ class KernelPackable(nn.Module, ABC):
             self.released = False
         self.packed = None
 
+    def pack_for_device(self, device: torch.device) -> None:
+        """Onto a GPU (instead of ``pack_for_kernel``): a quantized layer's codes repacked in the plain
+        int8/int4 layout the device's kernels read, on the device, the PyTorch path's copy dropped;
+        a float layer keeps its weights, which move with the module."""
+        pack = self._portable_pack()
+        if pack is None:
+            return
+        self.packed = pack.to(device)
+        if not self.released:
+            self._release_unpacked()
+            self.released = True
+
+    def _portable_pack(self) -> kernel.PackedWeight | None:
+        """The weights in a layout every device's kernels read (int8 / int4, not the CPU's integer-dot
+        ones); None for float weights, which need no pack."""
+        return None
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` in float32 by the kernel of x's device over this layer's pack."""
+        return ops_for(x.device).packed_linear(x, self.packed, self.bias, self.fine_activations)
+
     @abstractmethod
     def _kernel_pack(self) -> kernel.PackedWeight | None:
         """This layer's final weights in the kernel layout, or None when it has nothing to pack from."""
@@ -156,7 +178,7 @@ class Linear(KernelPackable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return kernel.packed_linear(x, self.packed, self.bias).to(x.dtype)
+            return self._packed_forward(x).to(x.dtype)
         if self.deterministic:
             return tiled_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -206,6 +228,9 @@ class Int8Linear(KernelPackable):
             return kernel.pack_int8_dot(self.weight_int8, self.scales.float())
         return kernel.pack_int8(self.weight_int8, self.scales.float())
 
+    def _portable_pack(self) -> kernel.PackedWeight:
+        return kernel.pack_int8(self.weight_int8, self.scales.float())
+
     def _release_unpacked(self) -> None:
         self.weight_int8 = None  # the per-channel scales stay: N values, and the bfloat16 originals
 
@@ -219,7 +244,7 @@ class Int8Linear(KernelPackable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:  # float32 activations: no bfloat16 rounding on this path
-            return kernel.packed_linear(x, self.packed, self.bias, self.fine_activations).to(self.out_dtype)
+            return self._packed_forward(x).to(self.out_dtype)
         y = torch.ops.aten._weight_int8pack_mm(
             x.to(torch.bfloat16).contiguous(), self.weight_int8, self.scales
         )
@@ -310,6 +335,14 @@ class Int4Linear(KernelPackable):
         self._kernel_form = None
         return packed
 
+    def _portable_pack(self) -> kernel.PackedWeight:
+        if self._kernel_form is None:
+            raise ValueError("this int4 layer was built without its codes (not by from_linear): it cannot be "
+                             "repacked for a device")
+        q, scales, mins = self._kernel_form
+        self._kernel_form = None
+        return kernel.pack_int4(q, scales.float(), mins.float(), self.group_size)
+
     def _release_unpacked(self) -> None:
         self.weight_int4 = None
         self.scales_and_zeros = None
@@ -331,7 +364,7 @@ class Int4Linear(KernelPackable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return kernel.packed_linear(x, self.packed, self.bias, self.fine_activations).to(self.out_dtype)
+            return self._packed_forward(x).to(self.out_dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16).contiguous(), self.weight_int4, self.group_size, self.scales_and_zeros
         )

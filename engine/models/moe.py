@@ -233,7 +233,7 @@ class GroupedExperts(nn.Module):
 
     def _kernel_weights(self, x: torch.Tensor) -> kernel.ExpertWeights | None:
         """The experts' packs bound for the C++ pass, or None where it cannot run (then the module path)."""
-        if x.dtype != torch.float32 or not kernel.available():
+        if x.dtype != torch.float32 or not x.is_cpu or not kernel.available():
             return None
         layers = [*self.gate_up, *self.down]
         if not all(isinstance(m, KernelPackable) and m.packed is not None for m in layers):

@@ -34,7 +34,7 @@ unpacked weight, for tests and for machines without the kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +62,13 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
+
+    def to(self, device: torch.device) -> PackedWeight:
+        """The same pack with its tensors on ``device`` (the Triton kernels read these layouts too)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, data=self.data.to(device), scales=move(self.scales), mins=move(self.mins))
 
 
 def available() -> bool:

@@ -23,11 +23,13 @@ IDS = ["fp32", "bf16", "fp16"]
 
 
 def ulp_tolerance(dtype: torch.dtype) -> dict[str, float]:
-    """One rounding of a float32 result to ``dtype`` against the float64 one."""
+    """One rounding of a float32 result to ``dtype`` against the float64 one: one ulp of ``dtype``, since a
+    float32 value a few float32 ulps from a tie of ``dtype`` can round to the other side (seen on an
+    H200, whose sqrt and division differ from the interpreter's numpy in the last float32 bit)."""
     return {
         torch.float32: {"rtol": 2e-6, "atol": 2e-6},
-        torch.bfloat16: {"rtol": 2**-8, "atol": 1e-5},
-        torch.float16: {"rtol": 2**-11, "atol": 1e-5},
+        torch.bfloat16: {"rtol": 2**-7, "atol": 1e-5},
+        torch.float16: {"rtol": 2**-10, "atol": 1e-5},
     }[dtype]
 
 
