@@ -34,7 +34,7 @@ TRACE_CONTENT_ENV = "PROTOSERVE_TRACE_CONTENT"
 
 # engine.loader.load.DTYPES, without importing torch for the parser.
 DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # (argparse dest, EngineConfig attribute) of the engine's flags.
 ENGINE_FLAGS = (
@@ -158,8 +158,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default="auto",
-        help="weight quantization [auto: the checkpoint's own precision, e.g. int4 for a Q4 GGUF, none for "
-        "safetensors]",
+        help="weight quantization; fp8 (E4M3, per-channel scales) on --device cuda only [auto: the "
+        "checkpoint's own precision, e.g. int4 for a Q4 GGUF, none for safetensors]",
     )
     parser.add_argument("--max-kv-blocks", type=int, help="KV cache size in blocks [from the memory budget]")
     parser.add_argument(

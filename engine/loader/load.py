@@ -37,6 +37,7 @@ from protoserve.engine.models.families.summary import ModelSummary, model_summar
 from protoserve.engine.models.linear import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
+    DEVICE_ONLY_MODES,
     QUANTIZATION_MODES,
     quantize_linears,
 )
@@ -100,6 +101,13 @@ def load_model(
     cannot take, or a device this machine lacks).
     """
     target = resolve_device(device)  # before the slow part: a missing GPU fails at once
+    if quantization in DEVICE_ONLY_MODES:
+        if ops_for(target).fp8_linear is None:
+            raise ValueError(f"quantization {quantization} has no kernel on device {device}: it is served on "
+                             "device cuda (the Triton kernels)")
+        from protoserve.kernels.triton.fp8_matmul import check_fp8_device
+
+        check_fp8_device(target)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if quantization not in (*QUANTIZATION_MODES, AUTO):

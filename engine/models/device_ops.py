@@ -42,6 +42,8 @@ class DeviceOps:
     pack_layout: str
     paged_attention: PagedAttention | None
     kv_dtypes: tuple[torch.dtype, ...]  # pool dtypes paged_attention takes
+    # (x, E4M3 codes [N, K], per-channel scales [N], bias) -> float32 [M, N]; None: no FP8 weights here
+    fp8_linear: Callable[..., torch.Tensor] | None = None
 
     def norm_kernel(self, x: torch.Tensor) -> bool:
         """The norm/RoPE kernels take x (one implementation per dtype and device: one result)."""
@@ -101,6 +103,13 @@ def _triton_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x
 
 
+def _triton_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    from protoserve.kernels.triton.fp8_matmul import Fp8Weight, fp8_matmul
+
+    return fp8_matmul(x, Fp8Weight(codes, scales), bias)
+
+
 @functools.cache
 def _triton_ops() -> DeviceOps:
     from protoserve.kernels.triton import norm_rope
@@ -115,6 +124,7 @@ def _triton_ops() -> DeviceOps:
         pack_layout="portable",
         paged_attention=_triton_attention,
         kv_dtypes=(torch.float32, torch.bfloat16),
+        fp8_linear=_triton_fp8_linear,
     )
 
 

@@ -45,7 +45,9 @@ from protoserve.kernels.cpu import packed_linear as kernel
 # (MKL's small-M path) and much dearer for prefill, larger ones dearer for decode.
 ROW_TILE = 16
 
-QUANTIZATION_MODES = ("none", "int8", "int4")
+QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")
+# Formats only a device's kernels multiply (engine/models/device_ops.py: DeviceOps.fp8_linear).
+DEVICE_ONLY_MODES = ("fp8",)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # 32 divides every hidden size in use, and the default SmolLM2 GGUF is itself Q4_1 in groups of
 # 32, which int4/32 reproduces almost exactly (measured: mean |logit error| 0.20 vs 1.79 at 64).
@@ -375,6 +377,41 @@ class Int4Linear(KernelPackable):
         return f"in={self.in_features}, out={self.out_features}, int4 group={self.group_size}"
 
 
+# ---------------------------------------------------------------------------
+# fp8: E4M3 codes, one scale per output channel, on the GPU path (kernels/triton/fp8_matmul.py)
+
+
+class Fp8Linear(nn.Module):
+    """Weight-only FP8 (E4M3) linear: codes [N, K] and per-channel float32 scales as buffers (they move
+    with the module), multiplied by the device's fp8 kernel; no device without one serves it."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).clone())
+        self.out_dtype = out_dtype
+        self.deterministic = True  # fixed tiles, K never split: invariant either way
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> Fp8Linear:
+        from protoserve.kernels.triton.fp8_matmul import quantize_fp8
+
+        w = quantize_fp8(linear.weight.detach())
+        return cls(w.codes, w.scales, linear.bias, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp8_linear = ops_for(x.device).fp8_linear
+        if fp8_linear is None:
+            raise RuntimeError(f"FP8 weights have no kernel on {x.device}: serve them on device cuda")
+        return fp8_linear(x.contiguous(), self.codes, self.scales, self.bias).to(self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8 e4m3 per-channel"
+
+
 def _torch_int4_form(
     q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +456,7 @@ def quantize_linears(
     skip: tuple[str, ...] = ("lm_head",),
     head_int8: bool = False,
 ) -> QuantizationReport:
-    """Replace every ``Linear`` (except names in ``skip``) by its int8/int4 form, in place.
+    """Replace every ``Linear`` (except names in ``skip``) by its int8/int4/fp8 form, in place.
 
     ``head_int8`` also turns a skipped ``lm_head`` into int8 (counted in no byte total of the report).
 
@@ -447,7 +484,12 @@ def quantize_linears(
         model.lm_head.unpack_from_kernel()
         model.lm_head = Int8Linear.from_linear(model.lm_head)
     for name, m in targets:
-        q = Int8Linear.from_linear(m) if mode == "int8" else Int4Linear.from_linear(m, group_size, name)
+        if mode == "fp8":
+            q: nn.Module = Fp8Linear.from_linear(m)
+        elif mode == "int8":
+            q = Int8Linear.from_linear(m)
+        else:
+            q = Int4Linear.from_linear(m, group_size, name)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
         after += module_bytes(q)

@@ -9,7 +9,8 @@ Checked: every position's logits of float32 models within 1e-4 of transformers (
 Mistral's window, Qwen2 biases and tied head, Qwen3 q/k norms), through two chunks of one prompt
 (prefill, then a chunk over the cached part); greedy tokens of three concurrent requests through
 LLMEngine equal transformers'; int8 and int4 layers equal the product with their own dequantized
-codes; refusals of what the device cannot serve.
+codes; FP8 (E4M3) layers equal their codes' product and keep the logits close; refusals of what the
+device cannot serve.
 """
 
 from __future__ import annotations
@@ -114,6 +115,41 @@ def test_quantized_layers_multiply_their_own_codes(device, mode, tiny_checkpoint
         assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+def test_fp8_layers_multiply_their_codes_and_stay_close_to_float(device, tiny_checkpoint):
+    from protoserve.engine.models.linear import Fp8Linear, Linear, dequantize_int8, quantize_int8
+    from protoserve.kernels.triton.fp8_matmul import (
+        Fp8Weight,
+        dequantize_fp8,
+        quantize_fp8,
+        reference_fp8_matmul,
+    )
+
+    directory, hf_model = tiny_checkpoint("qwen2")
+    loaded = load_model(directory, quantization="fp8", progress=False, load_tokenizer=False, device=device)
+    layers = [m for m in loaded.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 4 * loaded.config.num_layers and layers[0].codes.dtype == torch.float8_e4m3fn
+    torch.manual_seed(3)
+    for layer in layers:
+        x = torch.randn(3, layer.in_features, device=loaded.device)
+        bias = None if layer.bias is None else layer.bias.cpu()
+        expected = reference_fp8_matmul(x.cpu(), Fp8Weight(layer.codes.cpu(), layer.scales.cpu()), bias)
+        assert (layer(x).cpu() - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+    # The whole model equals the float model whose weights are the dequantized codes (the head int8).
+    reference = load_model(directory, progress=False, load_tokenizer=False, device=device)
+    with torch.no_grad():
+        for name, m in reference.model.named_modules():
+            if isinstance(m, Linear) and name != "lm_head":
+                m.weight.copy_(dequantize_fp8(quantize_fp8(m.weight)).float())
+        head = reference.model.lm_head.weight
+        q, scales = quantize_int8(head)
+        reference.model.lm_head.weight = torch.nn.Parameter(dequantize_int8(q, scales), requires_grad=False)
+    ids = list(range(60, 90))
+    ours = step_logits(loaded.model, device_cache(loaded, loaded.device), ids, 0, list(range(10)))
+    expected = step_logits(reference.model, device_cache(reference, reference.device), ids, 0, list(range(10)))
+    assert (ours - expected).abs().max().item() < 1e-4
+    assert (ours - hf_logits(hf_model, ids)).abs().max().item() > 1e-3  # and the codes did round
+
+
 def test_device_names_and_refusals(tiny_checkpoint):
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
@@ -128,6 +164,8 @@ def test_device_names_and_refusals(tiny_checkpoint):
         directory, _ = tiny_checkpoint("llama")
         with pytest.raises(DeviceUnavailableError):  # before any weight is read
             load_model(directory, progress=False, load_tokenizer=False, device="cuda")
+    with pytest.raises(ValueError, match="quantization fp8 has no kernel on device cpu"):
+        load_model(tiny_checkpoint("llama")[0], quantization="fp8", progress=False, load_tokenizer=False)
     loaded = load_model(tiny_checkpoint("llama")[0], progress=False, load_tokenizer=False)
     with pytest.raises(ValueError, match="loaded on cpu"):
         LLMEngine(loaded, EngineConfig(device="cuda", max_kv_blocks=16))
