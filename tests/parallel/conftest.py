@@ -1,0 +1,70 @@
+"""Tiny random checkpoints for the tensor-parallel tests, built with transformers once per session.
+
+Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms, head_dim 32) are tests/models' own
+(decoder_test_helpers.make_hf_checkpoint: 4 query heads, 2 KV heads, intermediate 128). ``llama`` is
+Llama with ``attention_bias`` (q/k/v and o_proj biases: a row-parallel bias must count once) and
+GQA 4/2, initialised as those are; ``odd_heads`` has 3 heads, which 2 ranks cannot split.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+from decoder_test_helpers import TINY, make_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            directory = tmp_path_factory.mktemp(f"tp-{family}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if family == "llama":
+                    _llama(directory)
+                elif family == "odd_heads":
+                    _odd_heads(directory)
+                else:
+                    make_hf_checkpoint(family, directory)
+            built[family] = directory
+        return built[family]
+
+    return get
+
+
+def _llama(directory: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, attention_bias=True)).eval()
+    with torch.no_grad():  # as make_hf_checkpoint: logits O(1), so errors are meaningful
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _odd_heads(directory: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=1, num_attention_heads=3,
+                         num_key_value_heads=3, vocab_size=256, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Rank 0 on one intra-op thread (the workers take rank 0's count): two ranks on two cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
