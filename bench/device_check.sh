@@ -17,5 +17,5 @@ for folder in tests/kernels_triton tests/models; do
   timeout 240 python3 -m pytest -q -p no:cacheprovider --confcutdir=$folder -o addopts="" $targets \
     2>&1 | tee "$OUT/pytest-$(basename $folder).log" | tail -15
 done
-timeout 300 python3 -m bench.device_report --device cuda --random-weights --json-out "$OUT/bench.json" \
+timeout 330 python3 -m bench.device_report --device cuda --random-weights --json-out "$OUT/bench.json" \
   2>&1 | grep -v "Loading weights" | tee "$OUT/bench.log" | tail -20

@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="GGUF file or HF directory [the default SmolLM2 GGUF]")
     parser.add_argument("--random-weights", action="store_true",
                         help="a random checkpoint of SmolLM2-135M's shape instead of --model")
-    parser.add_argument("--quantization", default="none,int8,int4", help="weight formats, comma-separated")
+    parser.add_argument("--quantization", default="none,none/eager,int8,int4,fp8",
+                        help="weight formats, comma-separated; FORMAT/eager runs without CUDA graphs")
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -124,22 +125,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = random_smollm2_checkpoint(Path(scratch.name)) if args.random_weights else args.model
     factory = PromptFactory(NonceSource(), seed=0, token_range=(100, 40000))
     figures: list[LoadFigure] = []
-    for quantization in args.quantization.split(","):
+    for row in args.quantization.split(","):
+        quantization, _, mode = row.partition("/")
+        if quantization == "fp8" and args.device != "cuda":
+            continue  # the CPU has no FP8 kernel
         loaded = load_model(path, quantization=quantization, progress=False, device=args.device,
                             load_tokenizer=False)
-        engine = LLMEngine(loaded, EngineConfig(device=args.device, kv_cache_bytes=2 * 1024**3))
-        run_load(engine, factory, 4, args.prompt_len, 8, quantization)  # warm-up: kernels compile here
+        engine = LLMEngine(loaded, EngineConfig(device=args.device, kv_cache_bytes=2 * 1024**3,
+                                                cuda_graphs=mode != "eager"))
+        run_load(engine, factory, 4, args.prompt_len, 8, row)  # warm-up: kernels compile here
         for c in map(int, args.concurrency.split(",")):
-            figures.append(run_load(engine, factory, c, args.prompt_len, args.output_len, quantization))
+            if c > 1 and mode == "eager" and c != max(map(int, args.concurrency.split(","))):
+                continue  # eager beside graphs: single stream and the largest load tell the difference
+            figures.append(run_load(engine, factory, c, args.prompt_len, args.output_len, row))
             print(json.dumps(asdict(figures[-1])), flush=True)
         del engine, loaded
     peer = None
     if not args.no_peer and path is not None and Path(path).is_dir():
         peer = transformers_single_stream(Path(path), args.device, factory.prompt(args.prompt_len), args.output_len)
     print(f"\n{args.device}: prompt {args.prompt_len}, output {args.output_len} tokens, engine-direct")
-    print(f"{'weights':<8} {'c':>3} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    print(f"{'weights':<10} {'c':>3} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
     for f in figures:
-        print(f"{f.quantization:<8} {f.concurrency:>3} {f.tokens_per_s:>9.1f} {f.ttft_p50_ms:>7.1f}ms "
+        print(f"{f.quantization:<10} {f.concurrency:>3} {f.tokens_per_s:>9.1f} {f.ttft_p50_ms:>7.1f}ms "
               f"{f.ttft_p99_ms:>7.1f}ms {f.itl_p50_ms:>6.2f}ms {f.itl_p99_ms:>6.2f}ms")
     if peer is not None:
         ours = next((f.tokens_per_s for f in figures if f.quantization == "none" and f.concurrency == 1), None)

@@ -47,6 +47,9 @@ class EngineConfig:
     # bfloat16 weights multiply float activations either way. Both are batch invariant.
     activation_precision: str = "exact"
     device: str = "cpu"  # DEVICES
+    # On device cuda, decode steps replay CUDA graphs captured per batch-size bucket
+    # (engine/execution/cuda_graphs.py); False runs every step eagerly (vLLM's enforce_eager).
+    cuda_graphs: bool = True
     # Ranks the model is sharded over (engine/parallel): heads and MLP columns split, one all-reduce
     # after each attention and MLP; 1 is unsharded.
     tensor_parallel_size: int = 1

@@ -125,6 +125,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             setattr(config, attr, value)
     if getattr(args, "no_deterministic", False):
         config.deterministic = False
+    if getattr(args, "no_cuda_graphs", False):
+        config.cuda_graphs = False
     k = getattr(args, "speculative_ngram", None)
     draft = getattr(args, "speculative_model", None)
     if k is not None and draft is not None:
@@ -181,6 +183,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=DEVICES,
         help="where the model runs: cpu (the C++ kernels) or cuda (the Triton kernels; needs a CUDA "
         "device and triton) [cpu]",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="on --device cuda, run every decode step eagerly [decode steps replay CUDA graphs captured "
+        "per batch-size bucket]",
     )
     parser.add_argument(
         "--tensor-parallel-size",

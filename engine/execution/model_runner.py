@@ -14,6 +14,7 @@ import torch
 
 from protoserve.engine.config import EngineConfig, resolve_num_blocks
 from protoserve.engine.execution.compute_gate import CPU_GATE
+from protoserve.engine.execution.cuda_graphs import DecodeGraphs
 from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.kv_cache import PagedKVCache
@@ -96,20 +97,30 @@ class ModelRunner:
             model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, self.kv_dtype
         )
         self.num_blocks = resolve_num_blocks(config, self.block_bytes)
+        # (Not under tensor parallelism: each step's broadcast to the other ranks runs on the host.)
+        graphs = self.device.type == "cuda" and config.cuda_graphs and config.tensor_parallel_size == 1
         self.kv_cache = PagedKVCache(
             num_layers=model_config.num_layers,
-            num_blocks=self.num_blocks,
+            # Decode graphs pad their batches with rows that write to one more block, never handed out.
+            num_blocks=self.num_blocks + (1 if graphs else 0),
             block_size=config.block_size,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
             dtype=self.kv_dtype,
             device=self.device,
         )
+        self.graphs = DecodeGraphs(
+            model, self.kv_cache, config.max_num_seqs,
+            max_blocks=min(self.num_blocks, -(-model_config.max_position_embeddings // config.block_size)),
+            scratch_block=self.num_blocks,
+        ) if graphs else None
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
         """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""
         lora_slots = self.lora_slots_of(seqs) if self.lora_slots_of is not None else None
-        batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots).to(self.device)
+        batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots)
         with CPU_GATE.engine():  # background work (embedding) waits for the forward, not beside it
-            return self.model(batch, self.kv_cache).float().cpu()
+            if self.graphs is not None and self.graphs.accepts(batch):
+                return self.graphs.run(batch).float().cpu()
+            return self.model(batch.to(self.device), self.kv_cache).float().cpu()

@@ -28,6 +28,7 @@ shape-dependent kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING
@@ -322,6 +323,10 @@ class Decoder(nn.Module):
                 m.pack_for_device(device)
         self.to(device)
         self.fused_step = None
+        # The rope tables' frequencies on the device too: no host copy inside a step (nor a CUDA graph).
+        self.rope = dataclasses.replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
+        if self.local_rope is not None:
+            self.local_rope = dataclasses.replace(self.local_rope, inv_freq=self.local_rope.inv_freq.to(device))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

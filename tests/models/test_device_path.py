@@ -95,6 +95,26 @@ def test_greedy_tokens_of_concurrent_requests_equal_transformers(device, family,
         assert completion.choices[0].token_ids == hf_greedy(hf_model, prompt, 12)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_decode_graphs_give_the_eager_steps_tokens(tiny_checkpoint):
+    from family_checkpoints import hf_greedy
+
+    directory, hf_model = tiny_checkpoint("qwen3")
+    prompts = [[5, 17, 99, 3], list(range(40, 71)), [200, 1, 2, 3, 4, 5, 6, 7, 8]]  # 3 rows: bucket 4, padded
+    tokens = {}
+    for graphs in (True, False):
+        loaded = load_model(directory, progress=False, load_tokenizer=False, device="cuda")
+        engine = LLMEngine(loaded, EngineConfig(device="cuda", cuda_graphs=graphs, max_kv_blocks=48,
+                                                block_size=BLOCK, max_num_batched_tokens=24))
+        completions = LLM(engine=engine).generate(prompt_token_ids=prompts, max_tokens=12, temperature=0.0,
+                                                  ignore_eos=True)
+        tokens[graphs] = [c.choices[0].token_ids for c in completions]
+        assert (engine.runner.graphs is not None) == graphs
+        if graphs:
+            assert {1, 2, 4} & set(engine.runner.graphs.graphs)  # decode steps did replay
+    assert tokens[True] == tokens[False] == [hf_greedy(hf_model, p, 12) for p in prompts]
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_layers_multiply_their_own_codes(device, mode, tiny_checkpoint):
     directory, _ = tiny_checkpoint("qwen2")  # q/k/v biases: the kernel adds them
