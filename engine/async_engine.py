@@ -100,6 +100,7 @@ class AsyncEngine:
         self._wakeup.set()
         if thread is not None:
             await asyncio.to_thread(thread.join)
+        self.engine.runner.close()  # no step runs any more: other tensor-parallel ranks may stop
 
     # -- requests ------------------------------------------------------------
 

@@ -18,9 +18,10 @@ import torch
 
 from protoserve.engine.config import EngineConfig, resolve_max_model_len
 from protoserve.engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
-from protoserve.engine.execution.model_runner import ModelRunner
 from protoserve.engine.loader.load import LoadedModel, load_model
 from protoserve.engine.lora.stack import AdapterStack, adapter_problems
+from protoserve.engine.parallel.launch import join_tensor_parallel, serve_worker_rank
+from protoserve.engine.parallel.runner import make_runner
 from protoserve.engine.request import FinishReason, RequestOutput, TokenizedRequest
 from protoserve.engine.running_request import RunningRequest
 from protoserve.engine.sampling.constraints.compiler import (
@@ -97,7 +98,7 @@ class LLMEngine:
         if loaded.device.type != self.config.device:
             raise ValueError(f"device is {self.config.device!r} but the model was loaded on {loaded.device}: "
                              "load it with load_model(device=...)")
-        self.runner = ModelRunner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization,
+        self.runner = make_runner(loaded.model, loaded.config, self.config, loaded.dtype, loaded.quantization,
                                   loaded.device)
         self.kv_cache_dtype = str(self.runner.kv_dtype).removeprefix("torch.")  # "auto" resolved
         self.adapters: AdapterStack | None = None  # LoRA adapters, once enable_lora is called
@@ -132,9 +133,11 @@ class LLMEngine:
     def from_pretrained(cls, model_path: str | None = None, *, dtype: str = "float32", quantization: str = "none",
                         config: EngineConfig | None = None, progress: bool = True) -> LLMEngine:
         config = config or EngineConfig()
+        shard = join_tensor_parallel(model_path, dtype, quantization, config)  # engine/parallel; None at TP=1
         loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
-                            deterministic=config.deterministic, device=config.device)
+                            deterministic=config.deterministic, device=config.device, shard=shard)
         engine = cls(loaded, config)
+        serve_worker_rank(engine)  # a rank other than 0 serves rank 0's steps here, then exits
         if config.speculative_model is not None:
             path = None if config.speculative_model == "default" else config.speculative_model
             engine.enable_draft_model(load_model(path, dtype=dtype, quantization=config.speculative_model_quantization,
@@ -153,6 +156,9 @@ class LLMEngine:
         """Serve LoRA adapters from ``max_loras`` slots (engine/lora); returns the stack to load them into."""
         if self.config.device != "cpu":
             raise ValueError(f"LoRA adapters are served on device cpu only, not {self.config.device!r}")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 "
+                             f"(it is {self.config.tensor_parallel_size})")
         if self.adapters is None:
             self.adapters = AdapterStack(self.model_config, self.runner.model.dtype, max_loras)
             self.runner.model.adapters = self.adapters

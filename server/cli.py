@@ -500,7 +500,19 @@ def _lora_spec(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _torchrun_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int | None:
+    """Under torchrun, a rank other than 0 serves rank 0's steps, not requests: its exit code; else None."""
+    from protoserve.engine.parallel.launch import run_worker_rank, torchrun_worker_rank
+
+    if not torchrun_worker_rank():
+        return None
+    return run_worker_rank(args.model, dtype=args.dtype, quantization=args.quantization, config=engine_config)
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    worker = _torchrun_worker(args, engine_config)  # before binding ports: rank 0 alone listens
+    if worker is not None:
+        return worker
     try:
         loop = loop_factory(args.event_loop)
     except EventLoopUnavailable as exc:
@@ -611,6 +623,10 @@ def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from protoserve.engine.async_engine import AsyncEngine
     from protoserve.engine.loader.default_model import default_model_path
+
+    worker = await asyncio.to_thread(_torchrun_worker, args, engine_config)
+    if worker is not None:
+        return worker
 
     if args.raw and args.message:
         raise CliError("generate: --raw completes plain text and takes no --message")

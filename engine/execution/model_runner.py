@@ -115,6 +115,9 @@ class ModelRunner:
             scratch_block=self.num_blocks,
         ) if graphs else None
 
+    def close(self) -> None:
+        """Release what outlives the engine's steps (other ranks, under tensor parallelism); here nothing."""
+
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
         """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +36,8 @@ from protoserve.engine.models.device_ops import ops_for
 from protoserve.engine.models.families.summary import ModelSummary, model_summary, parameter_count
 from protoserve.engine.models.linear import (
     DEFAULT_INT4_GROUP_SIZE,
-    INT4_GROUP_SIZES,
     DEVICE_ONLY_MODES,
+    INT4_GROUP_SIZES,
     QUANTIZATION_MODES,
     quantize_linears,
 )
@@ -85,6 +85,7 @@ def load_model(
     deterministic: bool = True,
     load_tokenizer: bool = True,
     device: str = "cpu",
+    shard: Callable[[Decoder], None] | None = None,
 ) -> LoadedModel:
     """Load a model for serving.
 
@@ -170,6 +171,8 @@ def load_model(
         # A layer's shape does not take int4 groups: auto keeps the file's precision at 8 bits instead.
         mode = "int8"
         report = quantize_linears(model, mode, group_size, head_int8=True)
+    if shard is not None:  # tensor parallelism: this rank's slice of the final weights (engine/parallel)
+        shard(model)
     model.set_deterministic(deterministic)
     if ops_for(target).pack_layout == "cpu":
         model.pack_for_kernels()
