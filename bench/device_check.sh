@@ -12,10 +12,11 @@ export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 TRITON_INTERP
 export PROTOSERVE_CPU_KERNELS=0  # the CPU kernels are not what this lease is for
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # The repo's top conftest starts servers (gRPC deps); each folder's own conftest is enough here.
-for folder in tests/kernels_triton tests/models; do
-  targets=$folder; [ $folder = tests/models ] && targets=tests/models/test_device_path.py
-  timeout 240 python3 -m pytest -q -p no:cacheprovider --confcutdir=$folder -o addopts="" $targets \
-    2>&1 | tee "$OUT/pytest-$(basename $folder).log" | tail -15
+# KERNEL_TESTS narrows the Triton kernels' tests (a file or a -k expression's worth of paths).
+for targets in "${KERNEL_TESTS:-tests/kernels_triton}" tests/models/test_device_path.py; do
+  folder=$(dirname "${targets%% *}"); [ -d "$targets" ] && folder=$targets
+  timeout 240 python3 -m pytest -q -p no:cacheprovider --confcutdir="$folder" -o addopts="" $targets \
+    2>&1 | tee "$OUT/pytest-$(basename "$folder").log" | tail -6
 done
 timeout 330 python3 -m bench.device_report --device cuda --random-weights --json-out "$OUT/bench.json" \
   2>&1 | grep -v "Loading weights" | tee "$OUT/bench.log" | tail -20

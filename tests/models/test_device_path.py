@@ -152,22 +152,30 @@ def test_fp8_layers_multiply_their_codes_and_stay_close_to_float(device, tiny_ch
     for layer in layers:
         x = torch.randn(3, layer.in_features, device=loaded.device)
         bias = None if layer.bias is None else layer.bias.cpu()
-        expected = reference_fp8_matmul(x.cpu(), Fp8Weight(layer.codes.cpu(), layer.scales.cpu()), bias)
+        # The device multiplies bf16 activations (exact products with the E4M3 codes).
+        expected = reference_fp8_matmul(x.cpu().bfloat16(), Fp8Weight(layer.codes.cpu(), layer.scales.cpu()), bias)
         assert (layer(x).cpu() - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
-    # The whole model equals the float model whose weights are the dequantized codes (the head int8).
+    # The whole model equals the float model whose weights are the dequantized codes (the head int8)
+    # and whose FP8 layers' inputs are rounded to bf16.
     reference = load_model(directory, progress=False, load_tokenizer=False, device=device)
     with torch.no_grad():
         for name, m in reference.model.named_modules():
             if isinstance(m, Linear) and name != "lm_head":
                 m.weight.copy_(dequantize_fp8(quantize_fp8(m.weight)).float())
+                # as the device does, the FP8 layers multiply bf16-rounded activations
+                m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
         head = reference.model.lm_head.weight
         q, scales = quantize_int8(head)
         reference.model.lm_head.weight = torch.nn.Parameter(dequantize_int8(q, scales), requires_grad=False)
     ids = list(range(60, 90))
     ours = step_logits(loaded.model, device_cache(loaded, loaded.device), ids, 0, list(range(10)))
     expected = step_logits(reference.model, device_cache(reference, reference.device), ids, 0, list(range(10)))
-    assert (ours - expected).abs().max().item() < 1e-4
-    assert (ours - hf_logits(hf_model, ids)).abs().max().item() > 1e-3  # and the codes did round
+    # An activation a float32 ulp from a bf16 tie can round the other way in one of the two, and the
+    # change spreads to later positions through their K/V: most logits agree to float32 rounding,
+    # none by more than a tenth of what the codes' own rounding moves.
+    diff = (ours - expected).abs()
+    assert diff.median().item() < 1e-5 and diff.max().item() < 0.05
+    assert (ours - hf_logits(hf_model, ids)).abs().max().item() > 0.5  # and the codes did round
 
 
 def test_device_names_and_refusals(tiny_checkpoint):
