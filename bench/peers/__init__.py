@@ -1,0 +1,1 @@
+"""Other inference engines the bench runs beside protoserve on the same machine, model file and prompts."""
