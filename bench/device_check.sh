@@ -18,5 +18,5 @@ for targets in "${KERNEL_TESTS:-tests/kernels_triton}" tests/models/test_device_
   timeout 240 python3 -m pytest -q -p no:cacheprovider --confcutdir="$folder" -o addopts="" $targets \
     2>&1 | tee "$OUT/pytest-$(basename "$folder").log" | tail -6
 done
-timeout 330 python3 -m bench.device_report --device cuda --random-weights --json-out "$OUT/bench.json" \
+timeout 330 python3 -m bench.device_report --device cuda --random-weights --json-out "$OUT/bench.json" ${BENCH_ARGS:-} \
   2>&1 | grep -v "Loading weights" | tee "$OUT/bench.log" | tail -20

@@ -83,11 +83,11 @@ def _triton_attention(q, k_pool, v_pool, batch: ForwardBatch, scale: float, wind
 
 
 def _triton_linear(x: torch.Tensor, pack: PackedWeight, bias: torch.Tensor | None, fine: bool) -> torch.Tensor:
-    # The Triton matmul multiplies float activations by the dequantized weights: no activation codes,
-    # so both activation precisions give its one result.
+    # bfloat16 activations times the raw codes on the tensor cores (float32 accumulation), as for FP8:
+    # no activation codes, so both activation precisions give this one result.
     from protoserve.kernels.triton.quantized_matmul import quantized_matmul
 
-    return quantized_matmul(x.contiguous(), pack, bias)
+    return quantized_matmul(x.to(torch.bfloat16).contiguous(), pack, bias)
 
 
 def _triton_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,12 @@ so a quantized model packs once for either device (moved with ``.to(device)`` pe
   high), scales and mins [N/16, K/group, 16] float16, ``w = q * scale + min``.
 
 Output channels are padded to the pack's channel block (4 or 16) with zero codes; the kernel
-masks them off. Unlike the CPU integer-dot kernels, this one does not quantize the activations:
-every format multiplies float32 activations by the dequantized float32 weights (IEEE float32 dot,
-no TF32), so all four give ``reference_quantized_matmul`` up to float32 summation order.
+masks them off. Unlike the CPU integer-dot kernels, this one does not quantize the activations.
+Float32 activations multiply the dequantized float32 weights (IEEE float32 dot, no TF32), so all
+four formats give ``reference_quantized_matmul`` up to float32 summation order. On a GPU, bfloat16
+or float16 activations take the tensor cores instead: each 32-value step multiplies x by the raw
+codes (exact in 16 bits) with float32 accumulation and adds ``(x . q) * scale + sum(x) * min``, the
+same products factored (the interpreter's 16-bit dot is not trusted, so it widens them to float32).
 
 One program per (``BLOCK_M`` rows, ``BLOCK_N`` channels) tile walks K in steps of 32: a step never
 straddles an int4 group (group sizes are multiples of 32), so it loads one scale and min per
@@ -42,7 +45,7 @@ def _quantized_matmul_kernel(
     x_ptr, data_ptr, scale_ptr, min_ptr, bias_ptr, out_ptr,
     M, N, K, group_size, num_groups,
     stride_xm, stride_om,
-    FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, LOW_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -84,14 +87,21 @@ def _quantized_matmul_kernel(
             byte = tl.load(data_ptr + off, mask=w_mask, other=0).to(tl.int32)
             code = ((byte >> (((kk % 8) // 4) * 4)[:, None]) & 0xF).to(tl.float32)
         if FMT == 0:  # per channel: the scale multiplies the finished sum
-            w = code
+            if LOW_DOT:
+                acc += tl.dot(x, code.to(x.dtype))
+            else:
+                acc += tl.dot(x.to(tl.float32), code, input_precision="ieee")
         else:
             g = k0 // group_size
             meta = (vec * num_groups + g) * lanes + lane
             s = tl.load(scale_ptr + meta, mask=col_ok, other=0.0).to(tl.float32)
             mn = tl.load(min_ptr + meta, mask=col_ok, other=0.0).to(tl.float32)
-            w = code * s[None, :] + mn[None, :]
-        acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            if LOW_DOT:  # x . (q s + m) = (x . q) s + (sum x) m over the step's one group; codes exact in bf16
+                part = tl.dot(x, code.to(x.dtype))
+                acc += part * s[None, :] + tl.sum(x.to(tl.float32), 1)[:, None] * mn[None, :]
+            else:
+                w = code * s[None, :] + mn[None, :]
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
     if FMT == 0:
         acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -157,7 +167,8 @@ def quantized_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n = 32 if interpreted(_quantized_matmul_kernel) else 64
+    interp = interpreted(_quantized_matmul_kernel)
+    block_n = 32 if interp else 64
     scales = weight.scales
     mins = weight.mins if weight.mins is not None else scales  # int8: no mins, never read
     num_groups = 1 if weight.format == "int8" else weight.in_features // weight.group_size
@@ -165,7 +176,7 @@ def quantized_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
         x, weight.data, scales, mins, bias if bias is not None else out, out,
         m, n, weight.in_features, max(weight.group_size, 1), num_groups,
         x.stride(0), out.stride(0),
-        FMT=FORMATS[weight.format], HAS_BIAS=bias is not None,
+        FMT=FORMATS[weight.format], HAS_BIAS=bias is not None, LOW_DOT=x.dtype != torch.float32 and not interp,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
