@@ -44,6 +44,9 @@ class DeviceOps:
     kv_dtypes: tuple[torch.dtype, ...]  # pool dtypes paged_attention takes
     # (x, E4M3 codes [N, K], per-channel scales [N], bias) -> float32 [M, N]; None: no FP8 weights here
     fp8_linear: Callable[..., torch.Tensor] | None = None
+    # (x, w_gate_up [E, 2I, H], w_down [E, H, I], expert ids [T, k], routing weights [T, k]) -> float32
+    # [T, H]: float experts stacked; None: the grouped PyTorch pass over each expert's layers
+    fused_moe: Callable[..., torch.Tensor] | None = None
 
     def norm_kernel(self, x: torch.Tensor) -> bool:
         """The norm/RoPE kernels take x (one implementation per dtype and device: one result)."""
@@ -116,6 +119,7 @@ def _triton_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
 @functools.cache
 def _triton_ops() -> DeviceOps:
     from protoserve.kernels.triton import norm_rope
+    from protoserve.kernels.triton.moe import fused_moe
 
     return DeviceOps(
         name="triton",
@@ -128,6 +132,7 @@ def _triton_ops() -> DeviceOps:
         paged_attention=_triton_attention,
         kv_dtypes=(torch.float32, torch.bfloat16),
         fp8_linear=_triton_fp8_linear,
+        fused_moe=fused_moe,
     )
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protoserve.engine.models.device_ops import ops_for
 from protoserve.engine.models.linear import KernelPackable, Linear, tiled_linear
 from protoserve.kernels.cpu import moe_experts as kernel
 from protoserve.kernels.cpu.packed_linear import PackedWeight
@@ -199,9 +200,14 @@ class GroupedExperts(nn.Module):
             Linear(intermediate_size, hidden_size, dtype=dtype) for _ in range(num_experts)
         )
         self._bound: _Binding | None = None  # the packs the C++ pass was given
+        self._stacks: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused device kernel's weights
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         check_routing(routing, x.shape[0], self.num_experts)
+        fused = ops_for(x.device).fused_moe
+        stacked = self._stacked() if fused is not None else None
+        if stacked is not None:  # the device's fused kernel over every expert at once
+            return fused(x, *stacked, routing.experts, routing.weights).to(x.dtype)
         weights = self._kernel_weights(x)
         if weights is not None:
             return kernel.grouped_experts(x, routing.experts, routing.weights, weights)
@@ -230,6 +236,27 @@ class GroupedExperts(nn.Module):
         """Expert ``e`` on ``rows`` [n, hidden] (the unscaled SwiGLU output)."""
         gate, up = self.gate_up[e](rows).split(self.intermediate_size, dim=-1)
         return self.down[e](F.silu(gate) * up)
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The float experts' weights as the fused kernel takes them, [E, 2I, H] and [E, H, I]; each
+        expert's layers then hold views of them (one copy in memory). None for quantized experts."""
+        layers = [*self.gate_up, *self.down]
+        if not all(type(m) is Linear and m.packed is None and m.bias is None and
+                   m.weight.dtype in (torch.float32, torch.bfloat16) for m in layers):
+            return None
+        held = self._stacks
+        if held is not None and all(m.weight.data_ptr() == stack[e].data_ptr()
+                                    for stack, group in zip(held, (self.gate_up, self.down), strict=True)
+                                    for e, m in enumerate(group)):
+            return held
+        stacks = []
+        for group in (self.gate_up, self.down):
+            stack = torch.stack([m.weight.detach() for m in group])
+            for e, m in enumerate(group):
+                m.weight = nn.Parameter(stack[e], requires_grad=False)
+            stacks.append(stack)
+        self._stacks = (stacks[0], stacks[1])
+        return self._stacks
 
     def _kernel_weights(self, x: torch.Tensor) -> kernel.ExpertWeights | None:
         """The experts' packs bound for the C++ pass, or None where it cannot run (then the module path)."""

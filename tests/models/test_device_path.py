@@ -115,6 +115,23 @@ def test_decode_graphs_give_the_eager_steps_tokens(tiny_checkpoint):
     assert tokens[True] == tokens[False] == [hf_greedy(hf_model, p, 12) for p in prompts]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_experts_on_the_fused_kernel_equal_transformers(device, family, tmp_path):
+    import warnings
+
+    from test_moe_families import _make_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = _make_checkpoint(family, tmp_path)
+    loaded = load_model(tmp_path, progress=False, load_tokenizer=False, device=device)
+    ids = list(range(30, 57))
+    ours = step_logits(loaded.model, device_cache(loaded, loaded.device), ids, 0, list(range(10)))
+    experts = [m.mlp.experts for m in loaded.model.layers if m.moe]
+    assert experts and all(e._stacks is not None for e in experts)  # the fused kernel ran every MoE layer
+    assert (ours - hf_logits(hf_model, ids)).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_layers_multiply_their_own_codes(device, mode, tiny_checkpoint):
     directory, _ = tiny_checkpoint("qwen2")  # q/k/v biases: the kernel adds them
