@@ -111,7 +111,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu")
         self.requests: dict[str, RunningRequest] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

@@ -85,8 +85,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  dtype: torch.dtype, quantization: str = "none", device: torch.device | None = None) -> None:
         self.model = model
-        # The model's device (engine/execution/device.py): the KV pool and each step's batch live there,
-        # the logits come back to the host, where the sampler runs.
+        # The model's device (engine/execution/device.py): the KV pool, each step's batch and its logits
+        # live there (the sampler brings back token ids, and the rows it samples on the host).
         self.device = device if device is not None else torch.device("cpu")
         self.model_config = model_config
         # Each sequence's LoRA slot, set by LLMEngine.enable_lora; None: no adapters.
@@ -120,10 +120,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
-        """One forward; returns float32 logits ``[S, vocab]``, one row per sequence that samples, in order."""
+        """One forward; returns float32 logits ``[S, vocab]`` on the model's device, one row per sequence that
+        samples, in order."""
         lora_slots = self.lora_slots_of(seqs) if self.lora_slots_of is not None else None
         batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots)
         with CPU_GATE.engine():  # background work (embedding) waits for the forward, not beside it
             if self.graphs is not None and self.graphs.accepts(batch):
-                return self.graphs.run(batch).float().cpu()
-            return self.model(batch.to(self.device), self.kv_cache).float().cpu()
+                return self.graphs.run(batch).float()
+            return self.model(batch.to(self.device), self.kv_cache).float()

@@ -28,6 +28,7 @@ import torch
 
 from protoserve.engine.request import PositionLogprobs, TokenLogprob
 from protoserve.engine.sampling import mirostat
+from protoserve.engine.sampling.batched import batch_sampleable, sample_batch
 from protoserve.engine.sampling.constraints.masks import apply_token_mask, masked_argmax
 from protoserve.engine.sampling.penalties import (
     apply_frequency_presence,
@@ -127,14 +128,37 @@ def position_logprobs(logp: torch.Tensor, token_id: int, num_top: int) -> Positi
 class Sampler:
     """Chooses one token per row; knows the model's EOS ids for min_tokens masking."""
 
-    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, eos_token_ids: frozenset[int], batch_rows: bool = False) -> None:
         self.eos_token_ids = eos_token_ids
+        # Sample the rows engine/sampling/batched.py serves as one batch where the logits are (always
+        # for logits on a GPU; tests set it to run that path on CPU tensors).
+        self.batch_rows = batch_rows
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  bitmask: torch.Tensor | None = None) -> list[SampleResult]:
         """One token per row; ``bitmask`` (int32 ``[rows, words]``) holds the grammar masks of the rows
         whose sequence has a matcher, and is ignored for the others."""
         assert logits.shape[0] == len(seqs)
+        if not (self.batch_rows or logits.device.type != "cpu"):
+            return self.on_host(logits, seqs, bitmask)
+        results: list[SampleResult | None] = [None] * len(seqs)
+        batched = [i for i, seq in enumerate(seqs) if batch_sampleable(seq)]
+        if batched:
+            index = torch.tensor(batched, dtype=torch.int64, device=logits.device)
+            tokens = sample_batch(logits.index_select(0, index), [seqs[i] for i in batched])
+            for i, token in zip(batched, tokens, strict=True):
+                results[i] = SampleResult(token)
+        rest = [i for i, r in enumerate(results) if r is None]
+        if rest:  # only these rows' logits come to the host
+            host = self.on_host(logits[rest].cpu(), [seqs[i] for i in rest],
+                                bitmask[rest] if bitmask is not None else None)
+            for i, r in zip(rest, host, strict=True):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    def on_host(self, logits: torch.Tensor, seqs: list[Sequence],
+                bitmask: torch.Tensor | None = None) -> list[SampleResult]:
+        """The per-row sampler over CPU logits."""
         plain = [self.plain_greedy(seq) for seq in seqs]
         # One reduction over the batch for every row that needs nothing else: the per-row path
         # copies each row (vocab floats) and pays a few tensor ops' dispatch, ~4 ms a step at 64

@@ -95,6 +95,25 @@ def test_greedy_tokens_of_concurrent_requests_equal_transformers(device, family,
         assert completion.choices[0].token_ids == hf_greedy(hf_model, prompt, 12)
 
 
+def test_seeded_sampling_on_the_device_equals_the_host_sampler(device, tiny_checkpoint):
+    """The rows the batched sampler serves (engine/sampling/batched.py; on cuda the logits never leave the
+    GPU) draw the host sampler's tokens: same filters, same uniforms from each request's generator."""
+    directory, _ = tiny_checkpoint("llama")
+    loaded = load_model(directory, progress=False, load_tokenizer=False, device=device)
+    engine = LLMEngine(loaded, EngineConfig(device=device, max_kv_blocks=48, block_size=BLOCK))
+    llm = LLM(engine=engine)
+    prompts = [[5, 17, 99, 3], list(range(40, 60))]
+    kinds = [dict(temperature=0.9, top_k=20, seed=11), dict(temperature=1.2, top_p=0.8, min_p=0.05, seed=12,
+                                                           repetition_penalty=1.2, frequency_penalty=0.3)]
+    outputs = {}
+    for batch_rows in (True, False):
+        engine.sampler.batch_rows = batch_rows or device == "cuda"  # cuda: the device path whatever the flag
+        outputs[batch_rows] = [llm.generate(prompt_token_ids=prompts, max_tokens=10, ignore_eos=True, **kind)
+                               for kind in kinds]
+    assert [[c.choices[0].token_ids for c in run] for run in outputs[True]] == \
+        [[c.choices[0].token_ids for c in run] for run in outputs[False]]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_decode_graphs_give_the_eager_steps_tokens(tiny_checkpoint):
     from family_checkpoints import hf_greedy
