@@ -4,8 +4,8 @@ All sources build one module (``module.cpp`` holds the bindings), so the fused
 decoder step calls the other kernels in C++ (``protoserve.kernels.h``). It is compiled on
 first use with the machine's compiler for the machine's own CPU
 (``-march=native``) and cached by PyTorch under ``$PROTOSERVE_KERNEL_CACHE``
-(default ``~/.cache/protoserve/kernels``) in a folder per CPU feature set,
-rebuilt when a source changes. ``make install`` builds them ahead of time so
+(default ``~/.cache/protoserve/kernels``) in a folder per CPU feature set and
+sources' content (a changed source builds in a new folder). ``make install`` builds them ahead of time so
 no request pays the compile.
 
 The kernels are written for AVX-512 and for AVX2 with FMA (``simd.h``); on a CPU
@@ -54,17 +54,39 @@ def cpu_flags() -> str:
     return ""
 
 
+def source_files() -> list[Path]:
+    """Every file the build reads: the sources and the headers they include."""
+    return [SOURCE_DIR / source for source in SOURCES] + sorted(SOURCE_DIR.glob("*.h"))
+
+
 def build_dir() -> Path:
     """Where this CPU's build of these sources lives.
 
     Keyed by the CPU's flags: a home directory shared by machines with different CPUs (an
     AVX-512 VNNI machine, then an AMX one) must not load a binary built for the other's
-    instructions, which would die of SIGILL or leave AMX unused. And by the sources' folder:
-    two checkouts (or venvs) sharing one folder would rewrite each other's build.ninja, whose
-    commands name the sources by path, and rebuild in turn.
+    instructions, which would die of SIGILL or leave AMX unused. And by the sources' content
+    and torch's version, not their folder: every checkout or venv holding the same sources (a
+    wheel installed into a fresh venv, say) loads one build instead of compiling its own, and
+    the build compiles copies kept in the folder (``src/``), so build.ninja names the same paths
+    for all of them.
     """
-    key = f"{cpu_flags()}\n{SOURCE_DIR}"
-    return cache_dir() / "cpu" / hashlib.sha256(key.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{cpu_flags()}\n{torch.__version__}\n".encode())
+    for path in source_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return cache_dir() / "cpu" / digest.hexdigest()[:12]
+
+
+def _copied_sources(directory: Path) -> list[str]:
+    """The sources copied into ``directory/src`` (once: the folder is keyed by their content)."""
+    src = directory / "src"
+    src.mkdir(exist_ok=True)
+    for path in source_files():
+        target = src / path.name
+        if not target.exists():
+            tmp = target.with_suffix(target.suffix + ".tmp")
+            tmp.write_bytes(path.read_bytes())
+            tmp.replace(target)
+    return [str(src / source) for source in SOURCES]
 
 
 def cpu_supported() -> bool:
@@ -97,7 +119,7 @@ def _module() -> types.ModuleType | None:
         with _exclusive(directory):
             return cpp_extension.load(
                 name="protoserve_cpu",
-                sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                sources=_copied_sources(directory),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),

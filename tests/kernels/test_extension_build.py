@@ -1,4 +1,4 @@
-"""The kernels' build cache: one folder per CPU and source folder, and no hang on a dead builder's lock."""
+"""The kernels' build cache: one folder per CPU and sources' content, and no hang on a dead builder's lock."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ import pytest
 from protoserve.kernels.cpu import extension
 
 
-def test_each_source_folder_builds_in_its_own_folder(monkeypatch, tmp_path):
+def test_the_same_sources_anywhere_share_one_build_and_a_change_gets_its_own(monkeypatch, tmp_path):
     here = extension.build_dir()
-    monkeypatch.setattr(extension, "SOURCE_DIR", tmp_path / "another-checkout" / "kernels" / "cpu")
+    other = tmp_path / "another-checkout" / "kernels" / "cpu"
+    other.mkdir(parents=True)
+    for path in extension.source_files():
+        shutil.copy2(path, other / path.name)
+    monkeypatch.setattr(extension, "SOURCE_DIR", other)
+    assert extension.build_dir() == here  # a fresh venv's copy of the same sources: no second compile
+    header = other / "simd.h"
+    header.write_text(header.read_text() + "\n// changed\n")  # a header counts as a source
     assert extension.build_dir() != here
     assert extension.build_dir().parent == here.parent  # same cache, same CPU: only the key differs
 
