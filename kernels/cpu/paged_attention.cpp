@@ -434,23 +434,18 @@ inline void store_bf16_acc(float* out, const float* acc, int head_dim, F16 denom
 }
 #endif
 
-// Ask for the next key block's K/V rows while this one is computed: the blocks of a
-// sequence are scattered, so the hardware prefetcher cannot guess them, and decode reads
-// every row from beyond L2. Rows of `heads` consecutive KV heads, from kbase / vbase on.
+// Ask for one head's cached rows (D values at base + slots[u] * row_stride, u = 0..last) into L1.
+// The tile asks for the next key block's rows while this one computes: a sequence's blocks are
+// scattered, so the hardware prefetcher cannot guess them, and decode reads every row from beyond
+// L2. It asks a head's K rows before that head's scores and its V rows before its P @ V (32 lines
+// each for D = 64 in bfloat16), spread through the block's work: asked all at once (a block's 192
+// lines for SmolLM2's three KV heads), far more than the core keeps misses in flight, the requests
+// did not shorten the attention's wait on memory at all; spread, they halve it.
 template <typename KT>
-inline void prefetch_block(const Problem& pb, const int32_t* table, const KT* kbase, const KT* vbase,
-                           int64_t row_stride, int heads, int j0, int last) {
-  int64_t slots[16];
-  const int ub = std::min(last - j0, KEY_BLOCK - 1);
-  block_slots(pb, table, j0, 0, ub, slots);
-  const int row_bytes = heads * pb.head_dim * static_cast<int>(sizeof(KT));
-  for (int u = 0; u <= ub; ++u) {
-    const char* k = reinterpret_cast<const char*>(kbase + slots[u] * row_stride);
-    const char* v = reinterpret_cast<const char*>(vbase + slots[u] * row_stride);
-    for (int off = 0; off < row_bytes; off += 64) {
-      _mm_prefetch(k + off, _MM_HINT_T0);
-      _mm_prefetch(v + off, _MM_HINT_T0);
-    }
+inline void prefetch_rows(const KT* base, const int64_t* slots, int last, int64_t row_stride, int D) {
+  for (int u = 0; u <= last; ++u) {
+    const char* row = reinterpret_cast<const char*>(base + slots[u] * row_stride);
+    for (int off = 0; off < D * static_cast<int>(sizeof(KT)); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
   }
 }
 
@@ -501,13 +496,18 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     const int j0 = kb * KEY_BLOCK;
     const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
     block_slots(pb, table, j0, ua, ub, slots);
-    if (kb < kb_last) prefetch_block(pb, table, kbase, vbase, row_stride, nkv, j0 + KEY_BLOCK, tile_hi);
+    // The next block's slots; each head's K/V rows of it are asked for while this block's same
+    // head computes (a burst of all heads' lines at once overflows the core's miss buffers).
+    int64_t next_slots[16];
+    const int next_ub = kb < kb_last ? std::min(tile_hi - j0 - KEY_BLOCK, KEY_BLOCK - 1) : -1;
+    if (next_ub >= 0) block_slots(pb, table, j0 + KEY_BLOCK, 0, next_ub, next_slots);
     for (int i = 0; i < tile.n; ++i) {
       const int pos = tile.pos0 + i;
       qa[i] = std::max(first_key(pb, pos) - j0, 0);
       qb[i] = std::min(pos - j0, KEY_BLOCK - 1);
     }
     for (int h = 0; h < nkv; ++h) {
+      prefetch_rows(kbase + h * D, next_slots, next_ub, row_stride, D);
       for (int u = ua; u <= ub; ++u) {
         const KT* k = kbase + slots[u] * row_stride + h * D;
         vrow[u] = vbase + slots[u] * row_stride + h * D;
@@ -541,6 +541,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
         if (qa[i] <= qb[i])
           block_query_softmax(G, qa[i], qb[i], &s.m[i * HG + h * G], &s.l[i * HG + h * G],
                               &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
+      prefetch_rows(vbase + h * D, next_slots, next_ub, row_stride, D);
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
