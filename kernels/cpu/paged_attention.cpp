@@ -449,12 +449,33 @@ inline void prefetch_rows(const KT* base, const int64_t* slots, int last, int64_
   }
 }
 
+// The first key block of the unit a thread computes next: its rows are asked for during the
+// current unit's last block, which would otherwise leave every unit's first block to wait on
+// memory unasked.
+template <typename KT>
+struct FirstRows {
+  const KT* kbase = nullptr;  // the unit's first KV head's rows (as attend_tile_vec's kbase/vbase)
+  const KT* vbase = nullptr;
+  int64_t slots[16];
+  int last = -1;  // slots[0..last]; -1: no next unit
+};
+
+template <typename KT>
+void first_rows(const Problem& pb, const Tile& tile, int kvh0, FirstRows<KT>& out) {
+  const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
+  const int lo = first_key(pb, tile.pos0), hi = tile.pos0 + tile.n - 1;
+  out.kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * pb.head_dim;
+  out.vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * pb.head_dim;
+  out.last = std::min(hi - lo, KEY_BLOCK - 1 - lo % KEY_BLOCK);
+  block_slots(pb, table, lo, 0, out.last, out.slots);
+}
+
 // The tile's queries for KV heads kvh0 .. kvh0 + nkv - 1, D % 16 == 0. One head per unit spreads a
 // short batch over the threads; all heads in one unit read each cached row (all heads side by side)
 // in one pass, which DRAM serves far better than three interleaved strided walks. Either way each
 // (query, head) runs the same operations on the same rows in the same order: the same bits.
 template <typename KT, int CH>
-void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scratch& s) {
+void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scratch& s, const FirstRows<KT>& after) {
   const int D = pb.head_dim, chunks = D / LANES, G = pb.group, GD = G * D, HG = nkv * G, HGD = nkv * GD;
   const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
   const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
@@ -498,16 +519,27 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     block_slots(pb, table, j0, ua, ub, slots);
     // The next block's slots; each head's K/V rows of it are asked for while this block's same
     // head computes (a burst of all heads' lines at once overflows the core's miss buffers).
+    // The last block asks for the next unit's first rows instead.
     int64_t next_slots[16];
-    const int next_ub = kb < kb_last ? std::min(tile_hi - j0 - KEY_BLOCK, KEY_BLOCK - 1) : -1;
-    if (next_ub >= 0) block_slots(pb, table, j0 + KEY_BLOCK, 0, next_ub, next_slots);
+    const KT* next_k = kbase;
+    const KT* next_v = vbase;
+    int next_ub = -1;
+    if (kb < kb_last) {
+      next_ub = std::min(tile_hi - j0 - KEY_BLOCK, KEY_BLOCK - 1);
+      block_slots(pb, table, j0 + KEY_BLOCK, 0, next_ub, next_slots);
+    } else if (after.last >= 0) {
+      next_ub = after.last;
+      next_k = after.kbase;
+      next_v = after.vbase;
+      std::copy(after.slots, after.slots + next_ub + 1, next_slots);
+    }
     for (int i = 0; i < tile.n; ++i) {
       const int pos = tile.pos0 + i;
       qa[i] = std::max(first_key(pb, pos) - j0, 0);
       qb[i] = std::min(pos - j0, KEY_BLOCK - 1);
     }
     for (int h = 0; h < nkv; ++h) {
-      prefetch_rows(kbase + h * D, next_slots, next_ub, row_stride, D);
+      prefetch_rows(next_k + h * D, next_slots, next_ub, row_stride, D);
       for (int u = ua; u <= ub; ++u) {
         const KT* k = kbase + slots[u] * row_stride + h * D;
         vrow[u] = vbase + slots[u] * row_stride + h * D;
@@ -541,7 +573,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
         if (qa[i] <= qb[i])
           block_query_softmax(G, qa[i], qb[i], &s.m[i * HG + h * G], &s.l[i * HG + h * G],
                               &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
-      prefetch_rows(vbase + h * D, next_slots, next_ub, row_stride, D);
+      prefetch_rows(next_v + h * D, next_slots, next_ub, row_stride, D);
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
@@ -637,22 +669,31 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, 
   auto worker = [&]() {
     thread_local Scratch scratch;
     scratch.fit(pb);
-    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
-         u = next.fetch_add(1, std::memory_order_relaxed)) {
+    // A thread claims its next unit before computing the current one, so that the current one's
+    // last block can ask for the next one's first rows (which thread computes a unit, and when,
+    // changes nothing in its result).
+    int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+    while (u < units) {
+      const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
+      FirstRows<KT> after;
+      if (vector && following < units)
+        first_rows(pb, tiles[following / units_per_tile], static_cast<int>(following % units_per_tile) * heads_per_unit,
+                   after);
       const Tile& tile = tiles[u / units_per_tile];
       const int kvh0 = static_cast<int>(u % units_per_tile) * heads_per_unit, nkv = heads_per_unit;
       switch (pb.head_dim) {  // the common head sizes with the query held in registers
-        case 16: attend_tile_vec<KT, 1>(pb, tile, kvh0, nkv, scratch); break;
-        case 32: attend_tile_vec<KT, 2>(pb, tile, kvh0, nkv, scratch); break;
-        case 64: attend_tile_vec<KT, 4>(pb, tile, kvh0, nkv, scratch); break;
-        case 128: attend_tile_vec<KT, 8>(pb, tile, kvh0, nkv, scratch); break;
+        case 16: attend_tile_vec<KT, 1>(pb, tile, kvh0, nkv, scratch, after); break;
+        case 32: attend_tile_vec<KT, 2>(pb, tile, kvh0, nkv, scratch, after); break;
+        case 64: attend_tile_vec<KT, 4>(pb, tile, kvh0, nkv, scratch, after); break;
+        case 128: attend_tile_vec<KT, 8>(pb, tile, kvh0, nkv, scratch, after); break;
         default:
           if (vector) {
-            attend_tile_vec<KT, 0>(pb, tile, kvh0, nkv, scratch);
+            attend_tile_vec<KT, 0>(pb, tile, kvh0, nkv, scratch, after);
           } else {
             for (int kvh = kvh0; kvh < kvh0 + nkv; ++kvh) attend_tile_scalar<KT>(pb, tile, kvh, scratch);
           }
       }
+      u = following;
     }
   };
   if (team != nullptr || threads <= 1 || units <= 1 || total_work < MIN_PARALLEL_WORK || at::in_parallel_region()) {
