@@ -15,9 +15,15 @@ and scaling of int4 blocks and the sampler are left out: the share is a lower
 bound on what the figure needs, and a target whose share nears 1 cannot be met
 on this machine by any kernel at this precision.
 
-Single-stream decode is left out (it streams the weights from memory, not
-bound by arithmetic), as are CPUs with AMX, whose tiles run the batched int8
-work and are not what the probe measures.
+CPUs with AMX are left out: their tiles run the batched int8 work and are not
+what the probe measures.
+
+Single-stream decode is bound by memory, not arithmetic: each token reads
+every weight once (int4 codes with their float16 group scale and min, the int8
+head with its per-channel ones) and its sequence's cached K/V. ``decode_roofline``
+holds a decode figure to ``machine.memory_bandwidth`` (bench/memory_bandwidth.py):
+
+    share of bandwidth = tokens/s x bytes read per token / bytes per second
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from bench.figures import Figure, Target, skipped
 from bench.machine_peak import FIGURE as PEAK_FIGURE
+from bench.memory_bandwidth import FIGURE as BANDWIDTH_FIGURE
 from bench.targets import targets_for
 
 if TYPE_CHECKING:
@@ -36,6 +43,8 @@ if TYPE_CHECKING:
 
 SECTION = "roofline"
 UNIT = "of peak"
+# Single-stream decode figures held to the memory bandwidth: through gRPC, and the engine in turn with it.
+DECODE_FIGURES = r"decode\.grpc|decode\.engine\.paired"
 # int8 dot products per weight multiply-add in the quantized linears: coarse and fine activation codes.
 DOT_PRODUCTS_PER_MAC = 2
 
@@ -65,6 +74,76 @@ class LinearWork:
         return ((prompt_len + max_tokens - 1) * self.body + max_tokens * self.head) / max_tokens
 
 
+# Bytes of one weight's storage in the CPU kernels' layouts: int4 codes in 32-value groups with a
+# float16 scale and min each (GGUF Q4_1's 20 bytes per 32); int8 codes per channel, with a float16
+# scale and min per output channel.
+INT4_GROUP, INT4_GROUP_BYTES = 32, 20
+INT8_CHANNEL_META = 4
+WEIGHT_FORMATS = ("int4", "int8")
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """Bytes a single-stream decode step reads from memory per token."""
+
+    weights: int  # every layer's projections and norms, the final norm and the LM head, as stored
+    kv_per_position: int  # the cached K and V of one context position, every layer
+
+    @classmethod
+    def of(
+        cls, config: ModelConfig, layers: str = "int4", head: str = "int8", kv_bytes: int = 2
+    ) -> DecodeBytes:
+        """The served layout: ``layers``/``head`` "int4" (grouped) or "int8" (per channel); K/V of
+        ``kv_bytes`` a value (2: bfloat16, the default under quantized weights)."""
+        for name, fmt in (("layers", layers), ("head", head)):
+            if fmt not in WEIGHT_FORMATS:
+                raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+        if kv_bytes not in (2, 4):
+            raise ValueError(f"kv_bytes must be 2 (bfloat16) or 4 (float32), got {kv_bytes}")
+        work = LinearWork.of(config)
+        h = config.hidden_size
+        q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        # output channels of one layer's q, k, v, o, gate, up, down projections
+        channels = q_width + 2 * kv_width + h + 2 * config.intermediate_size + h
+
+        def stored(macs: int, out_channels: int, fmt: str) -> int:
+            if fmt == "int4":
+                return macs * INT4_GROUP_BYTES // INT4_GROUP
+            return macs + out_channels * INT8_CHANNEL_META
+
+        norms = (2 * config.num_layers + 1) * h * 4  # float32, with the embedding row read too
+        weights = (stored(work.body, config.num_layers * channels, layers)
+                   + stored(work.head, config.vocab_size, head) + norms + h * 4)  # fmt: skip
+        return cls(weights=weights, kv_per_position=2 * config.num_layers * kv_width * kv_bytes)
+
+    def per_token(self, context: int) -> float:
+        """A token decoded at ``context`` cached positions (its own included)."""
+        if context < 1:
+            raise ValueError(f"context must be >= 1, got {context}")
+        return self.weights + context * self.kv_per_position
+
+
+def decode_roofline(figure: Figure, bytes_per_token: float, bandwidth: Figure | None) -> Figure:
+    """``roofline.<figure>``: the share of the measured memory bandwidth a single-stream decode
+    figure (tokens/s) reads, and the tokens/s the bandwidth would allow at that many bytes a token."""
+    name = f"roofline.{figure.name}"
+    if bandwidth is None or bandwidth.value is None:
+        return skipped(name, "of bandwidth", SECTION, f"{BANDWIDTH_FIGURE} was not measured")
+    if figure.value is None:
+        return skipped(name, "of bandwidth", SECTION, f"{figure.name} was not measured")
+    bytes_per_s = bandwidth.value * 1e9
+    details = {"of": figure.name, "mb_per_token": round(bytes_per_token / 1e6, 2),
+               "gbps": round(figure.value * bytes_per_token / 1e9, 2), "bandwidth_gbps": bandwidth.value,
+               "ceiling_tokens_per_s": round(bytes_per_s / bytes_per_token, 1)}  # fmt: skip
+    return Figure(
+        name=name,
+        value=figure.value * bytes_per_token / bytes_per_s,
+        unit="of bandwidth",
+        section=SECTION,
+        details=details,
+    )
+
+
 @dataclass(frozen=True)
 class RooflineInputs:
     """What the figures are measured on: the model's work, the serving workload and the machine."""
@@ -74,6 +153,10 @@ class RooflineInputs:
     serving_max_tokens: int
     int8_dot_variant: bool  # the served variant's linears run on int8 dot products
     amx: bool  # the CPU has AMX tiles, which the probe does not measure
+    # Single-stream decode: bytes per token of the served variant and the context it is measured
+    # at (the decode profile's prompt plus half its new tokens); None: no decode roofline.
+    decode_bytes: DecodeBytes | None = None
+    decode_context: int = 96
 
 
 def macs_per_token(name: str, inputs: RooflineInputs) -> float | None:
@@ -92,10 +175,15 @@ def roofline_figures(figures: Iterable[Figure], inputs: RooflineInputs) -> list[
     """
     figures = list(figures)
     by_name = {f.name: f for f in figures}
+    decode = []
+    if inputs.decode_bytes is not None:
+        per_token = inputs.decode_bytes.per_token(inputs.decode_context)
+        decode = [decode_roofline(f, per_token, by_name.get(BANDWIDTH_FIGURE)) for f in figures
+                  if re.fullmatch(DECODE_FIGURES, f.name)]  # fmt: skip
     work_of = {f.name: work for f in figures if (work := macs_per_token(f.name, inputs)) is not None}
     names = list(work_of)
     if not names:
-        return []
+        return decode
     peak = by_name.get(PEAK_FIGURE)
     reason = None
     if peak is None or peak.value is None:
@@ -105,7 +193,7 @@ def roofline_figures(figures: Iterable[Figure], inputs: RooflineInputs) -> list[
     elif not inputs.int8_dot_variant:
         reason = "the served variant's linears do not run on int8 dot products"
     if reason is not None:
-        return [skipped(f"roofline.{name}", UNIT, SECTION, reason) for name in names]
+        return [skipped(f"roofline.{name}", UNIT, SECTION, reason) for name in names] + decode
     usable = peak.value / DOT_PRODUCTS_PER_MAC  # weight multiply-adds per second, in GMAC/s
     goals = targets_for(names)
     out = []
@@ -133,4 +221,4 @@ def roofline_figures(figures: Iterable[Figure], inputs: RooflineInputs) -> list[
                 details=details,
             )
         )
-    return out
+    return out + decode
