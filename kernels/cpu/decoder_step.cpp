@@ -294,11 +294,18 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
       packed_linear_into(layer.gate_up, hp, T, hidden_, gup, *codes, &team);
       add_lora(i, 2, hp, hidden_, gup, 2 * I);
       if (r0 < r1) {
-        // ATen's own activation and product, on whole rows: the module path's exact bits.
+        // ATen's own activation and product, on whole rows: the module path's exact bits. The
+        // activation goes straight into the output rows and the product multiplies them in place
+        // (elementwise, the same two roundings): a temporary of the gate's size was allocated,
+        // page-faulted and freed per layer, which cost twice the arithmetic in prefill steps.
         const torch::Tensor rows = gate_up.narrow(0, r0, r1 - r0);
         torch::Tensor out_rows = act.narrow(0, r0, r1 - r0);
         const torch::Tensor gate = rows.narrow(1, 0, I);
-        at::mul_out(out_rows, shape_.gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate), rows.narrow(1, I, I));
+        if (shape_.gelu_tanh)
+          at::gelu_out(out_rows, gate, "tanh");
+        else
+          at::silu_out(out_rows, gate);
+        at::mul_out(out_rows, out_rows, rows.narrow(1, I, I));
       }
       packed_linear_into(layer.down, actp, T, I, op, *codes, &team);
       add_lora(i, 3, actp, I, op, hidden_);
