@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import machine_check, machine_peak, resources
+from bench import machine_check, machine_peak, memory_bandwidth, resources
 from bench.compare import compare_figures
 from bench.context import BenchContext
 from bench.figures import Figure, resolve
 from bench.profile import PROFILES, Profile
 from bench.report import format_table, json_lines
-from bench.roofline import LinearWork, RooflineInputs, roofline_figures
+from bench.roofline import DecodeBytes, LinearWork, RooflineInputs, roofline_figures
 from bench.runner import Step, run_steps
 from bench.sections import (
     activation,
@@ -138,6 +138,11 @@ def roofline_inputs(profile: Profile) -> RooflineInputs | None:
         serving_max_tokens=profile.serving_max_tokens,
         int8_dot_variant=profile.serving_variant.quantization != "none",
         amx="amx_int8" in cpu_flags().split(),
+        # bytes a token reads as the served weights are stored (int4/int8 layers, an int8 head)
+        decode_bytes=DecodeBytes.of(config, layers=quantization) if (
+            quantization := profile.serving_variant.quantization) in ("int4", "int8") else None,
+        # a single-stream request's mean context over its decode
+        decode_context=profile.decode_prompt_len + profile.decode_tokens // 2,
     )
 
 
@@ -199,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("%s = %s", peak.name, f"{peak.value:.1f} {peak.unit}" if peak.value is not None else peak.note)
     # One core's rate beside it: tells the CPU generation, and a core held by another process.
     machine = machine_check.cores_free_figures(args.threads, peak)
+    # The memory bandwidth single-stream decode is held to (roofline.decode_*).
+    machine.append(memory_bandwidth.bandwidth_figure(args.threads))
     for f in machine:
         if f.note and f.target is not None:
             log.warning("%s = %.2f: %s", f.name, f.value, f.note)
