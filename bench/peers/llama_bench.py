@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.peers.llamacpp import peer_env
+
 PROMPT = 512
 GENERATE = 128
 FLASH_ATTN = (0, 1)
@@ -89,7 +91,7 @@ def parse_results(stdout: str) -> list[LlamaBenchResult]:
 
 
 def run(command: Sequence[str], timeout: float = TIMEOUT_S) -> list[LlamaBenchResult]:
-    done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout, env=peer_env())
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr.strip()[-500:]}")
     return parse_results(done.stdout)

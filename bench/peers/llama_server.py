@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.peers.llamacpp import peer_env
+
 PARALLEL = 64
 CONTEXT = 32_768
 START_TIMEOUT_S = 120.0
@@ -58,7 +60,7 @@ class LlamaServerProcess:
     def start(cls, command: list[str], port: int, log_path: Path) -> LlamaServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=peer_env())
         server = cls(process, f"http://127.0.0.1:{port}", log_path)
         deadline = time.monotonic() + START_TIMEOUT_S
         while _health(port) != 200:

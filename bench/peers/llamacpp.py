@@ -46,6 +46,20 @@ CMAKE_DEFINES = (
     "GGML_CCACHE=OFF",
 )
 BUILD_INFO = "build.json"
+FAILED_SUFFIX = ".failed"  # beside the cache folder: why the last build for this pin and CPU failed
+
+
+# The bench process sets OpenMP's passive wait policy for its own torch (bench/__init__.py); llama.cpp's CPU
+# backend is OpenMP too, and inheriting it puts its threads to sleep between the hundreds of ops of each
+# token: llama-bench tg128 fell from 165-169 to 49-52 tokens/s (pp512 unchanged). The peer runs as a user
+# starts it from a shell, on its own defaults.
+NOT_INHERITED = ("OMP_WAIT_POLICY",)
+
+
+def peer_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment llama-server and llama-bench run in: this one, less what the bench set for itself."""
+    source = dict(os.environ) if environ is None else environ
+    return {k: v for k, v in source.items() if k not in NOT_INHERITED}
 
 
 class PeerBuildError(RuntimeError):
@@ -111,6 +125,11 @@ def find(root: Path | None = None, cpuinfo: str | None = None) -> Lookup:
     folder = build_dir(root, cpuinfo=cpuinfo)
     missing = [name for name in TARGETS if not os.access(folder / "bin" / name, os.X_OK)]
     if missing:
+        try:
+            failed = folder.with_name(folder.name + FAILED_SUFFIX).read_text().strip().splitlines()[0]
+            return Lookup(None, f"the llama.cpp peer's last build failed ({failed}); see `make bench-peers`")
+        except (OSError, IndexError):
+            pass
         return Lookup(
             None,
             f"llama.cpp peer not built for this CPU ({', '.join(missing)} missing under {folder}/bin): "
@@ -191,7 +210,20 @@ def _unpack(archive: Path, into: Path) -> Path:
 
 
 def build(root: Path | None = None, jobs: int | None = None, force: bool = False) -> LlamaCppBinaries:
-    """Build the peer into its cache folder (a no-op when it is there, unless ``force``)."""
+    """Build the peer into its cache folder (a no-op when it is there, unless ``force``). A failure is
+    also written beside the folder, so the bench's skipped figures can say why."""
+    failed = build_dir(root).with_name(build_dir(root).name + FAILED_SUFFIX)
+    try:
+        binaries = _build(root, jobs, force)
+    except PeerBuildError as exc:
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        failed.write_text(f"{exc}\n")
+        raise
+    failed.unlink(missing_ok=True)
+    return binaries
+
+
+def _build(root: Path | None, jobs: int | None, force: bool) -> LlamaCppBinaries:
     found = find(root)
     if found.binaries is not None and not force:
         print(f"bench-peers: {found.binaries.describe()} already built: {found.binaries.server.parent}", file=sys.stderr)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import llamacpp
+from bench.peers import llama_bench, llamacpp
 from bench.peers.llamacpp import PeerBuildError
 
 CPUINFO = "processor\t: 0\nflags\t\t: sse avx2 avx512f\nprocessor\t: 1\nflags\t\t: sse avx2 avx512f\n"
@@ -72,6 +72,18 @@ def test_find_returns_the_build_and_its_provenance(tmp_path: Path) -> None:
     assert found.binaries.describe() == "llama.cpp 0c1e570 (llama-cpp-python 0.3.36 sdist)"
 
 
+def test_the_peer_does_not_inherit_the_benchs_openmp_wait_policy(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what bench/__init__.py sets for the bench's torch
+    env = llamacpp.peer_env()
+    assert "OMP_WAIT_POLICY" not in env and env["PATH"] == os.environ["PATH"]
+    assert llamacpp.peer_env({"OMP_WAIT_POLICY": "ACTIVE", "X": "1"}) == {"X": "1"}
+    # llama-bench really runs without it: a stand-in reports the policy it was given as its rate.
+    row = '[{"n_prompt":512,"n_gen":0,"flash_attn":1,"avg_ts":"%s","stddev_ts":0,"n_threads":2}]'
+    fake = _script(tmp_path / "llama-bench", f"printf '{row}' \"${{OMP_WAIT_POLICY:-7}}\"")
+    [result] = llama_bench.run([fake])
+    assert result.tokens_per_s == 7.0
+
+
 def test_commands() -> None:
     assert llamacpp.download_command("0.3.36", Path("/d"))[1:] == [
         "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "llama-cpp-python==0.3.36", "-d", "/d",
@@ -104,6 +116,10 @@ def _sdist(path: Path, with_llama: bool = True) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
+NINJA_OK = ('mkdir -p "$2/bin" && for t in llama-server llama-bench; do '
+            'printf "#!/bin/sh\\n" > "$2/bin/$t"; chmod +x "$2/bin/$t"; done')
+
+
 @pytest.fixture
 def fake_toolchain(monkeypatch, tmp_path: Path):
     """pip download copies a prepared sdist; cmake does nothing; ninja makes the two binaries (or fails)."""
@@ -114,8 +130,7 @@ def fake_toolchain(monkeypatch, tmp_path: Path):
     monkeypatch.setattr(llamacpp, "download_command",
                         lambda version, dest: ["sh", "-c", f"mkdir -p {dest} && cp {sdist} {dest}/"])
     cmake = _script(tools / "cmake", "exit 0")
-    ninja = _script(tools / "ninja", 'mkdir -p "$2/bin" && for t in llama-server llama-bench; do '
-                    'printf "#!/bin/sh\\n" > "$2/bin/$t"; chmod +x "$2/bin/$t"; done')
+    ninja = _script(tools / "ninja", NINJA_OK)
     monkeypatch.setattr(llamacpp, "tool", lambda name: {"cmake": cmake, "ninja": ninja}[name])
     monkeypatch.setattr(llamacpp, "read_cpuinfo", lambda: CPUINFO)
     return tools
@@ -130,6 +145,7 @@ def test_build_caches_the_binaries_once(fake_toolchain: Path, tmp_path: Path) ->
     info = json.loads((folder / llamacpp.BUILD_INFO).read_text())
     assert info["version"] == llamacpp.LLAMA_CPP_PYTHON_VERSION and "-DGGML_NATIVE=ON" in info["cmake"]
     assert sorted(p.name for p in cache.iterdir()) == [folder.name]  # no staging folder left behind
+    assert not list(cache.glob("*.failed"))
     # A second build finds the cache and runs nothing.
     Path(fake_toolchain / "ninja").write_text("#!/bin/sh\nexit 9\n")
     assert llamacpp.build(cache) == binaries
@@ -141,10 +157,15 @@ def test_failed_build_leaves_no_cache_and_says_why(fake_toolchain: Path, tmp_pat
     monkeypatch.setenv("PROTOSERVE_PEER_CACHE", str(cache))
     with pytest.raises(PeerBuildError, match=r"compile failed \(exit 3\)[\s\S]*no AVX for you"):
         llamacpp.build(cache)
-    assert llamacpp.find(cache).binaries is None
+    found = llamacpp.find(cache)
+    assert found.binaries is None
+    assert "last build failed (compile failed (exit 3)" in found.reason  # what the skipped figures say
     assert llamacpp.main(["build"]) == 1
     assert "the bench skips its figures" in capsys.readouterr().err
     assert llamacpp.main(["find"]) == 1
+    _script(fake_toolchain / "ninja", NINJA_OK)  # fixed: the next build succeeds and forgets the failure
+    assert llamacpp.main(["build"]) == 0 and llamacpp.find(cache).binaries is not None
+    assert not list(cache.glob("*.failed"))
 
 
 def test_sdist_without_llama_cpp_is_refused(tmp_path: Path) -> None:
