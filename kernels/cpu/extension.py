@@ -65,12 +65,14 @@ def build_dir() -> Path:
     Keyed by the CPU's flags: a home directory shared by machines with different CPUs (an
     AVX-512 VNNI machine, then an AMX one) must not load a binary built for the other's
     instructions, which would die of SIGILL or leave AMX unused. And by the sources' content
-    and torch's version, not their folder: every checkout or venv holding the same sources (a
-    wheel installed into a fresh venv, say) loads one build instead of compiling its own, and
-    the build compiles copies kept in the folder (``src/``), so build.ninja names the same paths
-    for all of them.
+    and the torch they link (version and folder), not the sources' folder: every checkout using
+    one venv's torch with the same sources (a git worktree, a copy) loads one build instead of
+    compiling its own, and the build compiles copies kept in the folder (``src/``), so
+    build.ninja names the same paths for all of them.
     """
-    digest = hashlib.sha256(f"{cpu_flags()}\n{torch.__version__}\n".encode())
+    # torch's folder too: the build links it by path, and a venv with its own torch (a wheel installed
+    # into a fresh venv) sharing this folder would rebuild it for itself, and the next checkout back.
+    digest = hashlib.sha256(f"{cpu_flags()}\n{torch.__version__}\n{Path(torch.__file__).parent}\n".encode())
     for path in source_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return cache_dir() / "cpu" / digest.hexdigest()[:12]

@@ -18,11 +18,19 @@ def test_the_same_sources_anywhere_share_one_build_and_a_change_gets_its_own(mon
     for path in extension.source_files():
         shutil.copy2(path, other / path.name)
     monkeypatch.setattr(extension, "SOURCE_DIR", other)
-    assert extension.build_dir() == here  # a fresh venv's copy of the same sources: no second compile
+    assert extension.build_dir() == here  # another checkout of the same sources: no second compile
     header = other / "simd.h"
     header.write_text(header.read_text() + "\n// changed\n")  # a header counts as a source
     assert extension.build_dir() != here
     assert extension.build_dir().parent == here.parent  # same cache, same CPU: only the key differs
+
+
+def test_a_venv_with_its_own_torch_builds_apart(monkeypatch, tmp_path):
+    """The build links torch by path: a venv with its own torch sharing the folder would rebuild it
+    for itself, and every checkout on the other torch would rebuild it back."""
+    here = extension.build_dir()
+    monkeypatch.setattr(extension.torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
+    assert extension.build_dir() != here
 
 
 @pytest.mark.skipif(extension.load("linear") is None, reason="no CPU kernels on this machine")
