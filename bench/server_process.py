@@ -75,7 +75,7 @@ class ServerProcess:
         if not found.wait(START_TIMEOUT_S) or not match:
             process.kill()
             process.wait()
-            raise RuntimeError(f"server printed no listen line; log:\n{_tail(log_path)}")
+            raise RuntimeError(f"server printed no listen line; log:\n{log_tail(log_path)}")
         target, http_port = match[0].group(1), match[0].group(2)
         server = cls(
             process=process,
@@ -101,7 +101,7 @@ class ServerProcess:
             while True:
                 if self.process.poll() is not None:
                     raise RuntimeError(
-                        f"server exited with {self.process.returncode}; log:\n{_tail(self.log_path)}"
+                        f"server exited with {self.process.returncode}; log:\n{log_tail(self.log_path)}"
                     )
                 try:
                     reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -111,7 +111,7 @@ class ServerProcess:
                     pass  # not answering yet: still importing or loading
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"server not SERVING after {timeout:.0f}s; log:\n{_tail(self.log_path)}"
+                        f"server not SERVING after {timeout:.0f}s; log:\n{log_tail(self.log_path)}"
                     )
                 time.sleep(0.2)
 
@@ -129,17 +129,23 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (graceful drain), then SIGKILL after ``timeout``; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
 
-def _tail(path: Path, chars: int = 4000) -> str:
+def stop_process(process: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout``; returns the exit code (any server the bench starts)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+def log_tail(path: Path, chars: int = 4000) -> str:
+    """The end of a server's log, for an error message."""
     try:
         return path.read_text(errors="replace")[-chars:]
     except OSError:

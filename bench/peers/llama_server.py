@@ -9,13 +9,13 @@ the same thread count as protoserve's server, everything else its defaults.
 from __future__ import annotations
 
 import http.client
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.peers.llamacpp import peer_env
+from bench.server_process import log_tail, stop_process
 
 PARALLEL = 64
 CONTEXT = 32_768
@@ -65,10 +65,10 @@ class LlamaServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while _health(port) != 200:
             if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {process.returncode}; log:\n{_tail(log_path)}")
+                raise RuntimeError(f"llama-server exited with {process.returncode}; log:\n{log_tail(log_path, 3000)}")
             if time.monotonic() > deadline:
                 server.stop()
-                raise TimeoutError(f"llama-server not healthy after {START_TIMEOUT_S:.0f}s; log:\n{_tail(log_path)}")
+                raise TimeoutError(f"llama-server not healthy after {START_TIMEOUT_S:.0f}s; log:\n{log_tail(log_path, 3000)}")
             time.sleep(0.2)
         return server
 
@@ -78,18 +78,4 @@ class LlamaServerProcess:
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return "(no log)"
+        return stop_process(self.process, timeout)
