@@ -46,31 +46,31 @@ def compiler() -> str | None:
     return None
 
 
-def measure(threads: int, instructions: int = INSTRUCTIONS_PER_THREAD, repeats: int = REPEATS) -> Int8DotPeak:
-    """Build and run the probe on ``threads`` threads; raises RuntimeError with the reason if it cannot."""
+def run_probe(source: Path, args: list[str], threads: int, optimization: str = "-O2") -> dict:
+    """Build the C probe ``source`` for this CPU, run it on ``threads`` threads with ``args`` and return
+    the JSON object of its last line; RuntimeError with the reason if it cannot be built or run."""
     cc = compiler()
     if cc is None:
-        raise RuntimeError("no C compiler ($CC, cc or gcc) to build bench/int8_dot_peak.c")
-    with tempfile.TemporaryDirectory(prefix="protoserve-peak-") as tmp:
-        binary = Path(tmp) / "int8_dot_peak"
+        raise RuntimeError(f"no C compiler ($CC, cc or gcc) to build bench/{source.name}")
+    with tempfile.TemporaryDirectory(prefix=f"protoserve-{source.stem}-") as tmp:
+        binary = Path(tmp) / source.stem
         build = subprocess.run(
-            [cc, "-O2", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)],
+            [cc, optimization, "-march=native", "-fopenmp", str(source), "-o", str(binary)],
             capture_output=True,
             text=True,
         )
         if build.returncode != 0:
             raise RuntimeError(f"{cc} could not build the probe: {_first_error(build.stderr)}")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "false"}
-        done = subprocess.run(
-            [str(binary), str(instructions), str(repeats)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
+        done = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"the probe failed (exit {done.returncode}): {done.stderr.strip()[:200]}")
-    line = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(threads: int, instructions: int = INSTRUCTIONS_PER_THREAD, repeats: int = REPEATS) -> Int8DotPeak:
+    """Build and run the probe on ``threads`` threads; raises RuntimeError with the reason if it cannot."""
+    line = run_probe(SOURCE, [str(instructions), str(repeats)], threads)
     return Int8DotPeak(isa=line["isa"], threads=int(line["threads"]), gmacs=float(line["gmacs"]))
 
 

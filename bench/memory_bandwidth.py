@@ -7,15 +7,12 @@ this is its ceiling: bench/roofline.py's ``decode_roofline`` holds a decode figu
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.figures import Figure, skipped
-from bench.machine_peak import _first_error, compiler
+from bench.machine_peak import run_probe
 
 SOURCE = Path(__file__).resolve().parent / "memory_bandwidth.c"
 FIGURE = "machine.memory_bandwidth"
@@ -37,25 +34,7 @@ def measure(threads: int, size: int = BYTES, repeats: int = REPEATS) -> MemoryBa
     """Build and run the probe on ``threads`` threads; raises RuntimeError with the reason if it cannot."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler ($CC, cc or gcc) to build bench/memory_bandwidth.c")
-    with tempfile.TemporaryDirectory(prefix="protoserve-bandwidth-") as tmp:
-        binary = Path(tmp) / "memory_bandwidth"
-        build = subprocess.run(
-            [cc, "-O3", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)],
-            capture_output=True,
-            text=True,
-        )
-        if build.returncode != 0:
-            raise RuntimeError(f"{cc} could not build the probe: {_first_error(build.stderr)}")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "false"}
-        done = subprocess.run(
-            [str(binary), str(size), str(repeats)], capture_output=True, text=True, env=env, timeout=120
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the probe failed (exit {done.returncode}): {done.stderr.strip()[:200]}")
-    line = json.loads(done.stdout.strip().splitlines()[-1])
+    line = run_probe(SOURCE, [str(size), str(repeats)], threads, optimization="-O3")
     return MemoryBandwidth(threads=int(line["threads"]), gbps=float(line["gbps"]))
 
 

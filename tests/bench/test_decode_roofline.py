@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import memory_bandwidth
+from bench import machine_peak, memory_bandwidth
 from bench.figures import Figure
 from bench.machine_peak import FIGURE as PEAK_FIGURE
 from bench.roofline import DecodeBytes, LinearWork, RooflineInputs, roofline_figures
@@ -83,7 +83,7 @@ def test_decode_figures_take_their_share_of_the_bandwidth() -> None:
 
 
 def test_the_bandwidth_probe_measures_a_positive_rate() -> None:
-    if memory_bandwidth.compiler() is None:
+    if machine_peak.compiler() is None:
         pytest.skip("no C compiler")
     bw = memory_bandwidth.measure(threads=2, size=64 << 20, repeats=1)
     assert bw.threads == 2 and bw.gbps > 0
