@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bench.sse_client import SseClient, SseResponse
@@ -126,6 +127,25 @@ async def _failed_status(response: SseResponse) -> RuntimeError:
     return RuntimeError(f"HTTP {response.status}: {text[:200]}")
 
 
+async def stream_sse(client: SseClient, path: str, body: Any, timeline: RequestTimeline,
+                     on_event: Callable[[dict[str, Any]], None]) -> RequestTimeline:
+    """POST ``body`` to ``path`` and hand each streamed event to ``on_event``; ``timeline`` finishes
+    after the last event, or fails with the first error (an HTTP status, an error event, a dropped
+    connection): a failed request is a counted error, never raised."""
+    try:
+        async with client.post(path, body) as response:
+            if response.status != 200:
+                raise await _failed_status(response)
+            async for event in response.events():
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                on_event(event)
+        timeline.finish(time.perf_counter())
+    except Exception as exc:  # noqa: BLE001
+        timeline.fail(time.perf_counter(), _error(exc))
+    return timeline
+
+
 class GatewaySseTransport:
     """The gateway's native ``POST /v1/generate:stream``: GenerateStream as Server-Sent Events."""
 
@@ -140,19 +160,12 @@ class GatewaySseTransport:
             "sampling": {"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True},
         }
         timeline = RequestTimeline(sent=time.perf_counter(), prompt_tokens=spec.prompt_len)
-        try:
-            async with self.client.post("/v1/generate:stream", body) as response:
-                if response.status != 200:
-                    raise await _failed_status(response)
-                async for event in response.events():
-                    if "error" in event:
-                        raise RuntimeError(f"stream error: {event['error']}")
-                    if "delta" in event:
-                        timeline.add_chunk(time.perf_counter(), len(event["delta"].get("token_ids", [])))
-            timeline.finish(time.perf_counter())
-        except Exception as exc:  # noqa: BLE001
-            timeline.fail(time.perf_counter(), _error(exc))
-        return timeline
+
+        def on_event(event: dict[str, Any]) -> None:
+            if "delta" in event:
+                timeline.add_chunk(time.perf_counter(), len(event["delta"].get("token_ids", [])))
+
+        return await stream_sse(self.client, "/v1/generate:stream", body, timeline, on_event)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -183,25 +196,18 @@ class OpenAiSseTransport:
             "stream_options": {"include_usage": True},
         }
         timeline = RequestTimeline(sent=time.perf_counter(), prompt_tokens=spec.prompt_len)
-        try:
-            async with self.client.post("/v1/completions", body) as response:
-                if response.status != 200:
-                    raise await _failed_status(response)
-                async for event in response.events():
-                    if "error" in event:
-                        raise RuntimeError(f"stream error: {event['error']}")
-                    if event.get("choices"):
-                        timeline.add_chunk(time.perf_counter(), 1)
-                    usage = event.get("usage")
-                    if usage and timeline.chunks:
-                        missing = usage["completion_tokens"] - timeline.output_tokens
-                        if missing > 0:
-                            at, tokens = timeline.chunks[-1]
-                            timeline.chunks[-1] = (at, tokens + missing)
-            timeline.finish(time.perf_counter())
-        except Exception as exc:  # noqa: BLE001
-            timeline.fail(time.perf_counter(), _error(exc))
-        return timeline
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("choices"):
+                timeline.add_chunk(time.perf_counter(), 1)
+            usage = event.get("usage")
+            if usage and timeline.chunks:
+                missing = usage["completion_tokens"] - timeline.output_tokens
+                if missing > 0:
+                    at, tokens = timeline.chunks[-1]
+                    timeline.chunks[-1] = (at, tokens + missing)
+
+        return await stream_sse(self.client, "/v1/completions", body, timeline, on_event)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -16,6 +16,7 @@ from typing import Any
 from bench.peers.chat_workload import ChatSpec
 from bench.sse_client import SseClient
 from bench.timeline import RequestTimeline
+from bench.transports import stream_sse
 
 CHAT_ROUTE = "/v1/chat/completions"
 
@@ -55,23 +56,15 @@ class ChatSseTransport:
 
     async def stream(self, spec: ChatSpec) -> RequestTimeline:
         timeline = RequestTimeline(sent=time.perf_counter())
-        try:
-            async with self.client.post(CHAT_ROUTE, spec.body(self.model)) as response:
-                if response.status != 200:
-                    text = (await response.body()).decode(errors="replace")
-                    raise RuntimeError(f"HTTP {response.status}: {text[:200]}")
-                async for event in response.events():
-                    if "error" in event:
-                        raise RuntimeError(f"stream error: {event['error']}")
-                    if content_of(event):
-                        timeline.add_chunk(time.perf_counter(), 1)
-                    if event.get("usage"):
-                        apply_usage(timeline, event["usage"])
-                        self.cached_prompt_tokens += cached_tokens(event["usage"])
-            timeline.finish(time.perf_counter())
-        except Exception as exc:  # noqa: BLE001 - a failed request is a counted error, not a crash
-            timeline.fail(time.perf_counter(), f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        return timeline
+
+        def on_event(event: dict[str, Any]) -> None:
+            if content_of(event):
+                timeline.add_chunk(time.perf_counter(), 1)
+            if event.get("usage"):
+                apply_usage(timeline, event["usage"])
+                self.cached_prompt_tokens += cached_tokens(event["usage"])
+
+        return await stream_sse(self.client, CHAT_ROUTE, spec.body(self.model), timeline, on_event)
 
     async def close(self) -> None:
         await self.client.aclose()

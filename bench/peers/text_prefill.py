@@ -9,10 +9,12 @@ depend on guessing how the text tokenizes.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from bench.peers.chat_workload import NONCE_WORDS, ChatPromptFactory
 from bench.sse_client import SseClient
 from bench.timeline import RequestTimeline
+from bench.transports import stream_sse
 
 COMPLETIONS_ROUTE = "/v1/completions"
 
@@ -43,22 +45,14 @@ class TextPrefill:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         timeline = RequestTimeline(sent=time.perf_counter())
-        try:
-            async with self.client.post(COMPLETIONS_ROUTE, body) as response:
-                if response.status != 200:
-                    text = (await response.body()).decode(errors="replace")
-                    raise RuntimeError(f"HTTP {response.status}: {text[:200]}")
-                async for event in response.events():
-                    if "error" in event:
-                        raise RuntimeError(f"stream error: {event['error']}")
-                    if event.get("choices") and not timeline.chunks:
-                        timeline.add_chunk(time.perf_counter(), 1)
-                    if event.get("usage"):
-                        timeline.prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
-            timeline.finish(time.perf_counter())
-        except Exception as exc:  # noqa: BLE001 - a failed request is a counted error, not a crash
-            timeline.fail(time.perf_counter(), f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        return timeline
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("choices") and not timeline.chunks:
+                timeline.add_chunk(time.perf_counter(), 1)
+            if event.get("usage"):
+                timeline.prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
+
+        return await stream_sse(self.client, COMPLETIONS_ROUTE, body, timeline, on_event)
 
     async def close(self) -> None:
         await self.client.aclose()
