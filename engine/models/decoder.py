@@ -49,7 +49,7 @@ from protoserve.engine.models.families.weights import expected_hf_shapes as expe
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
 from protoserve.engine.models.linear import KernelPackable, Linear
-from protoserve.engine.models.moe import MoEBlock
+from protoserve.engine.models.moe import GroupedExperts, MoEBlock
 from protoserve.engine.models.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec
 
 if TYPE_CHECKING:
@@ -323,6 +323,10 @@ class Decoder(nn.Module):
                 m.pack_for_device(device)
         self.to(device)
         self.fused_step = None
+        if ops_for(device).fused_moe is not None:  # its MoE layers' float experts, stacked for the kernel
+            for m in self.modules():
+                if isinstance(m, GroupedExperts):
+                    m.stack_for_fused_kernel()
         # The rope tables' frequencies on the device too: no host copy inside a step (nor a CUDA graph).
         self.rope = dataclasses.replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
         if self.local_rope is not None:

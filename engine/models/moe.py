@@ -204,10 +204,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         check_routing(routing, x.shape[0], self.num_experts)
-        fused = ops_for(x.device).fused_moe
-        stacked = self._stacked() if fused is not None else None
-        if stacked is not None:  # the device's fused kernel over every expert at once
-            return fused(x, *stacked, routing.experts, routing.weights).to(x.dtype)
+        if self._stacks is not None:  # stacked for the device's fused kernel: every expert at once
+            return ops_for(x.device).fused_moe(x, *self._stacks, routing.experts, routing.weights).to(x.dtype)
         weights = self._kernel_weights(x)
         if weights is not None:
             return kernel.grouped_experts(x, routing.experts, routing.weights, weights)
@@ -237,18 +235,15 @@ class GroupedExperts(nn.Module):
         gate, up = self.gate_up[e](rows).split(self.intermediate_size, dim=-1)
         return self.down[e](F.silu(gate) * up)
 
-    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The float experts' weights as the fused kernel takes them, [E, 2I, H] and [E, H, I]; each
-        expert's layers then hold views of them (one copy in memory). None for quantized experts."""
+    def stack_for_fused_kernel(self) -> bool:
+        """Stack the float experts' weights as a device's fused MoE kernel takes them, [E, 2I, H] and
+        [E, H, I], each expert's layers then holding views of them (one copy in memory); once the
+        weights are final and on the device (Decoder.to_device). False, and nothing changes, for
+        quantized experts, which keep their per-expert products."""
         layers = [*self.gate_up, *self.down]
         if not all(type(m) is Linear and m.packed is None and m.bias is None and
                    m.weight.dtype in (torch.float32, torch.bfloat16) for m in layers):
-            return None
-        held = self._stacks
-        if held is not None and all(m.weight.data_ptr() == stack[e].data_ptr()
-                                    for stack, group in zip(held, (self.gate_up, self.down), strict=True)
-                                    for e, m in enumerate(group)):
-            return held
+            return False
         stacks = []
         for group in (self.gate_up, self.down):
             stack = torch.stack([m.weight.detach() for m in group])
@@ -256,7 +251,7 @@ class GroupedExperts(nn.Module):
                 m.weight = nn.Parameter(stack[e], requires_grad=False)
             stacks.append(stack)
         self._stacks = (stacks[0], stacks[1])
-        return self._stacks
+        return True
 
     def _kernel_weights(self, x: torch.Tensor) -> kernel.ExpertWeights | None:
         """The experts' packs bound for the C++ pass, or None where it cannot run (then the module path)."""

@@ -15,6 +15,8 @@ device cannot serve.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from forward_batches import forward_batch, scheduled
@@ -135,7 +137,7 @@ def test_decode_graphs_give_the_eager_steps_tokens(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_experts_on_the_fused_kernel_equal_transformers(device, family, tmp_path):
+def test_moe_experts_on_the_fused_kernel_equal_transformers(device, family, tmp_path, monkeypatch):
     import warnings
 
     from test_moe_families import _make_checkpoint
@@ -143,11 +145,20 @@ def test_moe_experts_on_the_fused_kernel_equal_transformers(device, family, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = _make_checkpoint(family, tmp_path)
+    ops = device_ops.ops_for(torch.device(device))
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return ops.fused_moe(*args)
+
+    monkeypatch.setattr(device_ops, "_triton_ops", lambda: dataclasses.replace(ops, fused_moe=counted))
     loaded = load_model(tmp_path, progress=False, load_tokenizer=False, device=device)
     ids = list(range(30, 57))
     ours = step_logits(loaded.model, device_cache(loaded, loaded.device), ids, 0, list(range(10)))
     experts = [m.mlp.experts for m in loaded.model.layers if m.moe]
-    assert experts and all(e._stacks is not None for e in experts)  # the fused kernel ran every MoE layer
+    assert experts and all(e._stacks is not None for e in experts)
+    assert calls == [len(ids)] * len(experts)  # the fused kernel ran every MoE layer
     assert (ours - hf_logits(hf_model, ids)).abs().max().item() < 1e-4
 
 
