@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from protoserve.engine.sampling.nucleus import keep_sorted
 from protoserve.engine.scheduling.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -81,11 +82,9 @@ def filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         cut = cut.masked_fill(cut < kth, NEG_INF)
     ps = [s.sampling.top_p for s in seqs]
     if any(p < 1.0 for p in ps):
-        p = torch.tensor(ps, dtype=torch.float32, device=device)[:, None]
-        sorted_logits, order = torch.sort(cut, dim=1, stable=True)  # ascending
-        cum = torch.softmax(sorted_logits, dim=1).cumsum(dim=1)
-        remove = (cum <= 1.0 - p) & (p < 1.0)
-        remove[:, -1] = False
+        p = torch.tensor(ps, dtype=torch.float64, device=device)[:, None]
+        desc, order = torch.sort(torch.softmax(cut, dim=1, dtype=torch.float64), dim=1, descending=True, stable=True)
+        remove = ~keep_sorted(desc, p) & (p < 1.0)
         cut = cut.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), NEG_INF)
     min_ps = [s.sampling.min_p for s in seqs]
     if any(m > 0.0 for m in min_ps):

@@ -30,6 +30,7 @@ from protoserve.engine.request import PositionLogprobs, TokenLogprob
 from protoserve.engine.sampling import mirostat
 from protoserve.engine.sampling.batched import batch_sampleable, sample_batch
 from protoserve.engine.sampling.constraints.masks import apply_token_mask, masked_argmax
+from protoserve.engine.sampling.nucleus import apply_top_p
 from protoserve.engine.sampling.penalties import (
     apply_frequency_presence,
     apply_logit_bias,
@@ -70,17 +71,6 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
         kth = torch.topk(logits, k).values[-1]
         logits = logits.masked_fill(logits < kth, NEG_INF)
     return logits
-
-
-def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p (at least one)."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, stable=True)  # ascending
-    cum = torch.softmax(sorted_logits, dim=0).cumsum(dim=0)
-    remove = cum <= 1.0 - p
-    remove[-1] = False
-    return logits.index_fill(0, order[remove], NEG_INF)
 
 
 def apply_typical_p(logits: torch.Tensor, p: float) -> torch.Tensor:
