@@ -1,4 +1,4 @@
-"""serve --speculative-ngram K sets the engine's default speculation (no model load)."""
+"""serve --speculative-ngram K sets the engine's default speculation, on unless K is 0 (no model load)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from protoserve.server.cli import CliError, _engine_config, build_parser
 
 
 def test_speculative_ngram_flag_sets_the_engine_default():
-    assert _engine_config(build_parser().parse_args(["serve"])).speculative is None
+    # On by default (4 drafts), off with 0; output never changes, so only speed depends on it.
+    assert _engine_config(build_parser().parse_args(["serve"])).speculative == SpeculativeParams()
+    assert SpeculativeParams().num_speculative_tokens == 4
     config = _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "6"]))
     assert config.speculative == SpeculativeParams(num_speculative_tokens=6)
-    with pytest.raises(CliError, match=r"--speculative-ngram must be in \[1, 16\]"):
-        _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "0"]))
+    assert _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "0"])).speculative is None
+    with pytest.raises(CliError, match=r"--speculative-ngram must be in \[1, 16\] \(0 turns speculation off\)"):
+        _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "17"]))
 
 
 def test_speculative_model_flag_loads_a_draft_and_makes_it_the_default():
@@ -24,7 +27,8 @@ def test_speculative_model_flag_loads_a_draft_and_makes_it_the_default():
 
 
 def test_disable_by_batch_size_flag():
-    assert _engine_config(build_parser().parse_args(["serve"])).speculative_disable_by_batch_size is None
+    # Drafting only while one sequence runs, for either method, unless the flag says otherwise.
+    assert _engine_config(build_parser().parse_args(["serve"])).speculative_disable_by_batch_size == 1
     draft = _engine_config(build_parser().parse_args(["serve", "--speculative-model", "default"]))
     assert draft.speculative_disable_by_batch_size == 1
     args = ["serve", "--speculative-ngram", "4", "--speculative-disable-by-batch-size", "8"]
