@@ -106,14 +106,19 @@ class TransformersModel:
 
 @dataclass(frozen=True)
 class Server:
-    """A ``protoserve serve`` subprocess of one variant."""
+    """A ``protoserve serve`` subprocess of one variant.
+
+    ``speculative`` False serves with ``--speculative-ngram 0``: the figures that set the server beside
+    the engine in-process (or llama-bench's engine-level decode) compare the same one-token steps.
+    True keeps serve's default speculation, as a user starting ``protoserve serve`` gets it."""
 
     variant: Variant = DEFAULT_VARIANT
+    speculative: bool = False
 
     order = 2
 
     def describe(self) -> str:
-        return f"protoserve server {self.variant.label}"
+        return f"protoserve server {self.variant.label}" + (" (default speculation)" if self.speculative else "")
 
 
 ResourceKey = EngineModel | TransformersModel | Server
@@ -136,8 +141,8 @@ def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
         return TransformersBaseline(model_path())
     from bench.server_process import ServerProcess
 
-    log_path = results_dir / f"server-{key.variant.label}.log"
-    return ServerProcess.start(log_path, key.variant, threads)
+    log_path = results_dir / f"server-{key.variant.label}{'-speculative' if key.speculative else ''}.log"
+    return ServerProcess.start(log_path, key.variant, threads, speculative=key.speculative)
 
 
 def release(key: ResourceKey, resource: Any) -> None:

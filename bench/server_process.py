@@ -44,14 +44,18 @@ class ServerProcess:
     stdout_lines: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(cls, log_path: Path, variant: Variant = DEFAULT_VARIANT, threads: int = 2) -> ServerProcess:
-        """Start the server and wait until it listens and its health says SERVING."""
+    def start(
+        cls, log_path: Path, variant: Variant = DEFAULT_VARIANT, threads: int = 2, speculative: bool = False
+    ) -> ServerProcess:
+        """Start the server and wait until it listens and its health says SERVING; ``speculative`` False
+        turns serve's default n-gram speculation off (``--speculative-ngram 0``)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [
             sys.executable, "-m", "protoserve.server.cli", "serve",
             "--host", "127.0.0.1", "--port", "0", "--http-port", str(free_port()),
             "--dtype", variant.dtype, "--quantization", variant.quantization,
             "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress", *model_args(),
+            *([] if speculative else ["--speculative-ngram", "0"]),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         with open(log_path, "wb") as log:

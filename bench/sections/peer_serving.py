@@ -1,9 +1,9 @@
 """protoserve beside llama.cpp's llama-server: both up at once, the same chat load through each one's
 OpenAI chat route, level by level in turn.
 
-``protoserve serve`` as the bench starts it (the served variant: for the default
+``protoserve serve`` as a user starts it (the served variant: for the default
 Q4_1 GGUF, what ``protoserve serve`` picks by itself, int4 layers and bf16
-K/V) and ``llama-server -np 64 -c 32768 -t <threads>`` on the same GGUF file.
+K/V, and its default n-gram speculation while one sequence runs) and ``llama-server -np 64 -c 32768 -t <threads>`` on the same GGUF file.
 Each request is a ~100-token chat prompt whose system message opens with a
 nonce (bench/peers/chat_workload.py), streamed, greedy, EOS ignored, 64 new
 tokens. At each level (1, 4, 16, 64 concurrent clients) every round runs
@@ -210,10 +210,12 @@ def _step(ctx: BenchContext) -> Step:
         finally:
             peer.stop()
         # Which builds met: said once, on the section's first line.
-        first, note = _name(PEER, f"c{levels[0]}"), f"{lookup.binaries.describe()}; protoserve {variant.label}"
+        first = _name(PEER, f"c{levels[0]}")
+        note = f"{lookup.binaries.describe()}; protoserve {variant.label} with serve's default speculation"
         return [replace(f, note=note) if f.name == first and f.value is not None else f for f in figures]
 
-    return Step(SECTION, Server(variant), f"protoserve {variant.label} and llama-server in turn, chat load", run, expects)
+    return Step(SECTION, Server(variant, speculative=True), f"protoserve {variant.label} and llama-server in turn, chat load",
+                run, expects)
 
 
 def steps(ctx: BenchContext) -> list[Step]:
