@@ -2,9 +2,10 @@
 
 Engine-direct on the served variant (int4 layers, int8 head, bf16 K/V, deterministic mode): ``rows``
 sequences with ``context``-token prompts are prefilled, then each decode step's FusedStep call is
-timed alone (no sampler, no scheduler). Usage:
+timed alone (no sampler, no scheduler). ``--phases`` also splits those steps' time by phase of the
+layer loop (kernels/cpu/step_phases.py). Usage:
 
-    python -m bench.step_profile --rows 16 64 --context 128 --steps 30
+    python -m bench.step_profile --rows 16 64 --context 128 --steps 30 [--phases]
 """
 
 from __future__ import annotations
@@ -16,20 +17,32 @@ import time
 import torch
 
 
-def time_decode_steps(engine, rows: int, context: int, steps: int) -> list[float]:
-    """Seconds per FusedStep call over ``steps`` decode steps of ``rows`` sequences."""
+def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[str, float] | None = None) -> list[float]:
+    """Seconds per FusedStep call over ``steps`` decode steps of ``rows`` sequences; ``phases``, when
+    given, gets those steps' seconds per phase added to it."""
     from protoserve.engine.models import fused_step
     from protoserve.engine.request import TokenizedRequest
     from protoserve.engine.sampling.sampling_params import SamplingParams
+    from protoserve.kernels.cpu import step_phases
 
     times: list[tuple[int, float]] = []
     contexts: list[float] = []
     original = fused_step.FusedStep.__call__
 
     def timed(self, batch, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = original(self, batch, *args, **kwargs)
-        times.append((int(batch.slot_mapping.numel()), time.perf_counter() - t0))
+        if phases is None or int(batch.slot_mapping.numel()) != rows:
+            t0 = time.perf_counter()
+            out = original(self, batch, *args, **kwargs)
+            elapsed = time.perf_counter() - t0
+        else:
+            with step_phases.timed() as split:
+                t0 = time.perf_counter()
+                out = original(self, batch, *args, **kwargs)
+                elapsed = time.perf_counter() - t0
+            if any(n == rows for n, _ in times):  # the first decode step is dropped below: not counted here either
+                for name in step_phases.PHASES:
+                    phases[name] = phases.get(name, 0.0) + split[name]
+        times.append((int(batch.slot_mapping.numel()), elapsed))
         if times[-1][0] == rows:
             contexts.append(float(batch.seq_lens.float().mean()))
         return out
@@ -71,6 +84,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("exact", "fast"), default="exact")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=None, help="K/V cache block size [the engine's]")
+    parser.add_argument("--phases", action="store_true", help="also split the decode steps' time by phase")
     args = parser.parse_args()
     from bench import engine_direct
     from bench.profile import INT4_KV_BF16
@@ -93,13 +107,18 @@ def main() -> None:
         engine.runner.model.set_activation_precision(args.precision)
     for _ in range(args.rounds):
         for rows in args.rows:
-            t = time_decode_steps(engine, rows, args.context, args.steps)
+            phases: dict[str, float] | None = {} if args.phases else None
+            t = time_decode_steps(engine, rows, args.context, args.steps, phases)
             print(
                 f"rows={rows} context={args.context} step median {statistics.median(t) * 1e3:.2f} ms "
                 f"min {min(t) * 1e3:.2f} ms -> {rows / statistics.median(t):.0f} tok/s ({len(t)} steps, "
                 f"mean context {time_decode_steps.mean_context:.0f})",
                 flush=True,
             )
+            if phases:
+                total = sum(phases.values())
+                print("  " + ", ".join(f"{name} {phases[name] / len(t) * 1e3:.2f} ms ({phases[name] / total:.0%})"
+                                       for name in phases), flush=True)
 
 
 if __name__ == "__main__":

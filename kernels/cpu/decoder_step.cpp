@@ -18,12 +18,58 @@
 #include <c10/core/InferenceMode.h>
 #include <omp.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <utility>
 
 namespace protoserve {
+
+const char* const STEP_PHASE_NAMES[STEP_PHASES] = {"norms_residual", "qkv", "rope_kv_write", "attention", "o_proj",
+                                                   "gate_up", "activation", "down", "lm_head"};
+
+namespace {
+
+std::atomic<bool> phase_timing{false};
+std::mutex phase_lock;
+std::array<double, STEP_PHASES> phase_seconds{};
+int64_t phase_steps = 0, phase_tokens = 0;
+
+// Member 0's clock over one step: mark(p) books the time since the previous mark to phase p.
+class PhaseClock {
+ public:
+  explicit PhaseClock(bool on) : on_(on) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void mark(StepPhase phase) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    seconds[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+  std::array<double, STEP_PHASES> seconds{};
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+}  // namespace
+
+void set_step_phase_timing(bool enabled) { phase_timing.store(enabled, std::memory_order_relaxed); }
+
+std::vector<double> take_step_phase_totals() {
+  std::lock_guard<std::mutex> lock(phase_lock);
+  std::vector<double> out(phase_seconds.begin(), phase_seconds.end());
+  out.push_back(static_cast<double>(phase_steps));
+  out.push_back(static_cast<double>(phase_tokens));
+  phase_seconds.fill(0.0);
+  phase_steps = phase_tokens = 0;
+  return out;
+}
 
 DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, torch::Tensor final_norm,
                          LinearWeights lm_head)
@@ -222,7 +268,10 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   // One member's whole step. Row-wise work goes by the member's share of the rows (the same
   // share every time, so a member's row phases need no barrier between them); the linears
   // and the attention meet at the barrier around them.
+  const bool timing = phase_timing.load(std::memory_order_relaxed);
+  std::array<double, STEP_PHASES> step_seconds{};
   auto member = [&](const Team& team) {
+    PhaseClock clock(timing && team.rank == 0);
     int64_t r0 = 0, r1 = 0;
     team.share(T, r0, r1);
     // This member's share of the LoRA rows (in group order), and its scratch.
@@ -244,8 +293,10 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
       const LayerWeights& layer = layers_[i];
       for (int64_t r = r0; r < r1; ++r)
         rms_norm_row(xp + r * hidden_, layer.input_norm.data_ptr<float>(), eps, hidden_, hp + r * hidden_);
+      clock.mark(NORMS);
       packed_linear_into(layer.qkv, hp, T, hidden_, qkvp, *codes, &team);
       add_lora(i, 0, hp, hidden_, qkvp, qkv_size);
+      clock.mark(QKV);
       // This member's tokens: q/k norms, RoPE, and their K/V into the pool, which the attention reads.
       void* kpool = k_caches[i].data_ptr();
       void* vpool = v_caches[i].data_ptr();
@@ -275,11 +326,14 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         }
       }
       team.sync();
+      clock.mark(ROPE_KV);
       paged_attention_into(plans[plan_of[i]], qkvp, qkv_size, H, k_caches[i], v_caches[i], attnp, shape_.attention_scale, &team,
                            &next_unit[i]);
       team.sync();  // the o projection quantizes its own rows, which any member's units wrote
+      clock.mark(ATTENTION);
       packed_linear_into(layer.o, attnp, T, q_size, op, *codes, &team);
       add_lora(i, 1, attnp, q_size, op, hidden_);
+      clock.mark(O_PROJ);
       const bool sandwich = layer.pre_feedforward_norm.has_value();
       for (int64_t r = r0; r < r1; ++r) {
         if (sandwich) {  // x += norm(attention); h = norm(x), as the module path's three operations
@@ -291,8 +345,10 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
                            hidden_, hp + r * hidden_);
         }
       }
+      clock.mark(NORMS);
       packed_linear_into(layer.gate_up, hp, T, hidden_, gup, *codes, &team);
       add_lora(i, 2, hp, hidden_, gup, 2 * I);
+      clock.mark(GATE_UP);
       if (r0 < r1) {
         // ATen's own activation and product, on whole rows: the module path's exact bits. The
         // activation goes straight into the output rows and the product multiplies them in place
@@ -307,8 +363,10 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
           at::silu_out(out_rows, gate);
         at::mul_out(out_rows, out_rows, rows.narrow(1, I, I));
       }
+      clock.mark(ACTIVATION);
       packed_linear_into(layer.down, actp, T, I, op, *codes, &team);
       add_lora(i, 3, actp, I, op, hidden_);
+      clock.mark(DOWN);
       for (int64_t r = r0; r < r1; ++r) {
         if (sandwich)
           rms_norm_row(op + r * hidden_, layer.post_feedforward_norm->data_ptr<float>(), eps, hidden_, op + r * hidden_);
@@ -321,7 +379,10 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
     float* lastp = last.data_ptr<float>();
     for (int64_t j = j0; j < j1; ++j)
       rms_norm_row(xp + picks[j] * hidden_, final_norm_.data_ptr<float>(), eps, hidden_, lastp + j * hidden_);
+    clock.mark(NORMS);
     packed_linear_into(lm_head_, lastp, L, hidden_, logits.data_ptr<float>(), *codes, &team);
+    clock.mark(LM_HEAD);
+    if (team.rank == 0) step_seconds = clock.seconds;
   };
 
   const int threads = std::max(1, at::get_num_threads());
@@ -348,6 +409,12 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
     guarded(omp_get_thread_num(), omp_get_num_threads());
   }
   if (failure) std::rethrow_exception(failure);
+  if (timing) {
+    std::lock_guard<std::mutex> lock(phase_lock);
+    for (int k = 0; k < STEP_PHASES; ++k) phase_seconds[k] += step_seconds[k];
+    phase_steps += 1;
+    phase_tokens += T;
+  }
   return logits;
 }
 

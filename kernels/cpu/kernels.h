@@ -171,6 +171,16 @@ struct DecoderShape {
 };
 
 // The decoder's layers, final norm and LM head run as one C++ call per forward.
+// Where the fused step's time goes, for bench/step_profile.py --phases: the wall time of each phase
+// of the layer loop as member 0 of the team sees it (a linear's phase ends at the barrier after it, so
+// it includes waiting for the slower member), summed over the steps run while timing is on. Off by
+// default; off, the step reads no clock.
+enum StepPhase { NORMS, QKV, ROPE_KV, ATTENTION, O_PROJ, GATE_UP, ACTIVATION, DOWN, LM_HEAD, STEP_PHASES };
+extern const char* const STEP_PHASE_NAMES[STEP_PHASES];
+void set_step_phase_timing(bool enabled);
+// Seconds per phase, then the steps and tokens they cover; resets the totals.
+std::vector<double> take_step_phase_totals();
+
 class DecoderStep {
  public:
   DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, torch::Tensor final_norm, LinearWeights lm_head);

@@ -83,6 +83,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("lora_starts") = py::none(), py::arg("layer_windows") = std::vector<int64_t>(),
            py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
            py::arg("layer_rope") = std::vector<int64_t>(), py::arg("fine_activations") = true, no_gil);
+  m.def("set_step_phase_timing", &protoserve::set_step_phase_timing,
+        "time the fused step's phases from now on (True) or stop (False)", py::arg("enabled"));
+  m.def(
+      "take_step_phase_totals",
+      [] {
+        const std::vector<double> totals = protoserve::take_step_phase_totals();
+        py::dict out;
+        for (int k = 0; k < protoserve::STEP_PHASES; ++k) out[protoserve::STEP_PHASE_NAMES[k]] = totals[k];
+        out["steps"] = static_cast<int64_t>(totals[protoserve::STEP_PHASES]);
+        out["tokens"] = static_cast<int64_t>(totals[protoserve::STEP_PHASES + 1]);
+        return out;
+      },
+      "seconds per phase of the fused steps timed since the last call, with their steps and tokens; resets them");
   m.def("moe_experts", &protoserve::moe_experts,
         "a MoE block's routed experts, grouped by expert over packed weights (float32 [T, H])", py::arg("x"),
         py::arg("expert_ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), no_gil);

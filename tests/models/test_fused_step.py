@@ -522,3 +522,33 @@ def test_bad_arguments_raise_clear_errors(tiny_checkpoint) -> None:
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
         model(broken, paged_cache(model, num_blocks=8, block_size=bs))
     assert torch.equal(model(batch, paged_cache(model, num_blocks=8, block_size=bs)), expected)
+
+
+# -- phase timing (bench/step_profile.py --phases) ----------------------------------------------------
+
+
+def test_step_phase_timing_books_the_timed_steps_only(tiny_checkpoint, monkeypatch) -> None:
+    from protoserve.kernels.cpu import step_phases
+
+    model = load_model(tiny_checkpoint("llama")[0], quantization="int4", progress=False).model
+    step_phases.take()
+    run_fused(model)
+    assert step_phases.take()["steps"] == 0  # timing is off unless asked for
+    calls: list[int] = []
+    original = FusedStep.__call__
+
+    def counted(self, batch, *args, **kwargs):
+        calls.append(int(batch.slot_mapping.numel()))
+        return original(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(FusedStep, "__call__", counted)
+    with step_phases.timed() as split:
+        start = time.perf_counter()
+        timed_logits = run_fused(model)[0]
+        wall = time.perf_counter() - start
+    assert (split["steps"], split["tokens"]) == (len(calls), sum(calls)) and calls
+    assert all(split[name] > 0 for name in step_phases.PHASES), split
+    assert sum(split[name] for name in step_phases.PHASES) <= wall
+    assert step_phases.take()["steps"] == 0  # off again once the block ends
+    for a, b in zip(timed_logits, run_fused(model)[0], strict=True):
+        assert torch.equal(a, b)  # timing changes no result
