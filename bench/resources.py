@@ -50,11 +50,13 @@ def model_args() -> list[str]:
 @dataclass(frozen=True)
 class Variant:
     """Model numerics: activation dtype, weight quantization and K/V storage (as ``--dtype`` /
-    ``--quantization`` / ``--kv-cache-dtype``)."""
+    ``--quantization`` / ``--kv-cache-dtype``), and the servers' ``--activation-precision`` (engine-direct
+    runs set theirs with ``Decoder.set_activation_precision``)."""
 
     dtype: str = "float32"
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    activation_precision: str = "exact"
 
     @property
     def label(self) -> str:
@@ -76,6 +78,8 @@ class Variant:
         kv = kv.removeprefix("torch.")
         if kv != self.dtype:
             label += f"-kv{DTYPE_LABELS.get(kv, kv)}"
+        if self.activation_precision != "exact":
+            label += f"-{self.activation_precision}"
         return label
 
 

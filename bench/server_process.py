@@ -45,19 +45,24 @@ class ServerProcess:
 
     @classmethod
     def start(
-        cls, log_path: Path, variant: Variant = DEFAULT_VARIANT, threads: int = 2, speculative: bool = False
+        cls, log_path: Path, variant: Variant = DEFAULT_VARIANT, threads: int = 2, speculative: bool = False,
+        data_dir: Path | None = None,
     ) -> ServerProcess:
         """Start the server and wait until it listens and its health says SERVING; ``speculative`` False
-        turns serve's default n-gram speculation off (``--speculative-ngram 0``)."""
+        turns serve's default n-gram speculation off (``--speculative-ngram 0``); ``data_dir``: its own
+        $PROTOSERVE_DATA_DIR (a RAG store is open in one process at a time), else this process's."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [
             sys.executable, "-m", "protoserve.server.cli", "serve",
             "--host", "127.0.0.1", "--port", "0", "--http-port", str(free_port()),
             "--dtype", variant.dtype, "--quantization", variant.quantization,
             "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress", *model_args(),
+            "--activation-precision", variant.activation_precision,
             *([] if speculative else ["--speculative-ngram", "0"]),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        if data_dir is not None:
+            env["PROTOSERVE_DATA_DIR"] = str(data_dir)
         with open(log_path, "wb") as log:
             process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         lines: list[str] = []

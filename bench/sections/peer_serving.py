@@ -3,26 +3,31 @@ OpenAI chat route, level by level in turn.
 
 ``protoserve serve`` as a user starts it (the served variant: for the default
 Q4_1 GGUF, what ``protoserve serve`` picks by itself, int4 layers and bf16
-K/V, and its default n-gram speculation while one sequence runs) and ``llama-server -np 64 -c 32768 -t <threads>`` on the same GGUF file.
+K/V, and its default n-gram speculation while one sequence runs), the same
+with ``--activation-precision fast`` (one int8 code per activation, llama.cpp's
+own Q8 activations: the comparison at the peer's precision, reported beside
+the default's, without targets) and ``llama-server -np 64 -c 32768 -t <threads>`` on the same GGUF file.
 Each request is a ~100-token chat prompt whose system message opens with a
 nonce (bench/peers/chat_workload.py), streamed, greedy, EOS ignored, 64 new
 tokens. At each level (1, 4, 16, 64 concurrent clients) every round runs
-both servers one after the other, the order flipped each round (ABBA), so a
-slow stretch of the shared machine falls on both; each figure pools its
-rounds as the serving section's do. While one server is loaded the other
-idles.
+the servers one after the other, the order reversed each round, so a slow
+stretch of the shared machine falls on all; each figure pools its rounds as
+the serving section's do. While one server is loaded the others idle.
 
 Figures: aggregate tokens/s and TTFT p50 of each server per level, the ratios
 protoserve / llama-server (tokens/s: above 1 protoserve is faster; TTFT: below
-1 its first tokens come sooner), and each server's resident memory (its
+1 its first tokens come sooner; ``ratio_fast`` / ``ttft_ratio_fast`` for the
+fast mode), and the default server's and llama-server's resident memory (the
 process tree) idle after warm-up and at the peak of its c=64 run. Without a
 built peer (``make bench-peers``) every figure is skipped with the reason.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from bench import resources
@@ -38,13 +43,15 @@ from bench.peers.ratios import ratio_figure
 from bench.peers.rss import PeakRss, tree_rss_bytes
 from bench.resources import Server
 from bench.runner import Step
-from bench.server_process import free_port
+from bench.server_process import ServerProcess, free_port
 from bench.stats import median
 from bench.timeline import RequestTimeline
 
 SECTION = "peer_serving"
-OURS, PEER = "protoserve", "llama-server"
-SERVERS = (OURS, PEER)
+OURS, FAST, PEER = "protoserve", "protoserve-fast", "llama-server"
+SERVERS = (OURS, FAST, PEER)
+RSS_SERVERS = (OURS, PEER)  # the fast mode's process holds the same model
+RATIO_SUFFIX = {OURS: "", FAST: "_fast"}
 UNIT = "tok/s"
 MIB = 1024 * 1024
 WORKLOAD = 28  # prompt-body seed stream
@@ -66,15 +73,17 @@ def figure_names(levels: Sequence[int]) -> list[tuple[str, str]]:
     for c in levels:
         for server in SERVERS:
             out += [(_name(server, f"c{c}"), UNIT), (_name(server, f"c{c}", "ttft_p50"), "s")]
-        out += [(_name(f"ratio.c{c}"), "x"), (_name(f"ttft_ratio.c{c}"), "x")]
-    for server in SERVERS:
+        for suffix in RATIO_SUFFIX.values():
+            out += [(_name(f"ratio{suffix}.c{c}"), "x"), (_name(f"ttft_ratio{suffix}.c{c}"), "x")]
+    for server in RSS_SERVERS:
         out += [(_name("rss", server, "idle"), "MiB"), (_name("rss", server, f"c{max(levels)}"), "MiB")]
     return out
 
 
 def round_order(round_index: int) -> tuple[str, ...]:
-    """ABBA: llama-server first in even rounds, protoserve first in odd ones."""
-    return (PEER, OURS) if round_index % 2 == 0 else (OURS, PEER)
+    """llama-server first in even rounds, last in odd ones (the rest reversed with it)."""
+    order = (PEER, OURS, FAST)
+    return order if round_index % 2 == 0 else order[::-1]
 
 
 def level_figures(
@@ -111,21 +120,24 @@ def level_figures(
             else skipped(f"{name}.ttft_p50", "s", SECTION, "no token arrived")
         )
         figures[server] = (throughput, ttft)
-    ours, theirs = figures[OURS], figures[PEER]
-    return [
-        *figures[PEER],
-        *figures[OURS],
-        ratio_figure(_name(f"ratio.{key}"), SECTION, ours[0], theirs[0], target=TARGETS.get(f"ratio.{key}")),
-        ratio_figure(
-            _name(f"ttft_ratio.{key}"), SECTION, ours[1], theirs[1], "lower", TARGETS.get(f"ttft_ratio.{key}")
-        ),
-    ]
+    theirs = figures[PEER]
+    out = [*theirs]
+    for server, suffix in RATIO_SUFFIX.items():
+        ours = figures[server]
+        out += [
+            *ours,
+            ratio_figure(_name(f"ratio{suffix}.{key}"), SECTION, ours[0], theirs[0],
+                         target=TARGETS.get(f"ratio{suffix}.{key}")),
+            ratio_figure(_name(f"ttft_ratio{suffix}.{key}"), SECTION, ours[1], theirs[1], "lower",
+                         TARGETS.get(f"ttft_ratio{suffix}.{key}")),
+        ]
+    return out
 
 
 def rss_figures(idle: dict[str, int], peak: dict[str, int], level: int) -> list[Figure]:
     """Resident memory of each server's process tree, idle and at the peak of the widest level."""
     out = []
-    for server in SERVERS:
+    for server in RSS_SERVERS:
         for when, values in (("idle", idle), (f"c{level}", peak)):
             name = _name("rss", server, when)
             if server in values:
@@ -154,7 +166,7 @@ async def _measure(
             cached_before = {s: transports[s].cached_prompt_tokens for s in SERVERS}
             for r in range(p.serving_rounds):
                 for server in round_order(r):
-                    # The same bodies for both servers in a round (same seed), fresh nonces for each.
+                    # The same bodies for every server in a round (same seed), fresh nonces for each.
                     seed = ctx.seed * 1_000_003 + WORKLOAD * 10_000 + c * 100 + r
                     specs = ChatPromptFactory(words, seed=seed).specs(p.level_requests(c), p.serving_max_tokens)
                     async with PeakRss(pids[server]) as rss:
@@ -199,23 +211,33 @@ def _step(ctx: BenchContext) -> Step:
         port = free_port()
         command = server_command(lookup.binaries.server, model, torch.get_num_threads(), port)
         peer = LlamaServerProcess.start(command, port, server.log_path.parent / "llama-server.log")
+        fast = None
+        data_dir = tempfile.TemporaryDirectory(prefix="bench-peer-fast-")
         try:
+            fast_variant = replace(variant, activation_precision="fast")
+            fast = ServerProcess.start(server.log_path.parent / f"server-{fast_variant.label}-speculative.log",
+                                       fast_variant, torch.get_num_threads(), speculative=True,
+                                       data_dir=Path(data_dir.name))
             widest = max(levels)
             transports = {
                 OURS: ChatSseTransport(OURS, server.http_base_url, widest, server.model_name()),
+                FAST: ChatSseTransport(FAST, fast.http_base_url, widest, fast.model_name()),
                 PEER: ChatSseTransport(PEER, peer.base_url, widest, model.name),
             }
-            pids = {OURS: server.process.pid, PEER: peer.pid}
+            pids = {OURS: server.process.pid, FAST: fast.process.pid, PEER: peer.pid}
             figures = run_clients(_measure(ctx, transports, pids, levels))
         finally:
             peer.stop()
+            if fast is not None:
+                fast.stop()
+            data_dir.cleanup()
         # Which builds met: said once, on the section's first line.
         first = _name(PEER, f"c{levels[0]}")
         note = f"{lookup.binaries.describe()}; protoserve {variant.label} with serve's default speculation"
         return [replace(f, note=note) if f.name == first and f.value is not None else f for f in figures]
 
-    return Step(SECTION, Server(variant, speculative=True), f"protoserve {variant.label} and llama-server in turn, chat load",
-                run, expects)
+    return Step(SECTION, Server(variant, speculative=True),
+                f"protoserve {variant.label} (exact and fast) and llama-server in turn, chat load", run, expects)
 
 
 def steps(ctx: BenchContext) -> list[Step]:

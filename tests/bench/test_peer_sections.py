@@ -175,8 +175,9 @@ def _timelines(n: int, tokens: int, span: float, prompt: int = 100) -> list[Requ
 
 def test_level_figures_pool_rounds_and_hold_the_ratio_to_the_target() -> None:
     rounds = {"protoserve": [_timelines(4, 64, 1.0), _timelines(4, 64, 1.0)],
+              "protoserve-fast": [_timelines(4, 64, 0.5), _timelines(4, 64, 0.5)],
               "llama-server": [_timelines(4, 64, 4.0), _timelines(4, 64, 4.0)]}
-    rates = {"protoserve": [256.0, 256.0], "llama-server": [64.0, 64.0]}
+    rates = {"protoserve": [256.0, 256.0], "protoserve-fast": [512.0, 512.0], "llama-server": [64.0, 64.0]}
     figures = {f.name: f for f in peer_serving.level_figures(16, rounds, rates, {"llama-server": 3})}
     assert figures["peer_serving.protoserve.c16"].value == pytest.approx(256.0)
     assert figures["peer_serving.llama-server.c16"].value == pytest.approx(64.0)
@@ -187,14 +188,18 @@ def test_level_figures_pool_rounds_and_hold_the_ratio_to_the_target() -> None:
     assert ratio.value == pytest.approx(4.0) and ratio.target is not None and not ratio.met  # 4x < 5x
     ttft = figures["peer_serving.ttft_ratio.c16"]
     assert ttft.value == pytest.approx(1.0) and ttft.better == "lower"
+    fast = figures["peer_serving.ratio_fast.c16"]  # the fast mode beside the default, without a target
+    assert fast.value == pytest.approx(8.0) and fast.target is None
     assert set(figures) == {n for n, _ in peer_serving.figure_names([16]) if "rss" not in n}
 
 
 def test_level_with_every_request_failed_is_skipped_with_the_error() -> None:
     failed = RequestTimeline(sent=0.0)
     failed.fail(1.0, "HTTP 500: boom")
-    rounds = {"protoserve": [_timelines(2, 8, 1.0)], "llama-server": [[failed]]}
-    figures = {f.name: f for f in peer_serving.level_figures(1, rounds, {"protoserve": [16.0], "llama-server": [0.0]})}
+    rounds = {"protoserve": [_timelines(2, 8, 1.0)], "protoserve-fast": [_timelines(2, 8, 1.0)],
+              "llama-server": [[failed]]}
+    rates = {"protoserve": [16.0], "protoserve-fast": [16.0], "llama-server": [0.0]}
+    figures = {f.name: f for f in peer_serving.level_figures(1, rounds, rates)}
     assert figures["peer_serving.llama-server.c1"].value is None
     assert "HTTP 500: boom" in figures["peer_serving.llama-server.c1"].note
     assert figures["peer_serving.ratio.c1"].value is None
@@ -202,7 +207,8 @@ def test_level_with_every_request_failed_is_skipped_with_the_error() -> None:
 
 def test_abba_order_and_rss_figures() -> None:
     assert [peer_serving.round_order(r) for r in range(3)] == [
-        ("llama-server", "protoserve"), ("protoserve", "llama-server"), ("llama-server", "protoserve")]
+        ("llama-server", "protoserve", "protoserve-fast"), ("protoserve-fast", "protoserve", "llama-server"),
+        ("llama-server", "protoserve", "protoserve-fast")]
     figures = peer_serving.rss_figures({"protoserve": 512 * 2**20, "llama-server": 868 * 2**20},
                                        {"protoserve": 600 * 2**20}, 64)
     by_name = {f.name: f for f in figures}
