@@ -50,14 +50,11 @@ ENGINE_FLAGS = (
 )
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
-# target's tokens, greedy and seeded output unchanged, so only speed moves. It pays where a step is
-# bound by reading the weights, one running sequence: SmolLM2 int4 on 2 CPU cores, chat prompts, 64
-# new tokens, 1.34x tokens/s greedy and 1.06-1.09x sampled (temperature 0.8, top_p 0.95) engine-direct,
-# 1.29x through the OpenAI route; at 4 and 8 sequences 0.98-1.01x, at 16 0.94-0.955x.
+# target's tokens (greedy and seeded output unchanged), so only speed moves, and it pays only where a
+# step is bound by reading the weights (docs/performance.md has the measurements).
 DEFAULT_NGRAM_TOKENS = 4
-# Both methods' default --speculative-disable-by-batch-size: a draft model's own forwards pay off
-# single-stream only too (SmolLM2 int4 drafting for float32: 1.1-1.2x at 1 sequence, 0.85-0.88x at
-# 4, 8 and 16).
+# Both methods' default --speculative-disable-by-batch-size: drafting pays at one running sequence and
+# costs from four on, by prompt lookup and with a draft model alike (docs/performance.md).
 SPECULATIVE_MAX_BATCH = 1
 
 # serve's --default-<field> flags: (SamplingParams field, type, what it does).
@@ -141,10 +138,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if draft is not None:
         config.speculative_model = draft
         config.speculative = SpeculativeParams(method="draft")
-    elif k is None or k > 0:
-        config.speculative = SpeculativeParams(num_speculative_tokens=DEFAULT_NGRAM_TOKENS if k is None else k)
-        for _, problem in config.speculative.validate():
-            raise CliError(f"--speculative-ngram {problem} (0 turns speculation off)")
+    else:
+        if k is None:  # measured on the CPU kernels; on cuda speculation stays a choice the flag makes
+            k = DEFAULT_NGRAM_TOKENS if config.device == "cpu" else 0
+        if k != 0:
+            config.speculative = SpeculativeParams(num_speculative_tokens=k)
+            for _, problem in config.speculative.validate():
+                raise CliError(f"--speculative-ngram {problem} (0 turns speculation off)")
     if config.speculative is not None:
         config.speculative_disable_by_batch_size = SPECULATIVE_MAX_BATCH
     limit = getattr(args, "speculative_disable_by_batch_size", None)
@@ -218,7 +218,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="speculative decoding by prompt lookup for requests that leave GenerateRequest.speculative unset "
         "(and have no constraint): draft up to K tokens (1-16) per step from the prompt and output, verify them "
-        f"in one forward; output is unchanged; 0 turns it off [{DEFAULT_NGRAM_TOKENS}]",
+        f"in one forward; output is unchanged; 0 turns it off [{DEFAULT_NGRAM_TOKENS} on device cpu, 0 on cuda]",
     )
     parser.add_argument(
         "--speculative-model",

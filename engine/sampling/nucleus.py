@@ -6,8 +6,8 @@ crosses p is kept too (transformers' TopPLogitsWarper and vLLM keep the same set
 prefix sums of a float64 softmax, taken in that order by the host row and the batched rows alike, so
 both keep the same tokens.
 
-Why not sort the row: a full stable sort of a 49k-token vocabulary took ~3.4 ms on this CPU, more than
-a single-stream decode step. The nucleus almost always lies among the few hundred most likely tokens:
+Why not sort the row: on the CPU a full stable sort of a 49k-token vocabulary costs more than a
+single-stream decode step. The nucleus almost always lies among the few hundred most likely tokens:
 ``apply_top_p`` finds it with ``torch.topk`` over a growing candidate count and sorts only those, and
 the tokens left out are provably outside it (the mass above each of them is at least the candidates'
 whole mass, which reached p). Near-flat rows, whose candidates hold little of p, sort the whole row.

@@ -17,6 +17,12 @@ def test_speculative_ngram_flag_sets_the_engine_default():
     assert _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "0"])).speculative is None
     with pytest.raises(CliError, match=r"--speculative-ngram must be in \[1, 16\] \(0 turns speculation off\)"):
         _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "17"]))
+    with pytest.raises(CliError, match=r"--speculative-ngram must be in \[1, 16\]"):
+        _engine_config(build_parser().parse_args(["serve", "--speculative-ngram", "-1"]))
+    # On cuda the default is off (measured on the CPU kernels only); the flag still turns it on.
+    assert _engine_config(build_parser().parse_args(["serve", "--device", "cuda"])).speculative is None
+    cuda = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--speculative-ngram", "3"]))
+    assert cuda.speculative == SpeculativeParams(num_speculative_tokens=3)
 
 
 def test_speculative_model_flag_loads_a_draft_and_makes_it_the_default():
