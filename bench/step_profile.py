@@ -11,6 +11,7 @@ layer loop (kernels/cpu/step_phases.py). Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -30,18 +31,16 @@ def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[
     original = fused_step.FusedStep.__call__
 
     def timed(self, batch, *args, **kwargs):
-        if phases is None or int(batch.slot_mapping.numel()) != rows:
+        decode = int(batch.slot_mapping.numel()) == rows
+        split_phases = phases is not None and decode
+        with step_phases.timed() if split_phases else contextlib.nullcontext({}) as split:
             t0 = time.perf_counter()
             out = original(self, batch, *args, **kwargs)
             elapsed = time.perf_counter() - t0
-        else:
-            with step_phases.timed() as split:
-                t0 = time.perf_counter()
-                out = original(self, batch, *args, **kwargs)
-                elapsed = time.perf_counter() - t0
-            if any(n == rows for n, _ in times):  # the first decode step is dropped below: not counted here either
-                for name in step_phases.PHASES:
-                    phases[name] = phases.get(name, 0.0) + split[name]
+        # The first decode step is dropped below: its phases are not counted either.
+        if split_phases and any(n == rows for n, _ in times):
+            for name in step_phases.PHASES:
+                phases[name] = phases.get(name, 0.0) + split[name]
         times.append((int(batch.slot_mapping.numel()), elapsed))
         if times[-1][0] == rows:
             contexts.append(float(batch.seq_lens.float().mean()))
