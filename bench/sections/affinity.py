@@ -18,7 +18,6 @@ round robin once on each replica its requests visit. The figure is the ratio (ta
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import tempfile
 import threading
@@ -136,19 +135,13 @@ def send_all(envoy_target: str, calls: Sequence[Call], concurrency: int) -> int:
 def replicas(variant: Variant, threads: int) -> Iterator[list[ServerProcess]]:
     """Three servers, each with a data dir of its own (a RAG store is open in one process at a time)."""
     started: list[ServerProcess] = []
-    previous = os.environ.get("PROTOSERVE_DATA_DIR")
     try:
         with tempfile.TemporaryDirectory(prefix="bench-affinity-") as root:
             for i in range(REPLICAS):
-                os.environ["PROTOSERVE_DATA_DIR"] = str(Path(root) / f"replica-{i}")
                 log_path = REPO / "bench" / "results" / f"server-affinity-{i}.log"
-                started.append(ServerProcess.start(log_path, variant, threads))
+                started.append(ServerProcess.start(log_path, variant, threads, data_dir=Path(root) / f"replica-{i}"))
             yield started
     finally:
-        if previous is None:
-            os.environ.pop("PROTOSERVE_DATA_DIR", None)
-        else:
-            os.environ["PROTOSERVE_DATA_DIR"] = previous
         for server in started:
             server.stop()
 

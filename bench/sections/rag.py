@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -383,34 +381,18 @@ def itl_figures(
     ]  # fmt: skip
 
 
-@contextmanager
-def environment(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block, then as it was."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _start_server(variant: Variant, data_dir: Path) -> Any:
     """A ``protoserve serve`` whose RAG store lives in ``data_dir``.
 
-    ServerProcess passes no --data-dir; the server reads $PROTOSERVE_DATA_DIR instead, and the child
-    takes this process's environment at start. Its own server (not the runner's Server resource, whose
-    store would be the user's data dir): the documents indexed here must not outlive the run.
+    Its own server (not the runner's Server resource, whose store would be the user's data dir): the
+    documents indexed here must not outlive the run.
     """
     import torch
 
     from bench.server_process import ServerProcess
 
     log_path = REPO / "bench" / "results" / f"server-rag-{variant.label}.log"
-    with environment("PROTOSERVE_DATA_DIR", str(data_dir)):
-        return ServerProcess.start(log_path, variant, torch.get_num_threads())
+    return ServerProcess.start(log_path, variant, torch.get_num_threads(), data_dir=data_dir)
 
 
 def _index_request(sizes: Sizes, seed: int, first_id: int = 0, documents: int | None = None) -> Any:

@@ -485,3 +485,36 @@ def test_isolation_figures_hold_itl_p99_beside_huge_prompts_to_without() -> None
     assert late.value == pytest.approx(2.5) and late.met is False and late.target == Target(2.0, "lower")
     assert "after a stream ended" in late.note and late.details["overlapped_rounds"] == "0/1"
     assert len(text_of(20_000_000)) == 20_000_000 and text_of(20_000_000).isascii()
+
+
+def test_a_server_gets_its_own_data_dir_and_flags_without_touching_this_environment(monkeypatch, tmp_path) -> None:
+    # ServerProcess.start(data_dir=...) is how the rag, affinity and peer sections give each server its
+    # own RAG store: the child's environment carries it, this process's stays as it was.
+    import os
+
+    from bench import server_process
+
+    class Started(Exception):
+        pass
+
+    seen: dict = {}
+
+    def fake_popen(args, cwd, env, stdout, stderr, text):
+        seen.update(args=args, env=env)
+        raise Started
+
+    monkeypatch.setattr(server_process.subprocess, "Popen", fake_popen)
+    monkeypatch.delenv("PROTOSERVE_DATA_DIR", raising=False)
+    with pytest.raises(Started):
+        server_process.ServerProcess.start(tmp_path / "server.log", Variant(quantization="int4"), 2,
+                                           data_dir=tmp_path / "store")
+    assert seen["env"]["PROTOSERVE_DATA_DIR"] == str(tmp_path / "store")
+    assert "PROTOSERVE_DATA_DIR" not in os.environ
+    args = seen["args"]
+    assert args[args.index("--speculative-ngram") + 1] == "0"  # beside the engine: one-token steps
+    assert args[args.index("--activation-precision") + 1] == "exact"
+    with pytest.raises(Started):
+        server_process.ServerProcess.start(tmp_path / "server.log", Variant(activation_precision="fast"), 2,
+                                           speculative=True)
+    assert "--speculative-ngram" not in seen["args"] and "PROTOSERVE_DATA_DIR" not in seen["env"]
+    assert seen["args"][seen["args"].index("--activation-precision") + 1] == "fast"

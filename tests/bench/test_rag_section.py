@@ -5,8 +5,6 @@ No model, no server: the section itself runs in ``make bench`` (``--only rag``).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -130,10 +128,3 @@ def test_itl_figures_need_a_round_beside_indexing_and_clean_streams():
     failed.fail(2.0, "UNAVAILABLE: gone")
     with pytest.raises(RuntimeError, match="UNAVAILABLE"):
         rag.itl_figures(idle, [[failed]], index)
-
-
-def test_environment_sets_and_restores(monkeypatch):
-    monkeypatch.delenv("RAG_BENCH_TEST", raising=False)
-    with rag.environment("RAG_BENCH_TEST", "x"):
-        assert os.environ["RAG_BENCH_TEST"] == "x"
-    assert "RAG_BENCH_TEST" not in os.environ
