@@ -84,7 +84,7 @@ def filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if any(p < 1.0 for p in ps):
         p = torch.tensor(ps, dtype=torch.float64, device=device)[:, None]
         desc, order = torch.sort(torch.softmax(cut, dim=1, dtype=torch.float64), dim=1, descending=True, stable=True)
-        remove = ~keep_sorted(desc, p) & (p < 1.0)
+        remove = ~keep_sorted(desc.cumsum(dim=1), p) & (p < 1.0)
         cut = cut.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), NEG_INF)
     min_ps = [s.sampling.min_p for s in seqs]
     if any(m > 0.0 for m in min_ps):

@@ -22,10 +22,9 @@ FIRST_CANDIDATES = 128
 GROWTH = 8
 
 
-def keep_sorted(desc_probs: torch.Tensor, p: torch.Tensor | float) -> torch.Tensor:
-    """Which of the descending-ordered probabilities (last dim) the nucleus keeps: the first always,
-    then each one whose preceding prefix mass is below p."""
-    cum = desc_probs.cumsum(dim=-1)
+def keep_sorted(cum: torch.Tensor, p: torch.Tensor | float) -> torch.Tensor:
+    """Which of the descending-ordered probabilities (last dim), given as their prefix sums ``cum``,
+    the nucleus keeps: the first always, then each one whose preceding prefix mass is below p."""
     keep = torch.empty_like(cum, dtype=torch.bool)
     keep[..., 0] = True
     keep[..., 1:] = cum[..., :-1] < p
@@ -45,13 +44,14 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
         # probability 0 only once all are candidates (they are outside any nucleus the others reach).
         candidates = torch.nonzero(probs >= kth if kth > 0 or k == vocab else probs > 0).squeeze(1)
         desc, order = torch.sort(probs[candidates], descending=True, stable=True)
-        mass = float(desc.cumsum(dim=0)[-1])
+        cum = desc.cumsum(dim=0)
+        mass = float(cum[-1])
         if k == vocab or mass >= p:
             break
         # Far short of p, or the next round would take a quarter of the row: sort the whole row,
         # which costs less than the rounds a near-flat distribution would need.
         k = vocab if mass < p / 4 or k * GROWTH > vocab // 4 else k * GROWTH
-    kept = candidates[order[keep_sorted(desc, p)]]
+    kept = candidates[order[keep_sorted(cum, p)]]
     out = torch.full_like(logits, NEG_INF)
     out[kept] = logits[kept]
     return out

@@ -23,7 +23,7 @@ def full_sort_nucleus(logits: torch.Tensor, p: float) -> set[int]:
     """The rule on the whole vocabulary sorted once: descending, ties by token id."""
     probs = torch.softmax(logits, dim=0, dtype=torch.float64)
     desc, order = torch.sort(probs, descending=True, stable=True)
-    return set(order[nucleus.keep_sorted(desc, p)].tolist())
+    return set(order[nucleus.keep_sorted(desc.cumsum(dim=0), p)].tolist())
 
 
 def rows() -> dict[str, torch.Tensor]:
