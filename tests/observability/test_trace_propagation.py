@@ -7,6 +7,7 @@ Runs server and gateway in this process with the SDK's in-memory exporter
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import grpc
@@ -37,13 +38,22 @@ def _chain(spans: list[ReadableSpan]) -> tuple[ReadableSpan, ReadableSpan, Reada
     return gateway, server, engine
 
 
-def _settled(exporter, count: int, timeout: float = 5.0) -> list[ReadableSpan]:
-    """The finished spans once there are ``count``: the response can reach the client before
-    the gateway (and, for streams, the server) has ended its span."""
+def _trace(exporter, trace_id: int, count: int, timeout: float = 5.0) -> list[ReadableSpan]:
+    """The finished spans of one trace once there are ``count`` of them. An earlier test's call can
+    end its span after this test's exporter was cleared (a stream the server is still closing): that
+    span is in the exporter too, but in its own trace."""
     deadline = time.monotonic() + timeout
-    while len(exporter.get_finished_spans()) < count and time.monotonic() < deadline:
+    while True:
+        mine = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        if len(mine) >= count or time.monotonic() > deadline:
+            return mine
         time.sleep(0.01)
-    return list(exporter.get_finished_spans())
+
+
+def _traceparent() -> tuple[int, str]:
+    """A fresh trace id and the traceparent header that continues it."""
+    trace_id = random.getrandbits(128) | 1
+    return trace_id, f"00-{trace_id:032x}-{CLIENT_SPAN_ID:016x}-01"
 
 
 def _all_text(spans: list[ReadableSpan]) -> str:
@@ -61,7 +71,7 @@ def test_http_request_is_one_trace_continuing_traceparent(obs, spans):
     )
     assert reply.status_code == 200, reply.text
     result = reply.json()
-    gateway, server, engine = _chain(_settled(spans, 3))
+    gateway, server, engine = _chain(_trace(spans, TRACE_ID, 3))
 
     # One trace, continued from the caller's traceparent, parent → child all the way down.
     assert {s.context.trace_id for s in (gateway, server, engine)} == {TRACE_ID}
@@ -105,7 +115,12 @@ def test_without_traceparent_the_gateway_starts_the_trace(obs, spans):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     reply = httpx.post(obs.http_url + "/v1/chat/completions", json=body, headers=auth_headers(), timeout=60)
     assert reply.status_code == 200, reply.text
-    gateway, server, engine = _chain(_settled(spans, 3))
+    deadline = time.monotonic() + 5
+    while not (ours := [s for s in spans.get_finished_spans()
+                        if s.attributes.get("gen_ai.response.id") == reply.json()["id"]]):
+        assert time.monotonic() < deadline, "no engine span for the response"
+        time.sleep(0.01)
+    gateway, server, engine = _chain(_trace(spans, ours[0].context.trace_id, 3))
     assert gateway.parent is None
     assert len({s.context.trace_id for s in (gateway, server, engine)}) == 1
     assert server.parent.span_id == gateway.context.span_id
@@ -117,13 +132,15 @@ def test_without_traceparent_the_gateway_starts_the_trace(obs, spans):
 
 def test_streams_are_traced_to_the_end(obs, spans):
     body = {"prompt": "stream me", "sampling": {"max_tokens": 5, "ignore_eos": True}}
+    trace_id, traceparent = _traceparent()
     with httpx.stream(
-        "POST", obs.http_url + "/v1/generate:stream", json=body, headers=auth_headers(), timeout=60
+        "POST", obs.http_url + "/v1/generate:stream", json=body, headers=auth_headers(traceparent=traceparent),
+        timeout=60,
     ) as reply:
         assert reply.status_code == 200
         events = [line for line in reply.iter_lines() if line.startswith("data:")]
     assert len(events) >= 2
-    gateway, server, engine = _chain(_settled(spans, 3))
+    gateway, server, engine = _chain(_trace(spans, trace_id, 3))
     assert server.name == "/protoserve.v1.InferenceService/GenerateStream"
     assert engine.parent.span_id == server.context.span_id
     assert engine.attributes["gen_ai.usage.output_tokens"] == 5
@@ -132,9 +149,11 @@ def test_streams_are_traced_to_the_end(obs, spans):
 
 def test_no_prompt_or_completion_text_in_spans_by_default(obs, spans):
     body = {"prompt": SECRET, "sampling": {"max_tokens": 6, "ignore_eos": True}}
-    reply = httpx.post(obs.http_url + "/v1/generate", json=body, headers=auth_headers(), timeout=60)
+    trace_id, traceparent = _traceparent()
+    reply = httpx.post(obs.http_url + "/v1/generate", json=body, headers=auth_headers(traceparent=traceparent),
+                       timeout=60)
     assert reply.status_code == 200
-    finished = _settled(spans, 3)
+    finished = _trace(spans, trace_id, 3)
     _, _, engine = _chain(finished)
     assert "gen_ai.input.messages" not in engine.attributes
     assert "gen_ai.output.messages" not in engine.attributes
@@ -148,8 +167,10 @@ def test_content_capture_is_opt_in(obs, spans):
     with grpc.insecure_channel(app.grpc_target) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         request = pb.GenerateRequest(prompt=SECRET, sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
-        response = stub.Generate(request, metadata=grpc_metadata(), timeout=60)
-    [engine] = [s for s in _settled(spans, 2) if s.instrumentation_scope.name == "protoserve.engine"]
+        trace_id, traceparent = _traceparent()
+        metadata = (*grpc_metadata(), ("traceparent", traceparent))
+        response = stub.Generate(request, metadata=metadata, timeout=60)
+    [engine] = [s for s in _trace(spans, trace_id, 2) if s.instrumentation_scope.name == "protoserve.engine"]
     [message] = json.loads(engine.attributes["gen_ai.input.messages"])
     assert message["parts"][0]["content"] == SECRET
     [choice] = json.loads(engine.attributes["gen_ai.output.messages"])
@@ -159,9 +180,11 @@ def test_content_capture_is_opt_in(obs, spans):
 
 def test_errors_are_on_the_spans_and_health_checks_are_not_traced(obs, spans):
     bad = {"prompt": "x", "sampling": {"temperature": -1}}
-    reply = httpx.post(obs.http_url + "/v1/generate", json=bad, headers=auth_headers(), timeout=60)
+    trace_id, traceparent = _traceparent()
+    reply = httpx.post(obs.http_url + "/v1/generate", json=bad, headers=auth_headers(traceparent=traceparent),
+                       timeout=60)
     assert reply.status_code == 400
-    finished = _settled(spans, 2)
+    finished = _trace(spans, trace_id, 2)
     assert not [s for s in finished if s.instrumentation_scope.name == "protoserve.engine"]
     [server] = [s for s in finished if s.kind == SpanKind.SERVER and s.name.startswith("/protoserve")]
     assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -174,4 +197,4 @@ def test_errors_are_on_the_spans_and_health_checks_are_not_traced(obs, spans):
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
     time.sleep(0.2)  # a span, if there were one, could end just after the answer
-    assert spans.get_finished_spans() == ()
+    assert [s.name for s in spans.get_finished_spans() if "grpc.health" in s.name] == []
