@@ -103,20 +103,34 @@ def set_values(message: Message, skip: Iterable[str] = ()) -> dict[str, Any]:
 
 
 def json_text(value: Any) -> str:
-    """Compact JSON of a value read from a ``google.protobuf.Struct``/``Value``, integral numbers as
-    integers: a Struct holds every number as a double, and a schema's ``minItems`` must be an integer."""
-    return json.dumps(integral_numbers(value), separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON of a value read from a ``google.protobuf.Struct``/``Value`` (see struct_data)."""
+    return json.dumps(struct_data(value), separators=(",", ":"), ensure_ascii=False)
 
 
-def integral_numbers(value: Any) -> Any:
-    """A value read from a ``google.protobuf.Struct``/``Value`` with integral numbers as ints."""
+def struct_data(value: Any) -> Any:
+    """A value read from a ``google.protobuf.Struct``/``Value``, the same in every process.
+
+    Integral numbers become ints: a Struct holds every number as a double, and a schema's
+    ``minItems`` must be an integer. Object keys come in a fixed order: a Struct is a protobuf map,
+    whose iteration order differs from one process to the next, and these values become prompt text
+    (tool definitions) and grammars (whose objects list their keys in the schema's order), so the
+    same request would render and sample differently after a restart. Keys are sorted, except a
+    JSON Schema's ``properties``, which follow its ``required`` array (an array keeps the client's
+    order: a pydantic model's or a strict tool's field order), the others sorted after them.
+    """
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, dict):
-        return {key: integral_numbers(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [integral_numbers(item) for item in value]
-    return value
+        return [struct_data(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    out = {key: struct_data(value[key]) for key in sorted(value)}
+    properties, required = out.get("properties"), out.get("required")
+    if isinstance(properties, dict) and isinstance(required, list):
+        first = [name for name in dict.fromkeys(required) if isinstance(name, str) and name in properties]
+        rest = sorted(set(properties) - set(first))
+        out["properties"] = {name: properties[name] for name in [*first, *rest]}
+    return out
 
 
 def constraint_from_proto(message: Message) -> Constraint | None:

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_TOOLS
-from protoserve.server.models.sampling_mapping import integral_numbers
+from protoserve.server.models.sampling_mapping import struct_data
 from protoserve.server.tool_calls.call import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from protoserve.server.tool_calls.forcing import auto_strict_grammar, forced_grammar
 from protoserve.server.tool_calls.parsers import ToolCallFormat
@@ -62,12 +62,11 @@ def tool_specs(tools: Any, violations: Violations) -> list[ToolSpec]:
         seen.add(function.name)
         parameters: dict[str, Any] = {"type": "object", "properties": {}}
         if function.HasField("parameters"):
-            parameters = json_format.MessageToDict(function.parameters)
+            # Integral numbers as integers and keys in an order every process agrees on (struct_data).
+            parameters = struct_data(json_format.MessageToDict(function.parameters))
             if parameters.get("type", "object") != "object":
                 violations.append((f"{path}.function.parameters", "must be a JSON Schema of type object"))
                 continue
-            # Integral numbers as integers (a Struct holds doubles): "minItems": 2, not 2.0.
-            parameters = integral_numbers(parameters)
         specs.append(ToolSpec(function.name, function.description, parameters, bool(function.strict)))
     return specs
 
