@@ -458,8 +458,9 @@ def _writer(message_type: descriptor.Descriptor) -> Callable[[Message], Any]:
         convert = _field_writer(field)
         by_number[field.number] = (field.name, convert)
         if field.has_presence:
-            oneof_members |= _real_oneof(field) is not None
-            template[field.name] = None if _real_oneof(field) is None else _UNSET
+            in_oneof = _real_oneof(field) is not None
+            oneof_members |= in_oneof
+            template[field.name] = _UNSET if in_oneof else None
         elif field.is_repeated:
             template[field.name] = None
             fresh.append((field.name, dict if _is_map(field) else list))
@@ -532,25 +533,20 @@ def _value_writer(field: descriptor.FieldDescriptor) -> Callable[[Any], Any]:
         return bool
     if kind in (FD.CPPTYPE_INT64, FD.CPPTYPE_UINT64):
         return str
-    if kind == FD.CPPTYPE_FLOAT:
-        return lambda value: _FLOAT_WORD.get(_float_class(value)) or type_checkers.ToShortestFloat(value)
+    if kind == FD.CPPTYPE_FLOAT:  # a float32 as the shortest decimal that reads back as itself
+        return lambda value: type_checkers.ToShortestFloat(value) if math.isfinite(value) else _float_word(value)
     if kind == FD.CPPTYPE_DOUBLE:
-        return lambda value: _FLOAT_WORD.get(_float_class(value), value)
-    return _same
+        return lambda value: value if math.isfinite(value) else _float_word(value)
+    return _identity
 
 
-def _same(value: Any) -> Any:
+def _identity(value: Any) -> Any:
     return value
 
 
-_FLOAT_WORD = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-
-
-def _float_class(value: float) -> str | None:
-    """'nan', 'inf' or '-inf' for the values JSON writes as words, else None."""
-    if math.isfinite(value):
-        return None
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+def _float_word(value: float) -> str:
+    """NaN and the infinities, which JSON has no numbers for, as proto3 JSON writes them."""
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def _enum_writer(enum: descriptor.EnumDescriptor) -> Callable[[int], Any]:

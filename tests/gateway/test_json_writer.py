@@ -272,22 +272,22 @@ def _same(message) -> None:
     assert json.dumps(message_to_json(message)) == expected, message
 
 
-@pytest.mark.parametrize("message_type", _served_message_types(), ids=lambda t: t.DESCRIPTOR.full_name)
-def test_served_messages_are_written_as_json_format_writes_them(message_type):
-    _same(message_type())  # every field unset
-    for seed in range(12):
+def _same_when_filled(message_type, fillings: int) -> None:
+    """The empty message, then ``fillings`` random ones (seeds 0, 1, ...)."""
+    _same(message_type())
+    for seed in range(fillings):
         message = message_type()
         fill(message, random.Random(seed))
         _same(message)
 
 
+@pytest.mark.parametrize("message_type", _served_message_types(), ids=lambda t: t.DESCRIPTOR.full_name)
+def test_served_messages_are_written_as_json_format_writes_them(message_type):
+    _same_when_filled(message_type, 12)
+
+
 def test_every_field_kind_is_written_as_json_format_writes_it(test_files):
-    kinds = message_factory.GetMessageClass(test_files.FindMessageTypeByName("codectest.Kinds"))
-    _same(kinds())
-    for seed in range(300):
-        message = kinds()
-        fill(message, random.Random(seed))
-        _same(message)
+    _same_when_filled(message_factory.GetMessageClass(test_files.FindMessageTypeByName("codectest.Kinds")), 300)
 
 
 def test_proto2_fields_and_extensions_are_written_as_json_format_writes_them(test_files):
