@@ -25,6 +25,14 @@ class RequestTimeline:
         if tokens > 0:
             self.chunks.append((at, tokens))
 
+    def count_unseen(self, total_tokens: int) -> None:
+        """The server counted ``total_tokens`` but fewer arrived as chunks (tokens that render as no
+        text): the rest join the last chunk."""
+        missing = total_tokens - self.output_tokens
+        if missing > 0 and self.chunks:
+            at, tokens = self.chunks[-1]
+            self.chunks[-1] = (at, tokens + missing)
+
     def finish(self, at: float) -> None:
         self.finished = at
 

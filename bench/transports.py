@@ -202,10 +202,7 @@ class OpenAiSseTransport:
                 timeline.add_chunk(time.perf_counter(), 1)
             usage = event.get("usage")
             if usage and timeline.chunks:
-                missing = usage["completion_tokens"] - timeline.output_tokens
-                if missing > 0:
-                    at, tokens = timeline.chunks[-1]
-                    timeline.chunks[-1] = (at, tokens + missing)
+                timeline.count_unseen(usage["completion_tokens"])
 
         return await stream_sse(self.client, "/v1/completions", body, timeline, on_event)
 

@@ -38,10 +38,7 @@ def cached_tokens(usage: dict[str, Any]) -> int:
 def apply_usage(timeline: RequestTimeline, usage: dict[str, Any]) -> None:
     """Set the prompt length and add tokens that arrived without text to the last chunk."""
     timeline.prompt_tokens = int(usage.get("prompt_tokens", timeline.prompt_tokens))
-    missing = int(usage.get("completion_tokens", 0)) - timeline.output_tokens
-    if missing > 0 and timeline.chunks:
-        at, tokens = timeline.chunks[-1]
-        timeline.chunks[-1] = (at, tokens + missing)
+    timeline.count_unseen(int(usage.get("completion_tokens", 0)))
 
 
 class ChatSseTransport:
