@@ -18,26 +18,28 @@ PHASES = ("norms_residual", "qkv", "rope_kv_write", "attention", "o_proj", "gate
           "lm_head")
 
 
-def take() -> dict[str, float]:
-    """Seconds per phase of the steps timed since the last take, with ``steps`` and ``tokens``; resets."""
+def _extension():
     ext = load("decoder_step")
     if ext is None:
         raise RuntimeError("the CPU kernels are not available here")
-    return dict(ext.take_step_phase_totals())
+    return ext
+
+
+def take() -> dict[str, float]:
+    """Seconds per phase of the steps timed since the last take, with ``steps`` and ``tokens``; resets."""
+    return dict(_extension().take_step_phase_totals())
 
 
 @contextmanager
 def timed() -> Iterator[dict[str, float]]:
     """Time the fused steps run inside the block; the dict yielded is filled with ``take()``'s totals
     for them when the block ends."""
-    ext = load("decoder_step")
-    if ext is None:
-        raise RuntimeError("the CPU kernels are not available here")
+    ext = _extension()
     totals: dict[str, float] = {}
-    ext.take_step_phase_totals()
+    take()
     ext.set_step_phase_timing(True)
     try:
         yield totals
     finally:
         ext.set_step_phase_timing(False)
-        totals.update(ext.take_step_phase_totals())
+        totals.update(take())
