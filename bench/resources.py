@@ -124,6 +124,11 @@ class Server:
     def describe(self) -> str:
         return f"protoserve server {self.variant.label}" + (" (default speculation)" if self.speculative else "")
 
+    @property
+    def log_name(self) -> str:
+        """The file its stderr goes to, in the results folder."""
+        return f"server-{self.variant.label}{'-speculative' if self.speculative else ''}.log"
+
 
 ResourceKey = EngineModel | TransformersModel | Server
 
@@ -145,8 +150,7 @@ def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
         return TransformersBaseline(model_path())
     from bench.server_process import ServerProcess
 
-    log_path = results_dir / f"server-{key.variant.label}{'-speculative' if key.speculative else ''}.log"
-    return ServerProcess.start(log_path, key.variant, threads, speculative=key.speculative)
+    return ServerProcess.start(results_dir / key.log_name, key.variant, threads, speculative=key.speculative)
 
 
 def release(key: ResourceKey, resource: Any) -> None:

@@ -214,10 +214,9 @@ def _step(ctx: BenchContext) -> Step:
         fast = None
         data_dir = tempfile.TemporaryDirectory(prefix="bench-peer-fast-")
         try:
-            fast_variant = replace(variant, activation_precision="fast")
-            fast = ServerProcess.start(server.log_path.parent / f"server-{fast_variant.label}-speculative.log",
-                                       fast_variant, torch.get_num_threads(), speculative=True,
-                                       data_dir=Path(data_dir.name))
+            fast_server = Server(replace(variant, activation_precision="fast"), speculative=True)
+            fast = ServerProcess.start(server.log_path.parent / fast_server.log_name, fast_server.variant,
+                                       torch.get_num_threads(), speculative=True, data_dir=Path(data_dir.name))
             widest = max(levels)
             transports = {
                 OURS: ChatSseTransport(OURS, server.http_base_url, widest, server.model_name()),
