@@ -88,8 +88,19 @@ constexpr int FINE_BITS = 8;  // fine codes step s / 256: |residual| <= s / 2 ma
 constexpr float FINE_STEPS = 1 << FINE_BITS;
 
 // The rows' activations: int8 coarse and fine codes, per (row, block) the scale and exact float sum.
-// Codes are block-major, [blocks][M][32]: block b of rows r..r+15 is 512 contiguous bytes, which
-// an AMX tile loads as 8 cache lines instead of 16 rows strided K bytes apart.
+// Codes are in groups of 16 rows, block-major inside a group, [M / 16][blocks][16][32]: block b of
+// rows r..r+15 is 512 contiguous bytes, which an AMX tile loads as 8 cache lines instead of 16 rows
+// strided K bytes apart, and a register tile's rows walk their blocks 512 bytes apart (block-major
+// over all M rows put them M * 32 bytes apart: at prefill's hundreds of rows every block of a row
+// fell in the same few L1 sets, and the tile's codes came from L2).
+constexpr int64_t ROW_GROUP = 16;
+
+inline int64_t padded_rows(int64_t M) { return (M + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP; }
+// Offset of row r's block 0 in either code array; its block b is b * ROW_GROUP * BLOCK further.
+inline int64_t row_codes(int64_t r, int64_t blocks) {
+  return ((r / ROW_GROUP) * blocks * ROW_GROUP + r % ROW_GROUP) * BLOCK;
+}
+
 struct QuantizedRows {
   const int8_t* coarse;
   const int8_t* fine;
@@ -99,8 +110,8 @@ struct QuantizedRows {
   int64_t M;
   int64_t blocks;
 
-  const int8_t* coarse_at(int64_t r, int64_t b) const { return coarse + (b * M + r) * BLOCK; }
-  const int8_t* fine_at(int64_t r, int64_t b) const { return fine + (b * M + r) * BLOCK; }
+  const int8_t* coarse_at(int64_t r, int64_t b) const { return coarse + row_codes(r, blocks) + b * ROW_GROUP * BLOCK; }
+  const int8_t* fine_at(int64_t r, int64_t b) const { return fine + row_codes(r, blocks) + b * ROW_GROUP * BLOCK; }
   int32_t coarse_sum(int64_t r, int64_t b) const { return code_sums[r * blocks + b]; }
   int32_t fine_sum(int64_t r, int64_t b) const { return code_sums[(M + r) * blocks + b]; }
 };
@@ -662,14 +673,15 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
   int32_t* csp = codes.code_sums.data();
   const bool fine = codes.fine;
   // Each member quantizes its share of the rows; the tiles then read every row.
+  int8_t* const fp = cp + padded_rows(M) * K;
   protoserve::for_range(team, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      (fine ? quantize_row<true> : quantize_row<false>)(x + r * K, blocks, M * BLOCK, cp + r * BLOCK,
-                                                          cp + M * K + r * BLOCK, sp + r * blocks, up + r * blocks,
+      (fine ? quantize_row<true> : quantize_row<false>)(x + r * K, blocks, ROW_GROUP * BLOCK, cp + row_codes(r, blocks),
+                                                          fp + row_codes(r, blocks), sp + r * blocks, up + r * blocks,
                                                           csp + r * blocks, csp + (M + r) * blocks);
   });
   if (team != nullptr) team->sync();
-  const QuantizedRows rows{cp, cp + M * K, sp, up, csp, M, blocks};
+  const QuantizedRows rows{cp, fp, sp, up, csp, M, blocks};
   const Problem p{w.data.data_ptr<uint8_t>(),
                   reinterpret_cast<const uint16_t*>(w.scales->data_ptr()),
                   reinterpret_cast<const uint16_t*>(w.mins->data_ptr()),
