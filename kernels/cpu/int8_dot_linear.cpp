@@ -93,9 +93,7 @@ constexpr float FINE_STEPS = 1 << FINE_BITS;
 // strided K bytes apart, and a register tile's rows walk their blocks 512 bytes apart (block-major
 // over all M rows put them M * 32 bytes apart: at prefill's hundreds of rows every block of a row
 // fell in the same few L1 sets, and the tile's codes came from L2).
-constexpr int64_t ROW_GROUP = 16;
-
-inline int64_t padded_rows(int64_t M) { return (M + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP; }
+constexpr int64_t ROW_GROUP = protoserve::ActivationCodes::ROW_GROUP;
 // Offset of row r's block 0 in either code array; its block b is b * ROW_GROUP * BLOCK further.
 inline int64_t row_codes(int64_t r, int64_t blocks) {
   return ((r / ROW_GROUP) * blocks * ROW_GROUP + r % ROW_GROUP) * BLOCK;
@@ -673,7 +671,7 @@ void int8_dot_linear_into(const LinearWeights& w, int bits, const float* x, int6
   int32_t* csp = codes.code_sums.data();
   const bool fine = codes.fine;
   // Each member quantizes its share of the rows; the tiles then read every row.
-  int8_t* const fp = cp + padded_rows(M) * K;
+  int8_t* const fp = cp + ActivationCodes::padded_rows(M) * K;
   protoserve::for_range(team, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       (fine ? quantize_row<true> : quantize_row<false>)(x + r * K, blocks, ROW_GROUP * BLOCK, cp + row_codes(r, blocks),

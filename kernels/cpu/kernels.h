@@ -17,7 +17,7 @@ namespace protoserve {
 // across calls (thread_local for single calls; one shared instance for a team). The bfloat16
 // products of linear.cpp keep their rounded rows in `codes` too.
 struct ActivationCodes {
-  std::vector<int8_t> codes;  // [2, M16 / 16, K / 32, 16, 32]: coarse codes, then fine; M16 = M rounded up to 16
+  std::vector<int8_t> codes;  // [2, padded_rows(M) / 16, K / 32, 16, 32]: coarse codes, then fine
   std::vector<float> scales;  // [M, K / 32] per block
   std::vector<float> sums;    // [M, K / 32] per block: the exact float sum of x
   std::vector<int32_t> code_sums;  // [2, M, K / 32] per block: the sum of its coarse codes, then of its fine ones
@@ -26,10 +26,13 @@ struct ActivationCodes {
   // integer products, a coarser result). Either way a row's result does not depend on the batch.
   bool fine = true;
 
+  static constexpr int64_t ROW_GROUP = 16;  // rows per group of the code layout
+  static int64_t padded_rows(int64_t M) { return (M + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP; }
+
   void fit(int64_t M, int64_t K) {
     const size_t blocks = static_cast<size_t>(M) * (K / 32);
-    const int64_t m16 = (M + 15) / 16 * 16;
-    if (codes.size() < static_cast<size_t>(2 * m16 * K)) codes.resize(2 * m16 * K);
+    const int64_t padded = padded_rows(M);
+    if (codes.size() < static_cast<size_t>(2 * padded * K)) codes.resize(2 * padded * K);
     if (scales.size() < blocks) scales.resize(blocks);
     if (sums.size() < blocks) sums.resize(blocks);
     if (code_sums.size() < 2 * blocks) code_sums.resize(2 * blocks);
