@@ -514,15 +514,11 @@ def _map_key_text(key: Any) -> str:
     return str(key)
 
 
-def _message_json(message: Message) -> Any:
-    return _writer(message.DESCRIPTOR)(message)
-
-
 def _value_writer(field: descriptor.FieldDescriptor) -> Callable[[Any], Any]:
     """JSON of one value of the field (json_format's _FieldToJsonObject, with proto field names)."""
     kind = field.cpp_type
     if kind == FD.CPPTYPE_MESSAGE:
-        return _message_json
+        return message_to_json
     if kind == FD.CPPTYPE_ENUM:
         return _enum_writer(field.enum_type)
     if field.type == FD.TYPE_BYTES:
