@@ -201,7 +201,7 @@ class OpenAiSseTransport:
             if event.get("choices"):
                 timeline.add_chunk(time.perf_counter(), 1)
             usage = event.get("usage")
-            if usage and timeline.chunks:
+            if usage:
                 timeline.count_unseen(usage["completion_tokens"])
 
         return await stream_sse(self.client, "/v1/completions", body, timeline, on_event)
