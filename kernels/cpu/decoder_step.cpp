@@ -71,20 +71,20 @@ std::vector<double> take_step_phase_totals() {
   return out;
 }
 
-DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, torch::Tensor final_norm,
+DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, at::Tensor final_norm,
                          LinearWeights lm_head)
     : shape_(shape), layers_(std::move(layers)), final_norm_(std::move(final_norm)), lm_head_(std::move(lm_head)) {
   TORCH_CHECK(shape_.num_heads > 0 && shape_.num_kv_heads > 0 && shape_.head_dim > 0,
               "the decoder step needs positive head counts and head_dim");
   TORCH_CHECK(shape_.num_heads % shape_.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(shape_.head_dim % 2 == 0, "RoPE needs an even head_dim");
-  TORCH_CHECK(final_norm_.scalar_type() == torch::kFloat32 && final_norm_.is_contiguous() && final_norm_.dim() == 1,
+  TORCH_CHECK(final_norm_.scalar_type() == at::kFloat && final_norm_.is_contiguous() && final_norm_.dim() == 1,
               "final_norm must be a contiguous float32 vector");
   hidden_ = final_norm_.numel();
   const int64_t q_size = shape_.num_heads * shape_.head_dim;
   const int64_t qkv = (shape_.num_heads + 2 * shape_.num_kv_heads) * shape_.head_dim;
-  auto check_norm = [](const torch::Tensor& w, int64_t n, const char* name) {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, name,
+  auto check_norm = [](const at::Tensor& w, int64_t n, const char* name) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == n, name,
                 " must be a contiguous float32 vector of ", n);
   };
   for (const auto& layer : layers_) {
@@ -114,30 +114,30 @@ DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, t
   check_packed_linear(lm_head_, hidden_);
 }
 
-torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                   const std::vector<torch::Tensor>& k_caches,
-                                   const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slot_mapping,
-                                   const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                                   const torch::Tensor& seq_lens, const torch::Tensor& logits_indices,
+at::Tensor DecoderStep::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                   const std::vector<at::Tensor>& k_caches,
+                                   const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                                   const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                   const at::Tensor& seq_lens, const at::Tensor& logits_indices,
                                    int64_t sliding_window, const std::vector<LoraWeights>& lora,
-                                   const c10::optional<torch::Tensor>& lora_rows,
-                                   const c10::optional<torch::Tensor>& lora_starts,
+                                   const c10::optional<at::Tensor>& lora_rows,
+                                   const c10::optional<at::Tensor>& lora_starts,
                                    const std::vector<int64_t>& layer_windows,
-                                   const c10::optional<torch::Tensor>& local_cos,
-                                   const c10::optional<torch::Tensor>& local_sin,
+                                   const c10::optional<at::Tensor>& local_cos,
+                                   const c10::optional<at::Tensor>& local_sin,
                                    const std::vector<int64_t>& layer_rope, bool fine_activations) const {
   // Every check happens here, before the team starts: inside it nothing may throw.
   const int64_t num_layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
               "one K and one V pool per layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == hidden_,
               "x must be contiguous float32 [T, ", hidden_, "]");
   const int64_t T = x.size(0);
   const int64_t H = shape_.num_heads, KVH = shape_.num_kv_heads, D = shape_.head_dim;
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
               "slot_mapping must be int64 [T]");
   for (const auto* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
                     t->size(1) == D,
                 "cos and sin must be contiguous float32 [T, head_dim]");
   TORCH_CHECK(num_layers > 0, "the decoder has no layers");
@@ -149,7 +149,7 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "local_cos and local_sin come together");
   if (local_cos.has_value())
     for (const auto* t : {&*local_cos, &*local_sin})
-      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
                       t->size(1) == D,
                   "local_cos and local_sin must be contiguous float32 [T, head_dim]");
   for (const int64_t r : layer_rope)
@@ -164,11 +164,11 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
     if (k == static_cast<int64_t>(windows.size())) windows.push_back(w);
     plan_of[i] = k;
   }
-  const torch::Tensor& pool0 = k_caches[0];
-  const bool bf16_pools = pool0.scalar_type() == torch::kBFloat16;
+  const at::Tensor& pool0 = k_caches[0];
+  const bool bf16_pools = pool0.scalar_type() == at::kBFloat16;
   for (int64_t i = 0; i < num_layers; ++i) {
     for (const auto* pool : {&k_caches[i], &v_caches[i]})
-      TORCH_CHECK((pool->scalar_type() == torch::kFloat32 || pool->scalar_type() == torch::kBFloat16) &&
+      TORCH_CHECK((pool->scalar_type() == at::kFloat || pool->scalar_type() == at::kBFloat16) &&
                       pool->scalar_type() == pool0.scalar_type() && pool->is_contiguous() && pool->dim() == 4 &&
                       pool->sizes() == pool0.sizes(),
                   "every K/V pool must be contiguous, of one shape and one dtype (float32 or bfloat16)");
@@ -179,7 +179,7 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < T; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " is outside the K/V pool");
-  TORCH_CHECK(logits_indices.scalar_type() == torch::kInt64 && logits_indices.is_contiguous() &&
+  TORCH_CHECK(logits_indices.scalar_type() == at::kLong && logits_indices.is_contiguous() &&
                   logits_indices.dim() == 1,
               "logits_indices must be int64 [L]");
   const int64_t L = logits_indices.numel();
@@ -196,10 +196,10 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
   int64_t M = 0, lora_scratch = 0;
   std::vector<char> lora_targets(num_layers * 4, 0);
   if (G > 0) {
-    TORCH_CHECK(lora_starts->scalar_type() == torch::kInt64 && lora_starts->is_contiguous() &&
+    TORCH_CHECK(lora_starts->scalar_type() == at::kLong && lora_starts->is_contiguous() &&
                     lora_starts->numel() == G + 1,
                 "lora_starts must be int64 [groups + 1]");
-    TORCH_CHECK(lora_rows->scalar_type() == torch::kInt64 && lora_rows->is_contiguous() && lora_rows->dim() == 1,
+    TORCH_CHECK(lora_rows->scalar_type() == at::kLong && lora_rows->is_contiguous() && lora_rows->dim() == 1,
                 "lora_rows must be int64 [rows]");
     lrows = lora_rows->data_ptr<int64_t>();
     lstarts = lora_starts->data_ptr<int64_t>();
@@ -238,14 +238,14 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
 
   // The step's activations, written and read by the whole team.
   const auto opts = x.options();
-  const torch::Tensor h = torch::empty({T, hidden_}, opts);
-  const torch::Tensor qkv = torch::empty({T, qkv_size}, opts);
-  const torch::Tensor attn = torch::empty({T, q_size}, opts);
-  const torch::Tensor o = torch::empty({T, hidden_}, opts);
-  const torch::Tensor gate_up = torch::empty({T, 2 * I}, opts);
-  const torch::Tensor act = torch::empty({T, I}, opts);
-  const torch::Tensor last = torch::empty({L, hidden_}, opts);
-  torch::Tensor logits = torch::empty({L, lm_head_.out_features}, opts);
+  const at::Tensor h = at::empty({T, hidden_}, opts);
+  const at::Tensor qkv = at::empty({T, qkv_size}, opts);
+  const at::Tensor attn = at::empty({T, q_size}, opts);
+  const at::Tensor o = at::empty({T, hidden_}, opts);
+  const at::Tensor gate_up = at::empty({T, 2 * I}, opts);
+  const at::Tensor act = at::empty({T, I}, opts);
+  const at::Tensor last = at::empty({L, hidden_}, opts);
+  at::Tensor logits = at::empty({L, lm_head_.out_features}, opts);
   if (T == 0) return logits;
   codes->fit(T, std::max({hidden_, q_size, I}));
   codes->fine = fine_activations;  // the step's scratch is the thread's: set on every call
@@ -354,9 +354,9 @@ torch::Tensor DecoderStep::forward(torch::Tensor x, const torch::Tensor& cos, co
         // activation goes straight into the output rows and the product multiplies them in place
         // (elementwise, the same two roundings): a temporary of the gate's size was allocated,
         // page-faulted and freed per layer, which cost twice the arithmetic in prefill steps.
-        const torch::Tensor rows = gate_up.narrow(0, r0, r1 - r0);
-        torch::Tensor out_rows = act.narrow(0, r0, r1 - r0);
-        const torch::Tensor gate = rows.narrow(1, 0, I);
+        const at::Tensor rows = gate_up.narrow(0, r0, r1 - r0);
+        at::Tensor out_rows = act.narrow(0, r0, r1 - r0);
+        const at::Tensor gate = rows.narrow(1, 0, I);
         if (shape_.gelu_tanh)
           at::gelu_out(out_rows, gate, "tanh");
         else

@@ -3,7 +3,10 @@
 // back through Python between layers.
 #pragma once
 
-#include <torch/extension.h>
+// ATen, not torch/extension.h: only module.cpp binds to Python, and the whole torch API with
+// pybind11 took each source ~17 s to parse, most of a first build's time (every fresh venv,
+// every kernel change).
+#include <ATen/ATen.h>
 
 #include "team.h"
 
@@ -42,19 +45,19 @@ struct ActivationCodes {
 // One packed linear layer, as packed_linear.py's PackedWeight describes it.
 struct LinearWeights {
   int64_t format = 0;
-  torch::Tensor data;
-  c10::optional<torch::Tensor> scales;
-  c10::optional<torch::Tensor> mins;
-  c10::optional<torch::Tensor> bias;
+  at::Tensor data;
+  c10::optional<at::Tensor> scales;
+  c10::optional<at::Tensor> mins;
+  c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
   int64_t group_size = 0;
 };
 
 // linear.cpp: y = x @ W^T (+ bias) over a weight packed by packed_linear.py; float32 [M, N].
 // fine_activations: the integer-dot formats' fine codes (ActivationCodes::fine); other formats ignore it.
-torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
-                            const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
-                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
+at::Tensor packed_linear(const at::Tensor& x, int64_t format, const at::Tensor& data,
+                            const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& mins,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t group_size,
                             bool fine_activations);
 // Throws unless `w` is a well-formed pack for `in_features` inputs; packed_linear_into trusts it.
 void check_packed_linear(const LinearWeights& w, int64_t in_features);
@@ -75,9 +78,9 @@ bool int8_dot_amx_available();
 bool linear_multiplies_in_bf16();
 
 // norm_rope.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
-void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // The same on one row of d values (out may be x): what the tensor entries run per row.
 void rms_norm_row(const float* x, const float* weight, float eps, int64_t d, float* out);
 // residual += x over one row of d values (the residual stream's add, as ATen's add_ rounds it).
@@ -89,9 +92,9 @@ void rope_row(float* x, int64_t heads, int64_t head_stride, const float* cos, co
 // paged_attention.cpp
 // Whether bfloat16 pools (head_dim a multiple of 32) multiply in bfloat16 (query and probabilities rounded).
 bool attention_multiplies_in_bf16();
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                              const torch::Tensor& seq_lens, double scale, int64_t sliding_window);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                              const at::Tensor& seq_lens, double scale, int64_t sliding_window);
 
 // A batch's attention work, checked and cut into units once: every layer of a step shares it.
 struct AttentionTile {
@@ -109,29 +112,29 @@ struct AttentionPlan {
   int64_t sliding_window = 0;
 };
 // Throws on inconsistent indices (block ids are checked against num_blocks).
-void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                    const torch::Tensor& seq_lens, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                    const at::Tensor& seq_lens, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                     int64_t num_blocks, int64_t block_size, int64_t sliding_window);
 // out [T, H, D] dense; q rows q_stride floats apart; caches float32 or bfloat16 [num_blocks, bs, KVH, D].
 // In a team, members take units from `next` (zero before the first member starts) and do not sync.
 void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t num_heads,
-                          const torch::Tensor& k_cache, const torch::Tensor& v_cache, float* out, double scale,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache, float* out, double scale,
                           const Team* team, std::atomic<int64_t>* next);
 
 // One decoder block's weights (engine/models/decoder.py: DecoderLayer).
 struct LayerWeights {
-  torch::Tensor input_norm;
-  torch::Tensor post_attention_norm;
-  c10::optional<torch::Tensor> q_norm;  // Qwen3, Gemma 3: RMSNorm over each head of q and k
-  c10::optional<torch::Tensor> k_norm;
+  at::Tensor input_norm;
+  at::Tensor post_attention_norm;
+  c10::optional<at::Tensor> q_norm;  // Qwen3, Gemma 3: RMSNorm over each head of q and k
+  c10::optional<at::Tensor> k_norm;
   LinearWeights qkv;
   LinearWeights o;
   LinearWeights gate_up;
   LinearWeights down;
   // Gemma's "sandwich" block: with these, post_attention_norm norms the attention's output before the
   // residual add, pre_feedforward_norm the MLP's input and post_feedforward_norm its output.
-  c10::optional<torch::Tensor> pre_feedforward_norm;
-  c10::optional<torch::Tensor> post_feedforward_norm;
+  c10::optional<at::Tensor> pre_feedforward_norm;
+  c10::optional<at::Tensor> post_feedforward_norm;
 };
 
 // lora.cpp: one adapter's low-rank update of one fused linear layer (engine/lora/adapter.py's
@@ -140,8 +143,8 @@ struct LoraLinear {
   // float32: a [R, in rounded up to 16], bt = B^T [R, out + 16]. bfloat16 (AVX512-BF16 only, even
   // rank): a [R, in rounded up to 32], bt = B in rank pairs [R / 2, (out + 32) * 2]. Zero padding
   // makes every weight load a whole vector; the targets' A rows are stacked, `rank` rows each.
-  torch::Tensor a;
-  torch::Tensor bt;  // the scale folded in
+  at::Tensor a;
+  at::Tensor bt;  // the scale folded in
   std::vector<int64_t> slice_begin;  // target j (rows j * rank .. of a and bt) writes out[slice_begin[j], slice_end[j])
   std::vector<int64_t> slice_end;
   int64_t rank = 0;
@@ -161,7 +164,7 @@ int64_t lora_scratch_size(const LoraLinear& w);
 void lora_add_rows(const LoraLinear& w, const float* x, int64_t in, float* out, int64_t out_stride,
                    const int64_t* rows, int64_t n, float* scratch);
 // The same on tensors (out float32 [T, out] in place, x float32 [T, in], rows int64 [n]).
-void lora_add_(torch::Tensor& out, const torch::Tensor& x, const LoraLinear& w, const torch::Tensor& rows);
+void lora_add_(at::Tensor& out, const at::Tensor& x, const LoraLinear& w, const at::Tensor& rows);
 
 // The shape numbers every layer shares.
 struct DecoderShape {
@@ -187,7 +190,7 @@ std::vector<double> take_step_phase_totals();
 
 class DecoderStep {
  public:
-  DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, torch::Tensor final_norm, LinearWeights lm_head);
+  DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, at::Tensor final_norm, LinearWeights lm_head);
 
   // x: the batch's embedded tokens [T, hidden] float32 (consumed: updated in place);
   // cos/sin [T, head_dim]; k_caches/v_caches: one [num_blocks, block_size, KVH, D] pool per layer, all
@@ -199,21 +202,21 @@ class DecoderStep {
   // with layer_rope[i] == 1 rotate by (empty layer_rope: every layer takes cos/sin). fine_activations:
   // ActivationCodes::fine for every integer-dot layer of the step.
   // Returns float32 logits [len(logits_indices), vocab].
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                        const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                        const torch::Tensor& logits_indices, int64_t sliding_window,
-                        const std::vector<LoraWeights>& lora, const c10::optional<torch::Tensor>& lora_rows,
-                        const c10::optional<torch::Tensor>& lora_starts, const std::vector<int64_t>& layer_windows,
-                        const c10::optional<torch::Tensor>& local_cos, const c10::optional<torch::Tensor>& local_sin,
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                        const at::Tensor& logits_indices, int64_t sliding_window,
+                        const std::vector<LoraWeights>& lora, const c10::optional<at::Tensor>& lora_rows,
+                        const c10::optional<at::Tensor>& lora_starts, const std::vector<int64_t>& layer_windows,
+                        const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
                         const std::vector<int64_t>& layer_rope, bool fine_activations) const;
 
  private:
   DecoderShape shape_;
   int64_t hidden_ = 0;
   std::vector<LayerWeights> layers_;
-  torch::Tensor final_norm_;
+  at::Tensor final_norm_;
   LinearWeights lm_head_;
 };
 
@@ -234,14 +237,14 @@ void group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts,
 // One thread's buffers for running an expert (float32): rows [most, H], gate_up [most, 2I],
 // act [most, I], y [most, H], and the integer-dot and bf16 formats' activation codes.
 struct MoEBuffers {
-  torch::Tensor rows, gate_up, act, y;
+  at::Tensor rows, gate_up, act, y;
   ActivationCodes codes;
 };
 // The pass's buffers, grown as needed and reused: one MoEBuffers per team member (members[0] serves
 // the whole team when it shares each product) and pairs [T * k, H].
 struct MoEScratch {
   std::vector<MoEBuffers> members;
-  torch::Tensor pairs;
+  at::Tensor pairs;
   void fit(int64_t num_members, int64_t most, int64_t num_pairs, int64_t H, int64_t I);
 };
 // Throws unless the experts are well-formed packs of one shape for H inputs; moe_experts_into trusts them.
@@ -256,6 +259,6 @@ void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vect
                       const ExpertGroups& groups, MoEScratch& scratch, float* out, const Team* team);
 // The same from tensors, checked: x [T, H] float32, expert_ids int64 and weights float32 [T, k];
 // runs as one team of ATen's thread count. Returns float32 [T, H].
-torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
                           const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
 }  // namespace protoserve

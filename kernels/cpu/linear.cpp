@@ -30,7 +30,7 @@
 #include "kernels.h"
 #include "simd.h"
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -270,7 +270,7 @@ void check_packed_linear(const LinearWeights& w, int64_t K) {
   const int64_t N = w.out_features;
   TORCH_CHECK(N > 0 && K > 0, "a linear layer needs positive in and out features");
   if (w.bias.has_value())
-    TORCH_CHECK(w.bias->scalar_type() == torch::kFloat32 && w.bias->is_contiguous() && w.bias->numel() == N,
+    TORCH_CHECK(w.bias->scalar_type() == at::kFloat && w.bias->is_contiguous() && w.bias->numel() == N,
                 "bias must be contiguous float32 [N]");
   TORCH_CHECK(w.data.is_contiguous(), "the packed weight must be contiguous");
   const int64_t blocks = (N + NB - 1) / NB;
@@ -282,26 +282,26 @@ void check_packed_linear(const LinearWeights& w, int64_t K) {
       TORCH_CHECK(w.group_size >= 32 && w.group_size % 32 == 0 && K % w.group_size == 0,
                   "group_size must be a multiple of 32 dividing in_features");
       const int64_t Nv = (N + 15) / 16, groups = K / w.group_size;
-      TORCH_CHECK(w.data.scalar_type() == torch::kUInt8 && w.data.numel() == Nv * (K / 32) * bits * 64,
+      TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == Nv * (K / 32) * bits * 64,
                   "bad int", bits, " code pack for [", N, ", ", K, "]");
       TORCH_CHECK(w.scales.has_value() && w.mins.has_value(), "integer-dot formats need scales and mins");
       for (const auto* t : {&*w.scales, &*w.mins})
-        TORCH_CHECK(t->scalar_type() == torch::kFloat16 && t->is_contiguous() && t->numel() == Nv * groups * 16,
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == Nv * groups * 16,
                     "scales and mins must be contiguous float16 [", Nv, ", ", groups, ", 16]");
       return;
     }
     case Format::F32:
       TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
-      TORCH_CHECK(w.data.scalar_type() == torch::kFloat32 && w.data.numel() == blocks * NB * K, "bad float32 pack");
+      TORCH_CHECK(w.data.scalar_type() == at::kFloat && w.data.numel() == blocks * NB * K, "bad float32 pack");
       return;
     case Format::BF16:
       TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
-      TORCH_CHECK(w.data.scalar_type() == torch::kBFloat16 && w.data.numel() == blocks * NB * K, "bad bfloat16 pack");
+      TORCH_CHECK(w.data.scalar_type() == at::kBFloat16 && w.data.numel() == blocks * NB * K, "bad bfloat16 pack");
       return;
     case Format::I8:
       TORCH_CHECK(K % CHUNK == 0, "in_features must be a multiple of 16, got ", K);
-      TORCH_CHECK(w.data.scalar_type() == torch::kInt8 && w.data.numel() == blocks * NB * K, "bad int8 pack");
-      TORCH_CHECK(w.scales.has_value() && w.scales->scalar_type() == torch::kFloat32 && w.scales->is_contiguous() &&
+      TORCH_CHECK(w.data.scalar_type() == at::kChar && w.data.numel() == blocks * NB * K, "bad int8 pack");
+      TORCH_CHECK(w.scales.has_value() && w.scales->scalar_type() == at::kFloat && w.scales->is_contiguous() &&
                       w.scales->numel() >= N,
                   "int8 needs float32 per-channel scales");
       return;
@@ -309,10 +309,10 @@ void check_packed_linear(const LinearWeights& w, int64_t K) {
       TORCH_CHECK(K % 32 == 0 && w.group_size >= 32 && (w.group_size & (w.group_size - 1)) == 0 &&
                       K % w.group_size == 0,
                   "int4 needs in_features a multiple of 32 and a power-of-two group size >= 32 dividing it");
-      TORCH_CHECK(w.data.scalar_type() == torch::kUInt8 && w.data.numel() == blocks * NB * K / 2, "bad int4 pack");
+      TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == blocks * NB * K / 2, "bad int4 pack");
       const int64_t groups = K / w.group_size;
-      TORCH_CHECK(w.scales.has_value() && w.mins.has_value() && w.scales->scalar_type() == torch::kFloat32 &&
-                      w.mins->scalar_type() == torch::kFloat32 && w.scales->is_contiguous() &&
+      TORCH_CHECK(w.scales.has_value() && w.mins.has_value() && w.scales->scalar_type() == at::kFloat &&
+                      w.mins->scalar_type() == at::kFloat && w.scales->is_contiguous() &&
                       w.mins->is_contiguous() && w.scales->numel() == blocks * groups * NB &&
                       w.mins->numel() == blocks * groups * NB,
                   "int4 needs float32 scales and mins [blocks, groups, 4]");
@@ -366,16 +366,16 @@ void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64
 }
 
 // x: [M, K] float32; data/scales/mins: packed by packed_linear.py; returns [M, N] float32.
-torch::Tensor packed_linear(const torch::Tensor& x, int64_t format, const torch::Tensor& data,
-                            const c10::optional<torch::Tensor>& scales, const c10::optional<torch::Tensor>& mins,
-                            const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t group_size,
+at::Tensor packed_linear(const at::Tensor& x, int64_t format, const at::Tensor& data,
+                            const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& mins,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t group_size,
                             bool fine_activations) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const LinearWeights w{format, data, scales, mins, bias, out_features, group_size};
   const int64_t M = x.size(0), K = x.size(1);
   check_packed_linear(w, K);
-  auto out = torch::empty({M, out_features}, x.options());
+  auto out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
   thread_local ActivationCodes codes;  // reused by the calling thread: no allocation per step
   if (format == static_cast<int64_t>(Format::I4_DOT) || format == static_cast<int64_t>(Format::I8_DOT) ||

@@ -151,9 +151,9 @@ bool lora_multiplies_in_bf16() {
 void check_lora_linear(const LoraLinear& w, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(w.rank > 0, "a LoRA update needs a positive rank");
   const auto dtype = w.a.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && w.bt.scalar_type() == dtype,
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && w.bt.scalar_type() == dtype,
               "LoRA A and B must both be float32 or both bfloat16");
-  const bool bf16 = dtype == torch::kBFloat16;
+  const bool bf16 = dtype == at::kBFloat16;
   TORCH_CHECK(!bf16 || lora_multiplies_in_bf16(), "bfloat16 LoRA weights need AVX512-BF16 on this CPU");
   TORCH_CHECK(!bf16 || w.rank % 2 == 0, "bfloat16 LoRA weights come in rank pairs: the rank must be even");
   const int64_t in_padded = padded(in_features, bf16 ? 32 : 16);
@@ -174,7 +174,7 @@ void check_lora_linear(const LoraLinear& w, int64_t in_features, int64_t out_fea
 }
 
 int64_t lora_scratch_size(const LoraLinear& w) {
-  if (w.a.scalar_type() == torch::kBFloat16)  // bf16 x rows and A x values, counted in floats
+  if (w.a.scalar_type() == at::kBFloat16)  // bf16 x rows and A x values, counted in floats
     return (kBlockRows * (w.a.size(1) + w.a.size(0)) + 1) / 2;
   return kBlockRows * w.a.size(0);
 }
@@ -182,17 +182,17 @@ int64_t lora_scratch_size(const LoraLinear& w) {
 void lora_add_rows(const LoraLinear& w, const float* x, int64_t in, float* out, int64_t out_stride,
                    const int64_t* rows, int64_t n, float* scratch) {
 #if defined(PROTOSERVE_SIMD_BF16)
-  if (w.a.scalar_type() == torch::kBFloat16) return add_rows_bf16(w, x, in, out, out_stride, rows, n, scratch);
+  if (w.a.scalar_type() == at::kBFloat16) return add_rows_bf16(w, x, in, out, out_stride, rows, n, scratch);
 #endif
   add_rows_f32(w, x, in, out, out_stride, rows, n, scratch);
 }
 
-void lora_add_(torch::Tensor& out, const torch::Tensor& x, const LoraLinear& w, const torch::Tensor& rows) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be contiguous float32 [T, in]");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0),
+void lora_add_(at::Tensor& out, const at::Tensor& x, const LoraLinear& w, const at::Tensor& rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x must be contiguous float32 [T, in]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0),
               "out must be contiguous float32 [T, out]");
   check_lora_linear(w, x.size(1), out.size(1));
-  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.dim() == 1, "rows must be int64 [n]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 1, "rows must be int64 [n]");
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i)
     TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "row ", r[i], " is outside the batch of ", x.size(0));

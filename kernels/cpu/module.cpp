@@ -5,6 +5,8 @@
 
 #include "kernels.h"
 
+#include <torch/extension.h>
+
 namespace py = pybind11;
 using protoserve::DecoderShape;
 using protoserve::DecoderStep;

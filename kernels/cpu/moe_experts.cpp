@@ -38,9 +38,9 @@ namespace protoserve {
 void MoEScratch::fit(int64_t num_members, int64_t most, int64_t num_pairs, int64_t H, int64_t I) {
   // Plain tensors even when the first call comes in inference mode: later calls outside it write them too.
   c10::InferenceMode plain(false);
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat32);
-  auto grow = [&](torch::Tensor& t, int64_t rows_needed, int64_t cols) {
-    if (!t.defined() || t.size(0) < rows_needed || t.size(1) != cols) t = torch::empty({rows_needed, cols}, opts);
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto grow = [&](at::Tensor& t, int64_t rows_needed, int64_t cols) {
+    if (!t.defined() || t.size(0) < rows_needed || t.size(1) != cols) t = at::empty({rows_needed, cols}, opts);
   };
   if (static_cast<int64_t>(members.size()) < num_members) members.resize(num_members);
   for (int64_t m = 0; m < num_members; ++m) {
@@ -105,8 +105,8 @@ void run_expert(const LinearWeights& gate_up, const LinearWeights& down, const f
   int64_t j0 = 0, j1 = n;
   if (team != nullptr) team->share(n, j0, j1);
   if (j0 < j1) {
-    const torch::Tensor g = b.gate_up.narrow(0, j0, j1 - j0);
-    torch::Tensor a = b.act.narrow(0, j0, j1 - j0);
+    const at::Tensor g = b.gate_up.narrow(0, j0, j1 - j0);
+    at::Tensor a = b.act.narrow(0, j0, j1 - j0);
     at::mul_out(a, at::silu(g.narrow(1, 0, I)), g.narrow(1, I, I));
   }
   packed_linear_into(down, b.act.data_ptr<float>(), n, I, y, b.codes, team);
@@ -175,23 +175,23 @@ void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vect
   if (team != nullptr) team->sync();  // every member's rows of out are written
 }
 
-torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
                           const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [T, hidden] tensor");
   const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T && expert_ids.scalar_type() == torch::kInt64 &&
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T && expert_ids.scalar_type() == at::kLong &&
                   expert_ids.is_contiguous(),
               "expert_ids must be contiguous int64 [T, k]");
   const int64_t k = expert_ids.size(1);
   TORCH_CHECK(k >= 1, "expert_ids needs at least one slot per token");
-  TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() && weights.dim() == 2 &&
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
                   weights.size(0) == T && weights.size(1) == k,
               "weights must be contiguous float32 [T, k], as expert_ids");
   check_moe_experts(gate_up, down, H);
   const int64_t E = static_cast<int64_t>(gate_up.size()), I = gate_up[0].out_features / 2;
 
-  auto out = torch::empty({T, H}, x.options());
+  auto out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   // Reused by the calling thread: no allocation per step once grown. The team's members reach the
   // caller's instances through these references (a thread_local named inside the parallel region

@@ -8,7 +8,7 @@
 #include "kernels.h"
 #include "simd.h"
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -75,8 +75,8 @@ void rope_row(float* x, int64_t heads, int64_t head_stride, const float* c, cons
 
 namespace {
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() >= 1,
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() >= 1,
               name, " must be a contiguous float32 tensor");
 }
 
@@ -85,12 +85,12 @@ void check_rows(const torch::Tensor& t, const char* name) {
 namespace protoserve {
 
 // out = weight * x / sqrt(mean(x^2) + eps), over the last dim.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(weight, "weight");
   const int64_t d = x.size(-1), rows = x.numel() / d;
   TORCH_CHECK(weight.numel() == d, "weight must have the last dim's size");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -101,14 +101,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // residual += x (in place); returns rms_norm(residual).
-torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   check_rows(weight, "weight");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have one shape");
   const int64_t d = x.size(-1), rows = x.numel() / d;
   TORCH_CHECK(weight.numel() == d, "weight must have the last dim's size");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -121,8 +121,8 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, con
 
 // Rotate-half RoPE in place on x [T, heads, D] with per-row cos/sin [T, D] (both halves, HF layout):
 // x * cos + rotate_half(x) * sin, rounded after each multiply as PyTorch does.
-void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
               "x must be float32 [T, heads, D] with unit last stride");
   check_rows(cos, "cos");
   check_rows(sin, "sin");

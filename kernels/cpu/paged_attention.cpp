@@ -38,7 +38,7 @@
 #include "kernels.h"
 #include "simd.h"
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>  // _mm_prefetch
 
@@ -709,11 +709,11 @@ namespace protoserve {
 
 bool attention_multiplies_in_bf16() { return BF16_ATTENTION; }
 
-void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                    const torch::Tensor& seq_lens, int64_t T, int64_t H, int64_t D, int64_t num_blocks, int64_t bs,
+void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                    const at::Tensor& seq_lens, int64_t T, int64_t H, int64_t D, int64_t num_blocks, int64_t bs,
                     int64_t sliding_window) {
   for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})
-    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
                 "block_tables, query_start_loc and seq_lens must be contiguous int32 CPU tensors");
   TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && query_start_loc.dim() == 1, "bad index shapes");
   const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
@@ -750,7 +750,7 @@ void plan_attention(AttentionPlan& plan, const torch::Tensor& block_tables, cons
 }
 
 void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t H,
-                          const torch::Tensor& k_cache, const torch::Tensor& v_cache, float* out, double scale,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache, float* out, double scale,
                           const Team* team, std::atomic<int64_t>* next) {
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3);
   const Problem pb{q,
@@ -770,24 +770,24 @@ void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_s
                    static_cast<int>(plan.sliding_window)};
   std::atomic<int64_t> own{0};
   std::atomic<int64_t>& counter = next != nullptr ? *next : own;
-  if (k_cache.scalar_type() == torch::kFloat32)
+  if (k_cache.scalar_type() == at::kFloat)
     run<float>(pb, plan.tiles, plan.total_work, team, counter);
   else
     run<uint16_t>(pb, plan.tiles, plan.total_work, team, counter);
 }
 
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                              const torch::Tensor& seq_lens, double scale, int64_t sliding_window) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                              const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   // q may be a view of the fused qkv projection's output: rows apart, each row [H, D] dense.
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && (q.size(2) == 1 || q.stride(2) == 1) &&
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && (q.size(2) == 1 || q.stride(2) == 1) &&
                   (q.size(1) == 1 || q.stride(1) == q.size(2)),
               "q must be a float32 [T, H, D] tensor with dense rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, KVH, D] tensors of one dtype");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
               "the cache must be float32 or bfloat16");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
@@ -796,7 +796,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(D > 0 && bs > 0, "empty head_dim or block_size");
   thread_local AttentionPlan plan;  // its tile list is reused across calls
   plan_attention(plan, block_tables, query_start_loc, seq_lens, T, H, D, num_blocks, bs, sliding_window);
-  auto out = torch::empty({T, H, D}, q.options());
+  auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
   paged_attention_into(plan, q.data_ptr<float>(), q.size(0) > 1 ? q.stride(0) : H * D, H, k_cache, v_cache,
                        out.data_ptr<float>(), scale, nullptr, nullptr);
