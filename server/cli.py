@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from protoserve.engine.config import ACTIVATION_PRECISIONS, DEVICES, KV_CACHE_DTYPES, EngineConfig
 from protoserve.engine.errors import EngineError
@@ -20,13 +20,17 @@ from protoserve.engine.request import RequestStats, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.server import exit_codes
-from protoserve.server.app import HttpGatewayStarter, ServerConfig, serve
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
+from protoserve.server.models.chat_turn import CHAT_ROLES, ChatTurn
 from protoserve.server.models.sampling_mapping import default_problems
-from protoserve.server.models.served_model import CHAT_ROLES, ChatTurn, ModelCard, ServedModel, new_request_id
 from protoserve.server.runtime.event_loop import EVENT_LOOPS, EventLoopUnavailable, loop_factory
 from protoserve.server.tool_calls.parsers import FORMATS
+
+# The server and the model (torch) load only for a command that runs: a usage error or --help
+# answers at once.
+if TYPE_CHECKING:
+    from protoserve.server.app import HttpGatewayStarter
 
 log = logging.getLogger("protoserve")
 
@@ -517,6 +521,8 @@ def _torchrun_worker(args: argparse.Namespace, engine_config: EngineConfig) -> i
 
 
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    from protoserve.server.app import ServerConfig, serve
+
     worker = _torchrun_worker(args, engine_config)  # before binding ports: rank 0 alone listens
     if worker is not None:
         return worker
@@ -630,6 +636,7 @@ def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from protoserve.engine.async_engine import AsyncEngine
     from protoserve.engine.loader.default_model import default_model_path
+    from protoserve.server.models.served_model import ModelCard, ServedModel, new_request_id
 
     worker = await asyncio.to_thread(_torchrun_worker, args, engine_config)
     if worker is not None:

@@ -41,7 +41,8 @@ from protoserve.server.agent.tool_registry import ToolRegistry, ToolSelectionErr
 from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.calls.inflight import Call
 from protoserve.server.limits import MAX_CHAT_MESSAGES
-from protoserve.server.models.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.models.chat_turn import ChatTurn
+from protoserve.server.models.served_model import CollectedOutput, ServedModel, new_request_id
 from protoserve.server.rag.search_tool import search_tool
 from protoserve.server.security.auth import Identity
 from protoserve.server.services.embeddings import Retrieval

@@ -49,13 +49,14 @@ from protoserve.server.limits import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
 )
+from protoserve.server.models.chat_turn import CHAT_ROLES, ChatTurn
 from protoserve.server.models.sampling_mapping import (
     PathMap,
     SamplingMapping,
     path_function,
     speculative_from_proto,
 )
-from protoserve.server.tool_calls.call import ToolCall, ToolSpec
+from protoserve.server.tool_calls.call import ToolSpec
 from protoserve.server.tool_calls.rendering import (
     ToolTemplate,
     choose_format,
@@ -69,8 +70,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Roles the chat templates of supported models understand.
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Text shorter than this is tokenized on the event loop: it takes less time than a hop to a
 # worker thread and back would (see INLINE_TOKENIZE_CHARS in the commit that set it).
 INLINE_TOKENIZE_CHARS = 2048
@@ -107,17 +106,6 @@ class ModelCard:
     loaded_at: float = field(default_factory=time.time)  # unix seconds
     # The checkpoint's recommended sampling values (engine/loader/sampling_defaults.py).
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ChatTurn:
-    """One chat message, whichever API it came from."""
-
-    role: str
-    content: str
-    name: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
-    tool_call_id: str = ""  # the call a tool turn answers
 
 
 def new_request_id(prefix: str = "req") -> str:

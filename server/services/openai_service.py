@@ -43,8 +43,9 @@ from protoserve.server.limits import (
     MAX_LOGIT_BIAS_ENTRIES,
     OPENAI_MAX_STOP_STRINGS,
 )
+from protoserve.server.models.chat_turn import ChatTurn
 from protoserve.server.models.sampling_mapping import json_text
-from protoserve.server.models.served_model import ChatTurn, CollectedOutput, ServedModel, new_request_id
+from protoserve.server.models.served_model import CollectedOutput, ServedModel, new_request_id
 from protoserve.server.security.auth import Identity
 from protoserve.server.services.embeddings import Retrieval, embeddings_disabled
 from protoserve.server.services.inference_service import call_deadline

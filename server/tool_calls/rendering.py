@@ -22,7 +22,7 @@ from protoserve.server.tool_calls.call import ToolCall, ToolSpec
 from protoserve.server.tool_calls.parsers import FORMATS, HERMES, LLAMA3_JSON, SMOLLM2, ToolCallFormat
 
 if TYPE_CHECKING:
-    from protoserve.server.models.served_model import ChatTurn
+    from protoserve.server.models.chat_turn import ChatTurn
 
 _PROBE_NAME = "protoserve_probe_tool_7f3a"
 

@@ -151,6 +151,22 @@ def test_bad_flags_are_one_line_and_exit_2(args: list[str], needle: str) -> None
     assert_one_line_error(run_cli(*args), exit_codes.USAGE, needle)
 
 
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [(["--help"], 0), (["serve", "--help"], 0), (["serve", "--no-such-flag"], 2), (["serve", "--max-num-seqs", "0"], 2)],
+)
+def test_help_and_usage_errors_answer_without_loading_the_engine(args: list[str], code: int) -> None:
+    # torch alone takes ~1.5 s to import: a typo must not wait for it.
+    probe = (
+        "import sys\nfrom protoserve.server import cli\n"
+        "try:\n    code = cli.main(sys.argv[1:])\nexcept SystemExit as stop:\n    code = stop.code\n"
+        "print('exit', code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.stdout.splitlines()[-1] == f"exit {code} False", done.stdout[-2000:] + done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("kind", ["missing", "directory"])
 def test_an_unreadable_api_keys_file_is_one_line_and_exit_2(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "keys" if kind == "missing" else tmp_path

@@ -19,7 +19,7 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from protoserve.engine.tokenizer.chat_template import ChatTemplate, ChatTemplateError
-from protoserve.server.models.served_model import ChatTurn
+from protoserve.server.models.chat_turn import ChatTurn
 from protoserve.server.tool_calls.call import ToolCall, ToolSpec
 from protoserve.server.tool_calls.parsers import FORMATS, HERMES, LLAMA3_JSON, SMOLLM2, parse_output
 from protoserve.server.tool_calls.rendering import (
