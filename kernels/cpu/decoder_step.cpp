@@ -115,17 +115,17 @@ DecoderStep::DecoderStep(DecoderShape shape, std::vector<LayerWeights> layers, a
 }
 
 at::Tensor DecoderStep::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                                   const std::vector<at::Tensor>& k_caches,
-                                   const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
-                                   const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                   const at::Tensor& seq_lens, const at::Tensor& logits_indices,
-                                   int64_t sliding_window, const std::vector<LoraWeights>& lora,
-                                   const c10::optional<at::Tensor>& lora_rows,
-                                   const c10::optional<at::Tensor>& lora_starts,
-                                   const std::vector<int64_t>& layer_windows,
-                                   const c10::optional<at::Tensor>& local_cos,
-                                   const c10::optional<at::Tensor>& local_sin,
-                                   const std::vector<int64_t>& layer_rope, bool fine_activations) const {
+                                const std::vector<at::Tensor>& k_caches,
+                                const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                const at::Tensor& seq_lens, const at::Tensor& logits_indices,
+                                int64_t sliding_window, const std::vector<LoraWeights>& lora,
+                                const c10::optional<at::Tensor>& lora_rows,
+                                const c10::optional<at::Tensor>& lora_starts,
+                                const std::vector<int64_t>& layer_windows,
+                                const c10::optional<at::Tensor>& local_cos,
+                                const c10::optional<at::Tensor>& local_sin,
+                                const std::vector<int64_t>& layer_rope, bool fine_activations) const {
   // Every check happens here, before the team starts: inside it nothing may throw.
   const int64_t num_layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,

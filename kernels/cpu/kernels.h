@@ -56,9 +56,9 @@ struct LinearWeights {
 // linear.cpp: y = x @ W^T (+ bias) over a weight packed by packed_linear.py; float32 [M, N].
 // fine_activations: the integer-dot formats' fine codes (ActivationCodes::fine); other formats ignore it.
 at::Tensor packed_linear(const at::Tensor& x, int64_t format, const at::Tensor& data,
-                            const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& mins,
-                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t group_size,
-                            bool fine_activations);
+                         const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& mins,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t group_size,
+                         bool fine_activations);
 // Throws unless `w` is a well-formed pack for `in_features` inputs; packed_linear_into trusts it.
 void check_packed_linear(const LinearWeights& w, int64_t in_features);
 // out [M, N] = x [M, K] @ W^T (+ bias), raw rows; as one member of `team` (which then meets at
@@ -93,8 +93,8 @@ void rope_row(float* x, int64_t heads, int64_t head_stride, const float* cos, co
 // Whether bfloat16 pools (head_dim a multiple of 32) multiply in bfloat16 (query and probabilities rounded).
 bool attention_multiplies_in_bf16();
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                              const at::Tensor& seq_lens, double scale, int64_t sliding_window);
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window);
 
 // A batch's attention work, checked and cut into units once: every layer of a step shares it.
 struct AttentionTile {
@@ -203,14 +203,14 @@ class DecoderStep {
   // ActivationCodes::fine for every integer-dot layer of the step.
   // Returns float32 logits [len(logits_indices), vocab].
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                        const at::Tensor& logits_indices, int64_t sliding_window,
-                        const std::vector<LoraWeights>& lora, const c10::optional<at::Tensor>& lora_rows,
-                        const c10::optional<at::Tensor>& lora_starts, const std::vector<int64_t>& layer_windows,
-                        const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
-                        const std::vector<int64_t>& layer_rope, bool fine_activations) const;
+                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& logits_indices, int64_t sliding_window,
+                     const std::vector<LoraWeights>& lora, const c10::optional<at::Tensor>& lora_rows,
+                     const c10::optional<at::Tensor>& lora_starts, const std::vector<int64_t>& layer_windows,
+                     const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
+                     const std::vector<int64_t>& layer_rope, bool fine_activations) const;
 
  private:
   DecoderShape shape_;
@@ -260,5 +260,5 @@ void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vect
 // The same from tensors, checked: x [T, H] float32, expert_ids int64 and weights float32 [T, k];
 // runs as one team of ATen's thread count. Returns float32 [T, H].
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
-                          const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
+                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down);
 }  // namespace protoserve

@@ -367,9 +367,9 @@ void packed_linear_into(const LinearWeights& w, const float* x, int64_t M, int64
 
 // x: [M, K] float32; data/scales/mins: packed by packed_linear.py; returns [M, N] float32.
 at::Tensor packed_linear(const at::Tensor& x, int64_t format, const at::Tensor& data,
-                            const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& mins,
-                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t group_size,
-                            bool fine_activations) {
+                         const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& mins,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t group_size,
+                         bool fine_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const LinearWeights w{format, data, scales, mins, bias, out_features, group_size};

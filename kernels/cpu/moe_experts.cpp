@@ -176,7 +176,7 @@ void moe_experts_into(const std::vector<LinearWeights>& gate_up, const std::vect
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
-                          const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down) {
+                       const std::vector<LinearWeights>& gate_up, const std::vector<LinearWeights>& down) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [T, hidden] tensor");
   const int64_t T = x.size(0), H = x.size(1);

@@ -777,8 +777,8 @@ void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_s
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                              const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   // q may be a view of the fused qkv projection's output: rows apart, each row [H, D] dense.
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && (q.size(2) == 1 || q.stride(2) == 1) &&
