@@ -167,6 +167,18 @@ def test_help_and_usage_errors_answer_without_loading_the_engine(args: list[str]
     assert done.stdout.splitlines()[-1] == f"exit {code} False", done.stdout[-2000:] + done.stderr[-2000:]
 
 
+def test_serving_does_not_import_torch_compile() -> None:
+    # torch._dynamo (torch.compile's tracer) takes ~1.8 s to import, which every `serve` and
+    # `generate` would pay at start; nothing on the serving path compiles anything.
+    probe = (
+        "import sys\nimport protoserve.server.app, protoserve.engine.async_engine, protoserve.engine.loader.load\n"
+        "import protoserve.gateway.app\nprint(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.stdout.splitlines()[-1:] == ["[]"], done.stdout[-2000:] + done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("kind", ["missing", "directory"])
 def test_an_unreadable_api_keys_file_is_one_line_and_exit_2(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "keys" if kind == "missing" else tmp_path

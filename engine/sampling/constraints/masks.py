@@ -16,7 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+# llguidance.numpy, not llguidance.torch: the torch module decorates a kernel we do not use with
+# torch.compile at import, which imports torch._dynamo (~1.8 s of every server's and CLI's start).
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 NEG_INF = float("-inf")
 
@@ -77,7 +80,7 @@ class MaskFiller:
         bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
         jobs = [(m, i) for i, m in enumerate(matchers) if m is not None]
         fill_next_token_bitmask_par(shared_executor(), jobs, bitmask)
-        return bitmask
+        return torch.from_numpy(bitmask)
 
     def close(self) -> None:
         if self._worker is not None:
