@@ -58,7 +58,7 @@ def hf_model():
     import accelerate  # noqa: F401  transformers needs it to load GGUF weights; installed by make install
     path = default_model_path()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf.GGUFReader, "_get", FastGGUFReader._get)
+        patch.setattr(gguf, "GGUFReader", FastGGUFReader)
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
@@ -481,8 +481,12 @@ def test_fast_reader_parses_like_the_stock_reader(tmp_path):
     writer.add_float32("llama.rope.freq_base", 1e6)
     writer.add_uint64("some.count", 2**40)
     writer.add_int32("some.signed", -5)
-    writer.add_array("tokenizer.ggml.tokens", ["a", "ĠHello", "<|im_start|>", "😀"])
-    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0, 0.0])
+    writer.add_array("tokenizer.ggml.tokens", ["a", "ĠHello", "<|im_start|>", "😀", ""])
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0, 0.0, 3.5])
+    writer.add_array("tokenizer.ggml.token_type", [1, 3, 3, 1, 6])
+    writer.add_array("tokenizer.ggml.merges", [])
+    writer.add_array("some.flags", [True, False])
+    writer.add_array("some.nested", [[1, 2], [3]])
     writer.add_tensor("token_embd.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
     writer.add_tensor(
         "q8.weight",
@@ -496,8 +500,14 @@ def test_fast_reader_parses_like_the_stock_reader(tmp_path):
 
     fast, stock = open_gguf(tmp_path / "meta.gguf"), gguf.GGUFReader(tmp_path / "meta.gguf")
     assert list(fast.fields) == list(stock.fields)
-    for key in stock.fields:
-        assert fast.fields[key].contents() == stock.fields[key].contents(), key
+    for key, want in stock.fields.items():
+        got = fast.fields[key]
+        assert (got.offset, got.name, got.types, got.data) == (want.offset, want.name, want.types, want.data), key
+        assert got.contents() == want.contents(), key
+        assert [got.contents(i) for i in range(len(want.data))] == [want.contents(i) for i in range(len(want.data))]
+        # Arrays' parts are the reader's own (not numpy slices of the map), with the same sizes and values.
+        assert [int(p.nbytes) for p in got.parts] == [int(p.nbytes) for p in want.parts], key
+        assert [bytes(p) for p in got.parts] == [bytes(p) for p in want.parts], key
     assert [(t.name, t.tensor_type, t.shape.tolist()) for t in fast.tensors] == [
         (t.name, t.tensor_type, t.shape.tolist()) for t in stock.tensors
     ]

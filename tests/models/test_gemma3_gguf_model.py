@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import warnings
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -52,23 +51,16 @@ def gemma(gemma_path: Path):
 def gemma_hf(gemma_path: Path):
     """transformers' own GGUF loading of the same file, and its tokenizer."""
     import gguf
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    class PlainViewReader(GGUFReader):
-        # The stock reader's per-field np.memmap slicing is slow for a 262k vocabulary; the same
-        # bytes through a plain ndarray view are identical.
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
-            dt = np.dtype(dtype)
-            arr = plain[offset : offset + dt.itemsize * int(count)].view(dt)[: int(count)]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+    from protoserve.engine.loader.gguf_checkpoint import FastGGUFReader
+
 
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mp.setattr(gguf, "GGUFReader", PlainViewReader)
+        # Our reader only for speed: it parses exactly what the stock reader parses
+        # (tests/loader/test_gguf_checkpoint.py::test_fast_reader_parses_like_the_stock_reader), ~10x faster.
+        mp.setattr(gguf, "GGUFReader", FastGGUFReader)
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         directory, name = str(gemma_path.parent), gemma_path.name
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
