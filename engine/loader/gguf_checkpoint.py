@@ -52,7 +52,7 @@ __all__ = [
 
 
 def _plain_view(reader: GGUFReader) -> np.ndarray:
-    """The reader's memory map as a plain ndarray (made once; the tests patch _get alone onto the stock reader)."""
+    """The reader's memory map as a plain ndarray, made once per reader."""
     plain = reader.__dict__.get("_plain")
     if plain is None:
         plain = reader._plain = reader.data.view(np.ndarray)  # type: ignore[attr-defined]
