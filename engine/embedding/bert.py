@@ -98,12 +98,18 @@ def read_bert_config(path: Path) -> BertConfig:
     return parse_bert_config(raw, path)
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position = nn.Embedding(c.max_positions, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        # _weight skips the random init: on the meta device load_bert builds on, nn.Embedding's
+        # normal_ runs torch's Python reference, which imports torch._dynamo (~1 s of a server's start).
+        self.word = _embedding(c.vocab_size, c.hidden_size)
+        self.position = _embedding(c.max_positions, c.hidden_size)
+        self.token_type = _embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -168,11 +168,15 @@ def test_help_and_usage_errors_answer_without_loading_the_engine(args: list[str]
 
 
 def test_serving_does_not_import_torch_compile() -> None:
-    # torch._dynamo (torch.compile's tracer) takes ~1.8 s to import, which every `serve` and
-    # `generate` would pay at start; nothing on the serving path compiles anything.
+    # torch._dynamo (torch.compile's tracer) takes 1-2 s to import, which every `serve` and
+    # `generate` would pay at start; nothing on the serving path compiles anything. Imports and
+    # both default models' loads, as `serve` does them.
     probe = (
-        "import sys\nimport protoserve.server.app, protoserve.engine.async_engine, protoserve.engine.loader.load\n"
-        "import protoserve.gateway.app\nprint(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+        "import sys\nimport protoserve.server.app, protoserve.engine.async_engine, protoserve.gateway.app\n"
+        "from protoserve.engine.embedding.model import EmbeddingModel\nfrom protoserve.engine.llm import LLM\n"
+        "from protoserve.engine.loader.default_model import default_model_path\n"
+        "EmbeddingModel.load()\nLLM(default_model_path())\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
