@@ -57,7 +57,6 @@ def _hf_from_gguf(path: Path) -> Any:
 
     from protoserve.engine.loader.gguf_checkpoint import FastGGUFReader
 
-
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # Our reader only for speed: it parses exactly what the stock reader parses

@@ -102,7 +102,6 @@ def smollm2_hf(smollm2_path: Path):
 
     from protoserve.engine.loader.gguf_checkpoint import FastGGUFReader
 
-
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # Our reader only for speed: it parses exactly what the stock reader parses
