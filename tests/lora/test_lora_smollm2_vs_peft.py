@@ -19,13 +19,13 @@ far outside it: scaling one projection of the last layer by 1.05 already puts th
 
 from __future__ import annotations
 
-import functools
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gguf_reference import fast_gguf_parsing
 from lora_helpers import run_base, run_prompts
 
 from protoserve.engine.loader.load import load_model
@@ -52,17 +52,9 @@ def smollm2() -> Any:
 
 def _hf_from_gguf(path: Path) -> Any:
     """transformers' own GGUF loading of ``path`` (config mapping, dequantization, Q/K un-permute)."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
-    from protoserve.engine.loader.gguf_checkpoint import FastGGUFReader
-
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # Our reader only for speed: it parses exactly what the stock reader parses
-        # (tests/loader/test_gguf_checkpoint.py::test_fast_reader_parses_like_the_stock_reader), ~10x faster.
-        mp.setattr(gguf, "GGUFReader", FastGGUFReader)
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    with fast_gguf_parsing():
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         )

@@ -12,7 +12,6 @@ deterministic); skipped when the model package is not installed.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from decoder_test_helpers import greedy_generate, make_hf_checkpoint
+from gguf_reference import fast_gguf_parsing
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SHARDED = {"qwen2": "40KB"}
@@ -97,18 +97,9 @@ def smollm2_chat(smollm2) -> tuple[list[int], list[int]]:
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path: Path):
     """transformers' own GGUF loading of the same file (its config mapping, dequantization, un-permute)."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
-    from protoserve.engine.loader.gguf_checkpoint import FastGGUFReader
-
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # Our reader only for speed: it parses exactly what the stock reader parses
-        # (tests/loader/test_gguf_checkpoint.py::test_fast_reader_parses_like_the_stock_reader), ~10x faster.
-        mp.setattr(gguf, "GGUFReader", FastGGUFReader)
-        # transformers rebuilds the same tensor-name map once per module; it is a pure function of its args.
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    with fast_gguf_parsing():
         model = AutoModelForCausalLM.from_pretrained(
             str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
         )

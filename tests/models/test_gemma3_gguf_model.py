@@ -11,14 +11,13 @@ Skipped when the model package is not installed.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache
+from gguf_reference import fast_gguf_parsing
 
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.models.families.gemma3 import CHAT_TEMPLATE
@@ -50,17 +49,9 @@ def gemma(gemma_path: Path):
 @pytest.fixture(scope="module")
 def gemma_hf(gemma_path: Path):
     """transformers' own GGUF loading of the same file, and its tokenizer."""
-    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from protoserve.engine.loader.gguf_checkpoint import FastGGUFReader
-
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # Our reader only for speed: it parses exactly what the stock reader parses
-        # (tests/loader/test_gguf_checkpoint.py::test_fast_reader_parses_like_the_stock_reader), ~10x faster.
-        mp.setattr(gguf, "GGUFReader", FastGGUFReader)
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    with fast_gguf_parsing():
         directory, name = str(gemma_path.parent), gemma_path.name
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
