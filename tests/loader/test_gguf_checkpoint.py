@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf_reference import fast_gguf_parsing
 
 from protoserve.engine.loader import default_model
 from protoserve.engine.loader.default_model import default_model_path
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.gguf_checkpoint import (
-    FastGGUFReader,
     GGUFCheckpoint,
     llama3_rope_factors,
     load_gguf_checkpoint,
@@ -51,14 +51,13 @@ def hf_model():
     """transformers' own GGUF loader: dequantizes, names and un-permutes independently of ours.
 
     It parses the file twice with gguf.GGUFReader; for speed only, that parse uses our
-    byte-identical reader (test_fast_reader_parses_like_the_stock_reader checks it is).
+    reader (tests/gguf_reference.py).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     import accelerate  # noqa: F401  transformers needs it to load GGUF weights; installed by make install
     path = default_model_path()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", FastGGUFReader)
+    with fast_gguf_parsing():
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
