@@ -37,6 +37,12 @@ def run_cli(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProce
     )
 
 
+def run_python(probe: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -c probe args`` in a fresh interpreter: what an import costs shows in its sys.modules."""
+    return subprocess.run([sys.executable, "-c", probe, *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
 def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.splitlines()
@@ -162,8 +168,7 @@ def test_help_and_usage_errors_answer_without_loading_the_engine(args: list[str]
         "try:\n    code = cli.main(sys.argv[1:])\nexcept SystemExit as stop:\n    code = stop.code\n"
         "print('exit', code, 'torch' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", probe, *args], cwd=REPO, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = run_python(probe, *args)
     assert done.stdout.splitlines()[-1] == f"exit {code} False", done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -178,8 +183,7 @@ def test_serving_does_not_import_torch_compile() -> None:
         "EmbeddingModel.load()\nLLM(default_model_path())\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = run_python(probe)
     assert done.stdout.splitlines()[-1:] == ["[]"], done.stdout[-2000:] + done.stderr[-2000:]
 
 
