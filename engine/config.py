@@ -56,6 +56,15 @@ class EngineConfig:
     # A waiting or running sequence gains one priority level per this many steps
     # it has existed, so a steady stream of high-priority work cannot starve it. 0 disables.
     priority_aging_steps: int = 512
+    # Fair scheduling across tenants (engine/scheduling/fair_share.py): a tenant's running work is
+    # preempted to admit another's only while it has been served more than this many weighted tokens
+    # (prompt tokens cost 1, generated tokens 2) beyond the other; it also bounds the credit an idle
+    # tenant brings back. Larger: fewer preemptions between backlogged tenants, a looser fairness bound.
+    fairness_margin_tokens: int = 1024
+    # Hard caps on what one identity holds at once, alone or not: running sequences (each choice of
+    # n > 1 counts; 0: no cap) and a share of the KV pool (1.0: no cap).
+    max_running_per_identity: int = 0
+    max_kv_share_per_identity: float = 1.0
     # Speculative decoding for requests that leave SamplingParams.speculative unset and have no
     # constraint (a constrained request may not opt in); None: off unless a request asks.
     speculative: SpeculativeParams | None = None
@@ -94,6 +103,12 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated)")
         if self.priority_aging_steps < 0:
             raise ValueError("priority_aging_steps must be non-negative")
+        if self.fairness_margin_tokens < 0:
+            raise ValueError("fairness_margin_tokens must be non-negative")
+        if self.max_running_per_identity < 0:
+            raise ValueError("max_running_per_identity must be non-negative (0: no cap)")
+        if not 0.0 < self.max_kv_share_per_identity <= 1.0:
+            raise ValueError("max_kv_share_per_identity must be in (0, 1] (1: no cap)")
         for field, problem in self.speculative.validate() if self.speculative is not None else []:
             raise ValueError(f"{field} {problem}")
         if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
@@ -111,16 +126,26 @@ def resolve_num_blocks(config: EngineConfig, block_bytes: int) -> int:
     return max(1, config.kv_cache_bytes // block_bytes)
 
 
+def identity_block_cap(config: EngineConfig, num_blocks: int) -> int:
+    """KV blocks one identity may hold: ``max_kv_share_per_identity`` of the pool (at least one block)."""
+    return max(1, int(num_blocks * config.max_kv_share_per_identity))
+
+
 def resolve_max_model_len(config: EngineConfig, model_max: int, num_blocks: int) -> int:
-    """The context limit the engine enforces; raises when the pool cannot hold one such sequence."""
-    pool_tokens = num_blocks * config.block_size
+    """The context limit the engine enforces; raises when the pool (or one identity's share of it)
+    cannot hold one such sequence."""
+    cap_blocks = identity_block_cap(config, num_blocks)
+    pool_tokens = cap_blocks * config.block_size
     if config.max_model_len is None:
         return min(model_max, pool_tokens)
     if config.max_model_len > model_max:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
     if config.max_model_len > pool_tokens:
+        held = f"the pool has {num_blocks}" if cap_blocks == num_blocks else (
+            f"one identity may hold {cap_blocks} (max_kv_share_per_identity {config.max_kv_share_per_identity:g} "
+            f"of {num_blocks})")
         raise ValueError(
             f"max_model_len {config.max_model_len} needs {-(-config.max_model_len // config.block_size)} "
-            f"KV blocks but the pool has {num_blocks}: one sequence must always fit alone"
+            f"KV blocks but {held}: one sequence must always fit alone"
         )
     return config.max_model_len

@@ -264,7 +264,7 @@ class LLMEngine:
             max_len=max_len, sampling=req.sampling, generator=state.generators[index], priority=req.priority,
             arrival_order=next(self._arrivals) if arrival is None else arrival,
             cache_salt=self.adapters.cache_salt(req.cache_salt, req.adapter) if req.adapter else req.cache_salt,
-            matcher=matcher, mirostat_mu=2.0 * req.sampling.mirostat_tau,
+            tenant=req.tenant, matcher=matcher, mirostat_mu=2.0 * req.sampling.mirostat_tau,
         )
         state.seqs.append(seq)
         return seq

@@ -13,6 +13,20 @@ if TYPE_CHECKING:
     from protoserve.engine.tracing import RequestTrace
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """Whom a request is served for, in the engine's fair scheduling (engine/scheduling/fair_share.py).
+
+    ``identity`` is the caller; ``group`` the API key its identities share (the identity itself
+    when there is no key), so one key with many user ids competes as one tenant, served in
+    proportion to its ``weight``. The server derives all three from the authenticated caller.
+    """
+
+    identity: str = ""
+    group: str = ""
+    weight: int = 1
+
+
 @dataclass
 class TokenizedRequest:
     """One prompt to generate from, already tokenized: what any caller hands the engine.
@@ -24,14 +38,17 @@ class TokenizedRequest:
     ``sampling_checked`` says the caller has run ``sampling.validate`` against
     this model's vocabulary and refused the request on any problem (the server
     does, to name the request's own fields), so the engine does not run it again.
+    ``tenant`` is whom the request is served for: while tenants compete, the
+    scheduler serves the least-served first (priorities order one identity's requests).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context_policy: ContextPolicy = ContextPolicy.ALLOW_CONTEXT_STOP
-    priority: int = 0  # higher runs first; FCFS within a level
+    priority: int = 0  # higher runs first among the tenant's requests; FCFS within a level
     cache_salt: bytes = b""
+    tenant: Tenant = field(default_factory=Tenant)
     arrival_time: float = field(default_factory=time.monotonic)
     trace: RequestTrace | None = None
     sampling_checked: bool = False

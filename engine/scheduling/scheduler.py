@@ -6,21 +6,33 @@ prefill. Prompts longer than what is left of the budget are cut into chunks, so 
 long prefill shares the forward with other sequences' decode tokens instead of
 stalling them.
 
-Order is priority (higher first, raised by age so nothing starves), then arrival
-(FCFS). Running sequences are served first, in that order; when the pool has no
-block for one of them, the last running sequence in that order (lowest priority,
-newest) is preempted: its blocks are freed and it returns to the waiting queue to
-recompute its tokens later. Waiting sequences are admitted only in steps without
-preemption, and strictly in order, so a large request at the head is not overtaken
-forever by smaller ones behind it.
+Order is fair across tenants first (fair_share.py: the least-served group, then the
+least-served identity within it), then priority (higher first, raised by age so nothing
+starves), then arrival (FCFS): priorities order one identity's requests, never another's.
+Running sequences are served first, in that order; when the pool has no block for one
+of them, the last running sequence in that order (the most-served tenant's lowest
+priority, newest) is preempted: its blocks are freed and it returns to the waiting
+queue to recompute its tokens later. Waiting sequences are admitted in that order too,
+and strictly so: a large request at the head is not overtaken forever by smaller ones
+behind it. When the head cannot fit (no slot, no blocks), running work of a tenant
+served more than the fairness margin beyond the head's is preempted to make room, so
+one tenant holding every slot and block cannot keep another waiting. In steps where
+running sequences were preempted for blocks, only such fair admissions happen.
+
+Optional hard caps bound what one identity holds at any time, alone or not:
+``max_running_per_identity`` sequences and ``max_kv_share_per_identity`` of the pool.
+An identity at a cap waits (others are admitted past it), and a sequence of an identity
+at its block cap grows by preempting that identity's own last sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protoserve.engine.config import EngineConfig
+from protoserve.engine.config import EngineConfig, identity_block_cap
+from protoserve.engine.request import Tenant
 from protoserve.engine.scheduling.block_manager import BlockManager
+from protoserve.engine.scheduling.fair_share import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairShare
 from protoserve.engine.scheduling.sequence import Sequence, SequenceStatus
 
 
@@ -53,6 +65,7 @@ class SchedulerCounters:
     """Monotonic totals the engine reports."""
 
     preemptions: int = 0
+    fair_preemptions: int = 0  # of those, made to admit a less-served tenant's request
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
 
@@ -68,30 +81,35 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.num_steps = 0
+        self.fair = FairShare(config.fairness_margin_tokens)
+        self.max_blocks_per_identity = identity_block_cap(config, block_manager.num_blocks)
+        self._caps = bool(config.max_running_per_identity) or self.max_blocks_per_identity < block_manager.num_blocks
 
     # -- queues --------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.arrival_step = self.num_steps
+        self.fair.join(seq.tenant)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def order_key(self, seq: Sequence) -> tuple[int, int]:
-        """Sort key: effective priority descending, then arrival."""
+    def order_key(self, seq: Sequence) -> tuple[int, int, int, int]:
+        """Sort key: the least-served tenant first, then effective priority descending, then arrival."""
         aging = self.config.priority_aging_steps
         bonus = (self.num_steps - seq.arrival_step) // aging if aging > 0 else 0
-        return (-(seq.priority + bonus), seq.arrival_order)
+        return (*self.fair.rank(seq.tenant), -(seq.priority + bonus), seq.arrival_order)
 
     # -- one step ------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            self._charge_output(seq)
         self.running.sort(key=self.order_key)
-        self.waiting.sort(key=self.order_key)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -100,13 +118,14 @@ class Scheduler:
             if n < seq.num_uncomputed_tokens:  # drafts that do not fit the budget are dropped, not chunked
                 seq.take_drafts(keep=max(0, seq.num_draft_tokens - (seq.num_uncomputed_tokens - n)))
             preempted_self = False
-            while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
+            while not self._grow(seq, seq.num_computed_tokens + n):
                 if seq.num_draft_tokens:  # drafts never cost another sequence its blocks
                     seq.take_drafts()
                     n = min(seq.num_uncomputed_tokens, budget)
                     continue
-                # Everything after position i is lower in order and not yet scheduled this step.
-                victim = self.running.pop()
+                # Everything after position i is later in order and not yet scheduled this step.
+                victim = self._room_victim(seq, i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -121,35 +140,130 @@ class Scheduler:
         for seq in self.running[i:]:  # left out of this step: their drafts go stale
             seq.take_drafts()
 
-        if not batch.preempted:
-            self._admit_waiting(batch, budget)
+        self._admit_waiting(batch, budget, fair_only=bool(batch.preempted))
         return batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` of a running sequence, within its identity's block cap."""
+        if self._over_block_cap(seq, num_tokens):
+            return False
+        return self.block_manager.allocate(seq.block_table, num_tokens)
+
+    def _over_block_cap(self, seq: Sequence, num_tokens: int) -> bool:
+        if not self._caps:
+            return False
+        new = self.block_manager.blocks_for(num_tokens) - len(seq.block_table)
+        return new > 0 and self._held(seq.tenant)[1] + new > self.max_blocks_per_identity
+
+    def _room_victim(self, seq: Sequence, i: int) -> Sequence:
+        """Whom to preempt when running sequence ``seq`` (at ``i``) cannot grow: the last in order of the
+        not yet scheduled, or, when its identity is at its block cap, that identity's own last."""
+        if self._over_block_cap(seq, seq.num_tokens):
+            return next(s for s in reversed(self.running[i:]) if _same_identity(s.tenant, seq.tenant))
+        return self.running[-1]
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, *, fair_only: bool) -> None:
+        """Admit waiting sequences in order. ``fair_only``: only heads owed room by a more-served tenant."""
         bm = self.block_manager
         # A request with n choices will occupy n slots once it forks; reserve them from the start.
         slots = sum(1 + s.num_pending_forks for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if slots + 1 + seq.num_pending_forks > self.config.max_num_seqs:
-                break
-            hits = self._prefix_hits(seq)
-            num_cached = len(hits) * self.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            if not bm.allocate(seq.block_table, num_cached + n, hits):
-                break
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached
-            seq.num_cached_blocks = len(hits)
-            self.counters.prefix_cache_queries += seq.num_tokens
+        queues = self._waiting_queues()
+        admitted: set[int] = set()  # seq ids admitted this step: never preempted for another this step
+        while queues and budget > 0:
+            head = min((q[0] for q in queues.values()), key=self.order_key)
+            if self._caps and self._at_cap(head):
+                del queues[_identity(head.tenant)]  # it waits; others go past it
+                continue
+            made_room = False
+            while True:
+                hits = self._prefix_hits(head)
+                num_cached = len(hits) * self.block_size
+                n = min(head.num_tokens - num_cached, budget)
+                if ((made_room or not fair_only)
+                        and slots + 1 + head.num_pending_forks <= self.config.max_num_seqs
+                        and bm.allocate(head.block_table, num_cached + n, hits)):
+                    break
+                victim = self._fair_victim(head, admitted)
+                if victim is None:
+                    return
+                budget += self._unschedule(batch, victim)
+                self.running.remove(victim)
+                self._preempt(victim)
+                self.counters.fair_preemptions += 1
+                batch.preempted.append(victim)
+                slots -= 1 + victim.num_pending_forks
+                made_room = True
+            queue = queues[_identity(head.tenant)]
+            queue.pop(0)
+            if not queue:
+                del queues[_identity(head.tenant)]
+            self.waiting.remove(head)
+            head.status = SequenceStatus.RUNNING
+            head.num_computed_tokens = num_cached
+            head.num_cached_blocks = len(hits)
+            self._charge_prompt(head, num_cached)
+            self.counters.prefix_cache_queries += head.num_tokens
             self.counters.prefix_cache_hits += num_cached
-            batch.prefix_hit_tokens[seq.seq_id] = num_cached
-            self.running.append(seq)
-            slots += 1 + seq.num_pending_forks
-            batch.seqs.append(seq)
+            batch.prefix_hit_tokens[head.seq_id] = num_cached
+            self.running.append(head)
+            admitted.add(head.seq_id)
+            slots += 1 + head.num_pending_forks
+            batch.seqs.append(head)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _waiting_queues(self) -> dict[tuple[str, str], list[Sequence]]:
+        """Each identity's waiting sequences in its own order (priority, then arrival)."""
+        queues: dict[tuple[str, str], list[Sequence]] = {}
+        for seq in sorted(self.waiting, key=self.order_key):
+            queues.setdefault(_identity(seq.tenant), []).append(seq)
+        return queues
+
+    def _fair_victim(self, head: Sequence, admitted: set[int]) -> Sequence | None:
+        """The running sequence to preempt so ``head`` fits: the most-served tenant's last, among tenants
+        served more than the fairness margin beyond ``head``'s; None when no tenant is that far ahead."""
+        owing = [s for s in self.running if s.seq_id not in admitted and self.fair.ahead(s.tenant, head.tenant)]
+        return max(owing, key=self.order_key, default=None)
+
+    @staticmethod
+    def _unschedule(batch: ScheduledBatch, seq: Sequence) -> int:
+        """Take ``seq`` out of this step's batch (nothing ran yet); the tokens it had are budget again."""
+        for j, scheduled in enumerate(batch.seqs):
+            if scheduled is seq:
+                del batch.seqs[j]
+                batch.prefix_hit_tokens.pop(seq.seq_id, None)
+                return batch.num_new_tokens.pop(j)
+        return 0
+
+    def _held(self, tenant: Tenant) -> tuple[int, int]:
+        """Slots and KV blocks the identity's running sequences hold (a block shared by two counts twice)."""
+        slots = blocks = 0
+        for seq in self.running:
+            if _same_identity(seq.tenant, tenant):
+                slots += 1 + seq.num_pending_forks
+                blocks += len(seq.block_table)
+        return slots, blocks
+
+    def _at_cap(self, head: Sequence) -> bool:
+        """Whether admitting ``head`` would take its identity past a hard cap."""
+        slots, blocks = self._held(head.tenant)
+        cap = self.config.max_running_per_identity
+        if cap and slots + 1 + head.num_pending_forks > cap:
+            return True
+        # Its first step's blocks at least (prefix hits included: they are held once referenced).
+        first = self.block_manager.blocks_for(min(head.num_tokens, self.config.max_num_batched_tokens))
+        return blocks + first > self.max_blocks_per_identity
+
+    def _charge_prompt(self, seq: Sequence, num_cached: int) -> None:
+        if seq.num_charged_tokens == 0:  # a preempted sequence coming back was charged already
+            self.fair.charge(seq.tenant, PROMPT_TOKEN_COST * (seq.num_tokens - num_cached))
+            seq.num_charged_tokens = seq.num_tokens
+
+    def _charge_output(self, seq: Sequence) -> None:
+        new = seq.num_final_tokens - seq.num_charged_tokens
+        if new > 0 and seq.num_charged_tokens:
+            self.fair.charge(seq.tenant, OUTPUT_TOKEN_COST * new)
+            seq.num_charged_tokens = seq.num_final_tokens
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         if not self.block_manager.enable_prefix_caching:
@@ -212,14 +326,28 @@ class Scheduler:
         child.num_cached_blocks = min(parent.num_cached_blocks, num_shared)
         child.block_hashes = parent.block_hashes[:num_shared]
         child.arrival_step = parent.arrival_step
+        child.num_charged_tokens = child.num_tokens  # the prompt was the parent's to pay for
         child.status = SequenceStatus.RUNNING
+        self.fair.join(child.tenant)
         self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out of either queue and free its blocks (finished or aborted)."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+            self._charge_output(seq)
+        else:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
+        self.fair.leave(seq.tenant)
         seq.status = SequenceStatus.FINISHED
+
+
+def _identity(tenant: Tenant) -> tuple[str, str]:
+    return tenant.group, tenant.identity
+
+
+def _same_identity(a: Tenant, b: Tenant) -> bool:
+    return a.group == b.group and a.identity == b.identity

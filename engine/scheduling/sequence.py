@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protoserve.engine.request import FinishReason
+from protoserve.engine.request import FinishReason, Tenant
 from protoserve.engine.sampling.sampling_params import SamplingParams
 from protoserve.engine.scheduling.block_manager import chain_hashes
 
@@ -47,6 +47,10 @@ class Sequence:
     arrival_order: int = 0  # FCFS tie-break; forked choices share their parent's
     arrival_step: int = 0  # scheduler step at arrival, for priority aging
     cache_salt: bytes = b""
+    tenant: Tenant = field(default_factory=Tenant)  # whose share of the engine this sequence uses
+    # Leading tokens already counted as served to the tenant (engine/scheduling/fair_share.py): the
+    # prompt when first admitted, each generated token after; recomputing after preemption is not.
+    num_charged_tokens: int = 0
     num_pending_forks: int = 0  # choices still to fork off when the prompt's logits arrive
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

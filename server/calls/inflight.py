@@ -17,7 +17,9 @@ the ledger and the record to telemetry (metrics and the request log).
 
 Rate limits (server.security.rate_limit) are charged here, where every generating RPC
 passes: opening a call takes one request (so each Batch item counts), and each
-engine request holds its token reservation while it runs.
+engine request holds its token reservation while it runs. Here too every engine
+request is stamped with its tenant (the caller's identity, its API key and the key's
+weight), which the engine's fair scheduling shares the engine by.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protoserve.engine.request import FinishReason, RequestOutput, RequestStats, TokenizedRequest
+from protoserve.engine.request import FinishReason, RequestOutput, RequestStats, Tenant, TokenizedRequest
 from protoserve.server import errors
 from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.calls.request_scope import current_scope
@@ -148,8 +150,12 @@ class InflightRequests:
         self, call: Call, engine: AsyncEngine, request: TokenizedRequest
     ) -> AsyncIterator[RequestOutput]:
         reservation = None
+        identity = call.identity
+        weight = 1
         if self.limiter is not None:
-            reservation = self.limiter.reserve_tokens(call.identity, reserved_tokens(request, engine.max_model_len))
+            reservation = self.limiter.reserve_tokens(identity, reserved_tokens(request, engine.max_model_len))
+            weight = self.limiter.limits(identity).weight
+        request.tenant = Tenant(identity.id, identity.quota_id, weight)
         rid = request.request_id
         call.engine_requests[rid] = engine
         model = engine.model_name
