@@ -11,9 +11,9 @@ Two levels: a tenant is an identity within a group (an API key and its user ids)
 with each other by their counters and weights; the identities of one group compete among
 themselves with equal weight. A key that mints user ids gets no more than its key's share.
 
-A tenant that had no work joins with its counter lifted to the least counter among the backlogged
-tenants minus ``margin`` (never lowered): idle time banks no credit beyond the margin, and a
-newcomer is ahead of everyone backlogged by at most the margin, so its first request runs at once.
+A tenant that had no work joins with its counter lifted to just below the least counter among the
+backlogged tenants minus ``margin`` (never lowered): idle time banks no credit beyond the margin,
+and a newcomer is owed room by everyone backlogged, so its first request runs in the next step.
 A tenant's running work is preempted for another's only while its counter is more than ``margin``
 ahead of the other's: without that hysteresis two backlogged tenants would trade sequences every
 step, each trade recomputing a sequence's KV.
@@ -90,10 +90,10 @@ class FairShare:
         """A sequence of ``tenant`` arrives (a new request, or a choice forked off one)."""
         group, identity = tenant.group, _identity_key(tenant)
         others = [self.groups.accounts[g].service for g in self._members if g != group]
-        self.groups.join(group, min(others) - self.margin if others else None)
+        self.groups.join(group, min(others) - self.margin - 1 if others else None)
         members = self._members.setdefault(group, set())
         peers = [self.identities.accounts[i].service for i in members if i != identity]
-        self.identities.join(identity, min(peers) - self.margin if peers else None)
+        self.identities.join(identity, min(peers) - self.margin - 1 if peers else None)
         members.add(identity)
 
     def leave(self, tenant: Tenant) -> None:

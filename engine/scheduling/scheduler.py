@@ -163,23 +163,31 @@ class Scheduler:
         return self.running[-1]
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, *, fair_only: bool) -> None:
-        """Admit waiting sequences in order. ``fair_only``: only heads owed room by a more-served tenant."""
+        """Admit waiting sequences in order. A head owed room by a more-served tenant takes that tenant's
+        slots, blocks and step budget if it must; ``fair_only``: only such heads are admitted."""
         bm = self.block_manager
         # A request with n choices will occupy n slots once it forks; reserve them from the start.
         slots = sum(1 + s.num_pending_forks for s in self.running)
         queues = self._waiting_queues()
         admitted: set[int] = set()  # seq ids admitted this step: never preempted for another this step
-        while queues and budget > 0:
+        while queues:
             head = min((q[0] for q in queues.values()), key=self.order_key)
             if self._caps and self._at_cap(head):
                 del queues[_identity(head.tenant)]  # it waits; others go past it
                 continue
+            owed = self._fair_victim(head, admitted) is not None
+            if not owed and (fair_only or budget <= 0):
+                return
+            if owed:
+                want = min(head.num_tokens, self.config.max_num_batched_tokens)
+                budget += self._reclaim_budget(batch, head, want - budget, admitted)
             made_room = False
             while True:
                 hits = self._prefix_hits(head)
                 num_cached = len(hits) * self.block_size
                 n = min(head.num_tokens - num_cached, budget)
                 if ((made_room or not fair_only)
+                        and n > 0
                         and slots + 1 + head.num_pending_forks <= self.config.max_num_seqs
                         and bm.allocate(head.block_table, num_cached + n, hits)):
                     break
@@ -211,6 +219,18 @@ class Scheduler:
             batch.seqs.append(head)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _reclaim_budget(self, batch: ScheduledBatch, head: Sequence, tokens: int, admitted: set[int]) -> int:
+        """Up to ``tokens`` of this step's budget back from scheduled sequences of tenants served more than
+        the margin beyond ``head``'s, the most served first: they keep their blocks and run next step."""
+        reclaimed = 0
+        for seq in reversed(list(batch.seqs)):
+            if reclaimed >= tokens:
+                break
+            if seq.seq_id not in admitted and self.fair.ahead(seq.tenant, head.tenant):
+                seq.take_drafts()
+                reclaimed += self._unschedule(batch, seq)
+        return reclaimed
 
     def _waiting_queues(self) -> dict[tuple[str, str], list[Sequence]]:
         """Each identity's waiting sequences in its own order (priority, then arrival)."""
