@@ -62,6 +62,12 @@ class Profile:
     isolation_max_tokens: int = 64
     isolation_rounds: int = 3
     isolation_prompt_bytes: int = 20_000_000
+    # Fairness (issue 42): tenant A's closed loop of long streams, tenant B's short request every second;
+    # each load runs this long, and a loop's tokens count after the first fifth (its ramp).
+    fairness_window_s: float = 30.0
+    fairness_rounds: int = 2
+    fairness_streams: int = 64
+    fairness_long_tokens: int = 4000
 
     def level_requests(self, concurrency: int) -> int:
         return max(self.min_requests, concurrency * self.requests_per_worker)
@@ -133,6 +139,7 @@ FULL = Profile(
     serving_variant=INT4_KV_BF16,
     server_variants=(FP32, BF16, INT8, INT4),
     server_variant_concurrency=16,
+    fairness_window_s=60.0,
 )
 
 SMOKE = Profile(
@@ -165,6 +172,10 @@ SMOKE = Profile(
     server_variant_concurrency=4,
     isolation_max_tokens=16,
     isolation_rounds=1,
+    fairness_window_s=5.0,
+    fairness_rounds=1,
+    fairness_streams=4,
+    fairness_long_tokens=64,
 )
 
 PROFILES = {p.name: p for p in (DEFAULT, FULL, SMOKE)}

@@ -118,16 +118,22 @@ class Server:
 
     variant: Variant = DEFAULT_VARIANT
     speculative: bool = False
+    # A server set up for one section (its label names it): more flags, more environment.
+    label: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
     order = 2
 
     def describe(self) -> str:
-        return f"protoserve server {self.variant.label}" + (" (default speculation)" if self.speculative else "")
+        return (f"protoserve server {self.variant.label}" + (" (default speculation)" if self.speculative else "")
+                + (f" for {self.label}" if self.label else ""))
 
     @property
     def log_name(self) -> str:
         """The file its stderr goes to, in the results folder."""
-        return f"server-{self.variant.label}{'-speculative' if self.speculative else ''}.log"
+        label = f"-{self.label}" if self.label else ""
+        return f"server-{self.variant.label}{'-speculative' if self.speculative else ''}{label}.log"
 
 
 ResourceKey = EngineModel | TransformersModel | Server
@@ -150,7 +156,8 @@ def acquire(key: ResourceKey, results_dir: Path, threads: int) -> Any:
         return TransformersBaseline(model_path())
     from bench.server_process import ServerProcess
 
-    return ServerProcess.start(results_dir / key.log_name, key.variant, threads, speculative=key.speculative)
+    return ServerProcess.start(results_dir / key.log_name, key.variant, threads, speculative=key.speculative,
+                               extra_args=key.args, env=dict(key.env))
 
 
 def release(key: ResourceKey, resource: Any) -> None:

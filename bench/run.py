@@ -2,7 +2,7 @@
 
     python -m bench.run                    # default run: a few minutes on 2 cores
     python -m bench.run --full             # the thorough run
-    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, constrained, rag, speculative, lora, moe, activation)
+    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, fairness, constrained, rag, speculative, lora, moe, activation)
     python -m bench.run --json-out r.json  # also write every figure (and the run's metadata) here
 
 Prints a table, then one JSON line per figure, on stdout; progress goes to
@@ -36,6 +36,7 @@ from bench.sections import (
     affinity,
     constrained,
     decode,
+    fairness,
     isolation,
     lora,
     moe,
@@ -55,6 +56,7 @@ SECTIONS = {
     "decode": decode.steps,
     "serving": serving.steps,
     "isolation": isolation.steps,
+    "fairness": fairness.steps,
     "constrained": constrained.steps,
     "rag": rag.steps,
     "lora": lora.steps,

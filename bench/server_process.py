@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,11 +47,12 @@ class ServerProcess:
     @classmethod
     def start(
         cls, log_path: Path, variant: Variant = DEFAULT_VARIANT, threads: int = 2, speculative: bool = False,
-        data_dir: Path | None = None,
+        data_dir: Path | None = None, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
     ) -> ServerProcess:
         """Start the server and wait until it listens and its health says SERVING; ``speculative`` False
         turns serve's default n-gram speculation off (``--speculative-ngram 0``); ``data_dir``: its own
-        $PROTOSERVE_DATA_DIR (a RAG store is open in one process at a time), else this process's."""
+        $PROTOSERVE_DATA_DIR (a RAG store is open in one process at a time), else this process's;
+        ``extra_args`` and ``env``: more flags and environment, for a section's own setup."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [
             sys.executable, "-m", "protoserve.server.cli", "serve",
@@ -58,9 +60,9 @@ class ServerProcess:
             "--dtype", variant.dtype, "--quantization", variant.quantization,
             "--kv-cache-dtype", variant.kv_cache_dtype, "--no-progress", *model_args(),
             "--activation-precision", variant.activation_precision,
-            *([] if speculative else ["--speculative-ngram", "0"]),
+            *([] if speculative else ["--speculative-ngram", "0"]), *extra_args,
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
         if data_dir is not None:
             env["PROTOSERVE_DATA_DIR"] = str(data_dir)
         with open(log_path, "wb") as log:

@@ -21,6 +21,10 @@ TARGETS: dict[str, Target] = {
     "compare.grpc_vs_engine.*": Target(0.95, "higher"),  # gRPC within 5% of engine-direct
     "compare.sse_vs_grpc.*": Target(0.90, "higher"),  # gateway SSE within 10% of gRPC
     "isolation.itl_p99_ratio*": Target(2.0, "lower"),  # a huge prompt at most doubles others' ITL p99
+    # One key's long streams: another key's TTFT p99 within 3x of alone, the first's throughput within 10%.
+    "fairness.b_ttft_p99_ratio": Target(3.0, "lower"),
+    "fairness.a_throughput_ratio": Target(0.9, "higher"),
+    "fairness.weighted_share_error": Target(0.1, "lower"),  # two keys weighted 2:1 served within 10% of 2:1
 }
 
 

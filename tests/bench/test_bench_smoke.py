@@ -487,6 +487,25 @@ def test_isolation_figures_hold_itl_p99_beside_huge_prompts_to_without() -> None
     assert len(text_of(20_000_000)) == 20_000_000 and text_of(20_000_000).isascii()
 
 
+def test_fairness_figures_compare_each_tenant_with_itself_alone_and_the_weighted_split(tmp_path) -> None:
+    from bench.sections.fairness import KEYS, LoopResult, fairness_figures, write_limits_file
+
+    figures = fairness_figures(
+        a_alone=LoopResult(tokens=30_000, seconds=48.0), a_beside=LoopResult(tokens=28_500, seconds=48.0),
+        b_alone=[0.03] * 50 + [0.04], b_beside=[0.05] * 50 + [0.10],
+        w2=LoopResult(tokens=2_100, seconds=24.0), w1=LoopResult(tokens=1_000, seconds=24.0),
+    )
+    by = {f.name: f for f in finish(figures)}
+    assert by["fairness.a_throughput_ratio"].value == pytest.approx(0.95) and by["fairness.a_throughput_ratio"].met
+    assert by["fairness.b_alone.ttft_p99"].value == pytest.approx(0.04)
+    ratio = by["fairness.b_ttft_p99_ratio"]
+    assert ratio.value == pytest.approx(2.5) and ratio.met is True and ratio.target == Target(3.0, "lower")
+    share = by["fairness.weighted_share_error"]
+    assert share.value == pytest.approx(0.05) and share.met and share.details["ratio"] == pytest.approx(2.1)
+    limits = write_limits_file().read_text()
+    assert f'[keys."{KEYS["w2"]}"]\nweight = 2' in limits and f'[keys."{KEYS["w1"]}"]\nweight = 1' in limits
+
+
 def test_a_server_gets_its_own_data_dir_and_flags_without_touching_this_environment(monkeypatch, tmp_path) -> None:
     # ServerProcess.start(data_dir=...) is how the rag, affinity and peer sections give each server its
     # own RAG store: the child's environment carries it, this process's stays as it was.
