@@ -22,9 +22,15 @@ stream that differs from its twin), ``lost`` (no terminal answer: the stream end
 its final event, or nothing came within LOST_AFTER_S), ``server_error`` (5xx, UNKNOWN, INTERNAL,
 UNAVAILABLE, DATA_LOSS), ``unexpected`` (any other answer, e.g. a valid request refused).
 
-It prints the requests by outcome, the KV pool once the load has drained (it must be 100%
-free, with nothing running or waiting), the server's RSS after the warm-up and after the run
-(growth over 5% fails), and exits 1 on any failure, or when the server logged a traceback.
+The server runs with auth on and two API keys, one per tenant (each also its own x-user-id, so
+the tenants stay apart on a server with auth off); client i is tenant i mod 2, so the fair
+scheduler shares the engine between two callers.
+
+It prints the requests by outcome, each tenant's served tokens and time to first token (from the
+server's request log, whose identities the soak can name: it gives the server its identity
+secret), the KV pool once the load has drained (it must be 100% free, with nothing running or
+waiting), the server's RSS after the warm-up and after the run (growth over 5% fails), and exits
+1 on any failure, or when the server logged a traceback.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import collections
 import itertools
 import json
 import random
+import secrets
+import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -47,12 +56,14 @@ import httpx
 
 from bench.server_process import REPO, ServerProcess
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
+from protoserve.server.security.auth import identity_hash
 from protoserve.v1 import inference_pb2, inference_pb2_grpc, metrics_pb2, metrics_pb2_grpc
 
 LOST_AFTER_S = 120.0  # a request with no terminal answer by then is lost
 DRAIN_TIMEOUT_S = 60.0  # after the load, the KV pool must be free within this
 MAX_RSS_GROWTH = 0.05
 SHOWN_FAILURES = 10  # failures printed in full
+TENANTS = ("soak-tenant-a", "soak-tenant-b")  # API keys; client i sends as tenant i mod 2
 
 FINE = ("completed", "disconnected", "cancelled", "deadline_exceeded", "rejected", "shed")
 FAILED = ("corrupted", "lost", "server_error", "unexpected")
@@ -195,11 +206,21 @@ class Target:
     http_base_url: str
     pid: int
     log_path: Path
+    identity_secret: bytes  # names each tenant's identity in the server's request log
 
     @classmethod
-    def of(cls, server: ServerProcess) -> Target:
+    def of(cls, server: ServerProcess, identity_secret: bytes) -> Target:
         assert server.http_base_url is not None, "the soak needs the REST gateway"
-        return cls(server.grpc_target, server.http_base_url, server.process.pid, server.log_path)
+        return cls(server.grpc_target, server.http_base_url, server.process.pid, server.log_path, identity_secret)
+
+
+def tenant_headers(tenant: str) -> dict[str, str]:
+    """A tenant's key (read with auth on) and user id (the identity with auth off)."""
+    return {"authorization": f"Bearer {tenant}", "x-user-id": tenant}
+
+
+def grpc_auth(tenant: str) -> tuple[tuple[str, str], ...]:
+    return tuple(tenant_headers(tenant).items())
 
 
 class Soak:
@@ -229,11 +250,12 @@ class Soak:
     async def make_twins(self) -> None:
         """Every spec's answer as one unary gRPC call, per API family."""
         for i, spec in enumerate(self.specs):
-            native = await self.native.Generate(spec.native(), timeout=LOST_AFTER_S)
+            auth = grpc_auth(TENANTS[0])
+            native = await self.native.Generate(spec.native(), timeout=LOST_AFTER_S, metadata=auth)
             self.twins[("native", i)] = native.choices[0].text
-            completion = await self.openai.CreateCompletion(spec.completion(), timeout=LOST_AFTER_S)
+            completion = await self.openai.CreateCompletion(spec.completion(), timeout=LOST_AFTER_S, metadata=auth)
             self.twins[("completions", i)] = completion.choices[0].text
-            chat = await self.openai.CreateChatCompletion(spec.chat(), timeout=LOST_AFTER_S)
+            chat = await self.openai.CreateChatCompletion(spec.chat(), timeout=LOST_AFTER_S, metadata=auth)
             self.twins[("chat", i)] = chat.choices[0].message.content
 
     # -- outcomes -----------------------------------------------------------------------------
@@ -295,17 +317,20 @@ class Soak:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def grpc_stream(self, family: str, spec_i: int, behaviour: str, rng: random.Random) -> tuple[str, str]:
+    async def grpc_stream(
+        self, family: str, spec_i: int, behaviour: str, rng: random.Random, tenant: str
+    ) -> tuple[str, str]:
         spec = self.specs[spec_i]
         request_id = f"soak-{next(self.ids)}"
         timeout = rng.uniform(0.05, 1.5) if behaviour == "deadline" else LOST_AFTER_S
+        auth = grpc_auth(tenant)
         if family == "native":
             call = self.native.GenerateStream(
-                inference_pb2.GenerateStreamRequest(request=spec.native(request_id)), timeout=timeout
+                inference_pb2.GenerateStreamRequest(request=spec.native(request_id)), timeout=timeout, metadata=auth
             )
         else:
             call = self.openai.CreateChatCompletionStream(
-                openai_pb2.CreateChatCompletionStreamRequest(request=spec.chat()), timeout=timeout
+                openai_pb2.CreateChatCompletionStreamRequest(request=spec.chat()), timeout=timeout, metadata=auth
             )
         text: list[str] = []
         finish: str | None = None
@@ -330,15 +355,20 @@ class Soak:
                     return "disconnected", ""
                 if behaviour == "cancel" and family == "native" and not cancel_sent:
                     cancel_sent = True
-                    await self.native.Cancel(inference_pb2.CancelRequest(request_id=request_id), timeout=30)
+                    await self.native.Cancel(
+                        inference_pb2.CancelRequest(request_id=request_id), timeout=30, metadata=auth
+                    )
         except grpc.aio.AioRpcError as exc:
             return self.grpc_outcome(exc.code(), exc.details() or "", behaviour)
         return self.completed(family, spec_i, "".join(text), finish, behaviour)
 
-    async def sse_stream(self, family: str, spec_i: int, behaviour: str, rng: random.Random) -> tuple[str, str]:
+    async def sse_stream(
+        self, family: str, spec_i: int, behaviour: str, rng: random.Random, tenant: str
+    ) -> tuple[str, str]:
         spec = self.specs[spec_i]
         request_id = f"soak-{next(self.ids)}"
-        headers = {"content-type": "application/json"}
+        auth = tenant_headers(tenant)
+        headers = {"content-type": "application/json", **auth}
         if behaviour == "deadline":
             headers["x-request-timeout"] = f"{rng.uniform(0.05, 1.5):.3f}"
         if behaviour == "bad":
@@ -378,20 +408,20 @@ class Soak:
                     return "disconnected", ""  # leaving the block closes the connection mid-stream
                 if behaviour == "cancel" and family == "native" and not cancel_sent:
                     cancel_sent = True
-                    cancelled = await self.http.post(f"/v1/cancel/{request_id}", json={})
+                    cancelled = await self.http.post(f"/v1/cancel/{request_id}", json={}, headers=auth)
                     if cancelled.status_code not in (200, 404):  # 404: it finished meanwhile
                         return "unexpected", f"cancel answered HTTP {cancelled.status_code}: {cancelled.text[:300]}"
         return self.completed(family, spec_i, "".join(text), finish, behaviour)
 
-    async def bad_grpc(self, rng: random.Random) -> tuple[str, str]:
+    async def bad_grpc(self, rng: random.Random, tenant: str) -> tuple[str, str]:
         request = bad_grpc_request(rng, self.specs[rng.randrange(len(self.specs))])
         try:
-            await self.native.Generate(request, timeout=LOST_AFTER_S)
+            await self.native.Generate(request, timeout=LOST_AFTER_S, metadata=grpc_auth(tenant))
         except grpc.aio.AioRpcError as exc:
             return self.grpc_outcome(exc.code(), exc.details() or "", "bad")
         return "unexpected", f"a bad request was served: {request}"
 
-    async def one_request(self, rng: random.Random) -> None:
+    async def one_request(self, rng: random.Random, tenant: str) -> None:
         transport, family = rng.choice(ROUTES)
         # Cancel names a request by its id, which only the native API lets a client choose.
         behaviours = {b: w for b, w in BEHAVIOURS.items() if family == "native" or b != "cancel"}
@@ -399,11 +429,11 @@ class Soak:
         spec = rng.randrange(len(self.specs))
         run: Callable[[], Awaitable[tuple[str, str]]]
         if transport == "grpc" and behaviour == "bad":
-            run = lambda: self.bad_grpc(rng)  # noqa: E731
+            run = lambda: self.bad_grpc(rng, tenant)  # noqa: E731
         elif transport == "grpc":
-            run = lambda: self.grpc_stream(family, spec, behaviour, rng)  # noqa: E731
+            run = lambda: self.grpc_stream(family, spec, behaviour, rng, tenant)  # noqa: E731
         else:
-            run = lambda: self.sse_stream(family, spec, behaviour, rng)  # noqa: E731
+            run = lambda: self.sse_stream(family, spec, behaviour, rng, tenant)  # noqa: E731
         try:
             outcome, detail = await asyncio.wait_for(run(), LOST_AFTER_S + 10)
         except TimeoutError:
@@ -414,9 +444,10 @@ class Soak:
 
     async def worker(self, index: int, until: float, budget: list[int]) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
+        tenant = TENANTS[index % len(TENANTS)]
         while time.monotonic() < until and budget[0] > 0:
             budget[0] -= 1
-            await self.one_request(rng)
+            await self.one_request(rng, tenant)
 
     async def load(self, seconds: float, max_requests: int) -> None:
         until = time.monotonic() + seconds
@@ -429,7 +460,11 @@ class Soak:
         """The snapshot once nothing runs, waits or holds KV blocks (or the last one at the timeout)."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while True:
-            snap = (await self.metrics.GetMetrics(metrics_pb2.GetMetricsRequest(), timeout=30)).snapshot
+            snap = (
+                await self.metrics.GetMetrics(
+                    metrics_pb2.GetMetricsRequest(), timeout=30, metadata=grpc_auth(TENANTS[0])
+                )
+            ).snapshot
             idle = snap.num_requests_running == 0 and snap.num_requests_waiting == 0 and snap.kv_cache_usage == 0
             if idle or time.monotonic() > deadline:
                 return snap
@@ -460,6 +495,31 @@ def report(tally: Tally, duration: float) -> None:
         print(f"  {route:<18}" + ", ".join(f"{o} {n}" for o, n in sorted(routes[route].items())))
 
 
+def tenant_report(server: Target, since: float) -> None:
+    """Each tenant's requests, served tokens and TTFT, from the server's request log (requests started
+    after ``since``, Unix seconds: the load, not the twins or the warm-up)."""
+    names = {
+        identity_hash(server.identity_secret, key, user): user
+        for user in TENANTS
+        for key in (user, "")  # the identity with auth on, and with it off
+    }
+    served: dict[str, list[dict[str, Any]]] = {key: [] for key in TENANTS}
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        key = names.get(row.get("identity", ""))
+        if row.get("event") == "request_finished" and key is not None and row.get("started_at", 0) >= since:
+            served[key].append(row)
+    print("\nby tenant (server request log):")
+    for key, rows in served.items():
+        ttfts = sorted(r["time_to_first_token_s"] for r in rows if r.get("time_to_first_token_s"))
+        tokens = sum(r.get("output_tokens", 0) for r in rows)
+        shown = (f"TTFT p50 {statistics.median(ttfts):.3f} s, p99 {ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]:.3f} s"
+                 if ttfts else "no first tokens")
+        print(f"  {key:<16} {len(rows):>6} requests, {tokens:>8} tokens served, {shown}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=600.0, help="seconds of load after the warm-up [600]")
@@ -488,8 +548,9 @@ async def soak(server: Target, args: argparse.Namespace) -> int:
         await run.load(warmup, args.max_requests)
         await run.drained_snapshot()
         rss_before = rss_bytes(server.pid)
-        print(f"load: {args.clients} clients for {args.duration_s:.0f} s", flush=True)
+        print(f"load: {args.clients} clients ({len(TENANTS)} tenants) for {args.duration_s:.0f} s", flush=True)
         load_started = time.monotonic()
+        load_started_unix = time.time()
         await run.load(args.duration_s, args.max_requests - sum(run.tally.counts.values()))
         load_s = time.monotonic() - load_started
         snap = await run.drained_snapshot()
@@ -498,6 +559,7 @@ async def soak(server: Target, args: argparse.Namespace) -> int:
         await run.close()
 
     report(run.tally, load_s)
+    tenant_report(server, load_started_unix)
     failures = list(run.tally.failures)
     kv_free = 100.0 * (1.0 - snap.kv_cache_usage)
     print(
@@ -527,11 +589,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_path = args.results_dir / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.log"
     print(f"starting a server (log: {log_path})", flush=True)
-    server = ServerProcess.start(log_path)
-    try:
-        return asyncio.run(soak(Target.of(server), args))
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="protoserve-soak-") as scratch:
+        secret_file = Path(scratch) / "identity_secret"
+        secret_file.write_text(secrets.token_hex(32))
+        server = ServerProcess.start(
+            log_path, extra_args=("--identity-secret-file", str(secret_file)),
+            env={"PROTOSERVE_API_KEYS": ",".join(TENANTS)},
+        )
+        try:
+            return asyncio.run(soak(Target.of(server, secret_file.read_bytes().strip()), args))
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class LiveServer:
     log_path: Path
     api_keys: tuple[str, ...] = ()
     stdout_lines: list[str] = field(default_factory=list)
+    data_dir: Path | None = None  # its $PROTOSERVE_DATA_DIR (the identity secret, RAG's documents)
 
     def channel(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(self.grpc_target)
@@ -199,6 +200,7 @@ def start_server_process(
         log_path=Path(log_file.name),
         api_keys=api_keys,
         stdout_lines=lines,
+        data_dir=Path((env or {}).get("PROTOSERVE_DATA_DIR", data_dir)),
     )
     if wait_ready:
         server.wait_serving()

@@ -1,12 +1,15 @@
-"""What the fuzz suite shares: how many examples each property gets, and the after-run check.
+"""What the fuzz suite shares: how many examples each property gets, its two tenants, the after-run check.
 
 ``PROTOSERVE_FUZZ_EXAMPLES`` sets how many generated inputs each property
-tries: small in ``make test``, larger in ``make fuzz``. After a run the server
-must answer health checks and hold no request and no KV block.
+tries: small in ``make test``, larger in ``make fuzz``. Calls alternate between
+two tenants (user ids of the auth-off server: two identities the fair scheduler
+shares the engine between). After a run the server must answer health checks
+and hold no request and no KV block.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -18,6 +21,15 @@ from protoserve.v1 import metrics_pb2, metrics_pb2_grpc
 FUZZ_EXAMPLES = int(os.environ.get("PROTOSERVE_FUZZ_EXAMPLES", "8"))
 # The fuzz server's context: whatever max_tokens a fuzzer sends, a request ends within about a second.
 FUZZ_CONTEXT_TOKENS = 128
+
+TENANTS = ("fuzz-tenant-a", "fuzz-tenant-b")
+_turns = itertools.cycle(TENANTS)
+
+
+def next_tenant() -> tuple[tuple[str, str]]:
+    """The next call's tenant, as its ``x-user-id`` (gRPC metadata or an HTTP header), in turn."""
+    return (("x-user-id", next(_turns)),)
+
 
 # Cancelled and timed-out calls free their blocks on the engine's next step; give them a moment.
 SETTLE_S = 30.0

@@ -3,7 +3,7 @@
 Each method of InferenceService, OpenAIService and MetricsService gets
 arbitrary request messages (tests/fuzz/proto_strategies.py), raw bytes, and
 valid messages' bytes truncated or with a byte flipped, over a real channel
-with a short deadline. Whatever a client sends, the answer is a status that
+with a short deadline, from two tenants in turn. Whatever a client sends, the answer is a status that
 blames the client (or OK, or the client's own deadline): never UNKNOWN or
 INTERNAL (a server bug), UNAVAILABLE (a crash) or DATA_LOSS, and every message
 the server sends parses as the method's response type. Afterwards the server
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from fuzz_support import FUZZ_EXAMPLES, assert_idle_and_healthy
+from fuzz_support import FUZZ_EXAMPLES, assert_idle_and_healthy, next_tenant
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, given, settings
@@ -83,11 +83,12 @@ def call(channel: grpc.Channel, method: MethodDescriptor, payload: bytes) -> tup
     """Send raw request bytes; returns the final status. Response messages must parse."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     parse = GetMessageClass(method.output_type).FromString
+    tenant = next_tenant()
     try:
         if not method.server_streaming:
-            parse(channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT_S))
+            parse(channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT_S, metadata=tenant))
             return grpc.StatusCode.OK, ""
-        stream = channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT_S)
+        stream = channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT_S, metadata=tenant)
         for reply in stream:
             parse(reply)
             if method.name in ENDLESS:

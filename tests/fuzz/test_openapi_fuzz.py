@@ -4,7 +4,7 @@ Every route the gateway serves is driven with the three phases schemathesis has
 for a single call: the schema's examples, coverage (boundary values and, in
 negative mode, each constraint broken in turn: wrong types, missing required
 fields, out-of-range numbers, extra properties) and fuzzing (Hypothesis-built
-bodies, positive and negative). The document is the gateway's own, with what
+bodies, positive and negative), from two tenants in turn. The document is the gateway's own, with what
 the protos cannot say about a valid request added (valid_requests.py), so
 positive cases reach the engine and negative ones break one rule at a time. Each response must be no 5xx, carry a status
 and content type the schema declares, and match the schema's body for it (an
@@ -25,7 +25,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 import schemathesis
-from fuzz_support import FUZZ_EXAMPLES, assert_idle_and_healthy
+from fuzz_support import FUZZ_EXAMPLES, assert_idle_and_healthy, next_tenant
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from proto_strategies import json_values
@@ -84,7 +84,7 @@ def test_the_gateway_serves_the_fuzzed_document(gateway_url: str) -> None:
 @SCHEMA.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_input_gets_a_server_error(case, gateway_url: str) -> None:
-    response = case.call(base_url=gateway_url, timeout=REQUEST_TIMEOUT_S)
+    response = case.call(base_url=gateway_url, timeout=REQUEST_TIMEOUT_S, headers=dict(next_tenant()))
     case.validate_response(response, checks=CHECKS)
 
 
@@ -124,7 +124,8 @@ def test_any_body_gets_a_client_error(gateway_url: str, path: str) -> None:
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     def check(body: bytes) -> None:
         url = f"{gateway_url}{path.replace('{request_id}', 'fuzz')}"
-        response = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=REQUEST_TIMEOUT_S)
+        headers = {"content-type": "application/json", **dict(next_tenant())}
+        response = httpx.post(url, content=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
         assert response.status_code < 500, (response.status_code, response.text[:500])
         if response.status_code >= 400:
             error = response.json()
