@@ -507,6 +507,7 @@ class LLMEngine:
             running=len(running), waiting=len(waiting), kv_blocks_total=total, kv_blocks_free=free,
             kv_usage=1.0 - free / total, prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits, preemptions_total=c.preemptions,
+            fair_preemptions_total=c.fair_preemptions,
             prompt_tokens_total=self.counters.prompt_tokens, generation_tokens_total=self.counters.generation_tokens,
             truncated_prompt_tokens_total=self.counters.truncated_prompt_tokens,
             requests_finished_total=self.counters.finished, requests_cancelled_total=self.counters.cancelled,

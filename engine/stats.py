@@ -22,6 +22,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions_total: int = 0
+    fair_preemptions_total: int = 0  # of those, made to admit a less-served caller's request
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     truncated_prompt_tokens_total: int = 0

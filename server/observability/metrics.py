@@ -21,6 +21,7 @@ protoserve_generation_tokens_total        counter    tokens the engine generated
 protoserve_prefix_cache_queries_total     counter    prompt tokens looked up in the prefix cache
 protoserve_prefix_cache_hits_total        counter    of those, tokens found
 protoserve_num_preemptions_total          counter    preemptions
+protoserve_num_fair_preemptions_total     counter    of those, made to admit a less-served caller
 protoserve_request_success_total          counter    finished requests by ``finished_reason``
                                                      (stop, length, cancelled, error)
 protoserve_request_status_total           counter    finished requests by gRPC ``status`` name
@@ -148,6 +149,7 @@ class EngineCollector(Collector):
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         preemptions = counter("num_preemptions", "Preemptions.")
+        fair = counter("num_fair_preemptions", "Preemptions that made room for a less-served caller.")
         drafts = counter("spec_decode_num_drafts", "Speculative verification steps with drafted tokens.")
         draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens drafted.")
         accepted = counter("spec_decode_num_accepted_tokens", "Speculative drafted tokens accepted.")
@@ -162,10 +164,11 @@ class EngineCollector(Collector):
             queries.add_metric(label, stats.prefix_cache_queries)
             hits.add_metric(label, stats.prefix_cache_hits)
             preemptions.add_metric(label, stats.preemptions_total)
+            fair.add_metric(label, stats.fair_preemptions_total)
             drafts.add_metric(label, stats.spec_decode_num_drafts)
             draft_tokens.add_metric(label, stats.spec_decode_num_draft_tokens)
             accepted.add_metric(label, stats.spec_decode_num_accepted_tokens)
-        return [running, waiting, capacity, kv, prompt, generation, queries, hits, preemptions,
+        return [running, waiting, capacity, kv, prompt, generation, queries, hits, preemptions, fair,
                 drafts, draft_tokens, accepted]
 
 

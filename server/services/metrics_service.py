@@ -77,6 +77,7 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
             snap.prefix_cache_queries = stats.prefix_cache_queries
             snap.prefix_cache_hits = stats.prefix_cache_hits
             snap.preemptions_total = stats.preemptions_total
+            snap.fair_preemptions_total = stats.fair_preemptions_total
             snap.requests_by_finish_reason.update(self.metrics.requests_by_finish_reason(name))
             snap.requests_by_status.update(self.metrics.requests_by_status(name))
             for key, latency in self.metrics.latencies(name).items():

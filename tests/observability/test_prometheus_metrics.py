@@ -74,6 +74,7 @@ def test_counters_and_histograms_match_the_workload(obs):
     assert sample(after, "protoserve_num_requests_waiting", model_name=MODEL_NAME) == 0
     assert 0.0 <= sample(after, "protoserve_kv_cache_usage_perc", model_name=MODEL_NAME) <= 1.0
     assert ("protoserve_num_preemptions_total", frozenset({("model_name", MODEL_NAME)})) in after
+    assert ("protoserve_num_fair_preemptions_total", frozenset({("model_name", MODEL_NAME)})) in after
     assert ("protoserve_prefix_cache_hits_total", frozenset({("model_name", MODEL_NAME)})) in after
 
 

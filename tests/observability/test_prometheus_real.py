@@ -312,6 +312,7 @@ def test_get_metrics_agrees_with_prometheus(stack: Stack):
         "protoserve_prefix_cache_queries_total": snap.prefix_cache_queries,
         "protoserve_prefix_cache_hits_total": snap.prefix_cache_hits,
         "protoserve_num_preemptions_total": snap.preemptions_total,
+        "protoserve_num_fair_preemptions_total": snap.fair_preemptions_total,
         "protoserve_num_requests_running": snap.num_requests_running,
         "protoserve_num_requests_waiting": snap.num_requests_waiting,
         "protoserve_kv_cache_usage_perc": snap.kv_cache_usage,

@@ -66,7 +66,7 @@ async def test_a_key_holding_every_slot_does_not_starve_another(stub, inproc_ser
         assert not any(finished), "Bob finished only after one of Alice's requests ended"
         assert min(tokens) < LONG_TOKENS
         stats = inproc_server.call(inproc_server.engine.engine.stats)
-        assert stats.preemptions_total >= 1
+        assert stats.fair_preemptions_total >= 1
     finally:
         for stream in streams:
             stream.cancel()
@@ -80,7 +80,7 @@ async def test_preempted_requests_resume_with_the_same_tokens(stub, inproc_serve
     short = pb.SamplingParams(max_tokens=48, ignore_eos=True, temperature=0)
     request = pb.GenerateRequest(prompt="Count sheep:", sampling=short)
     solo = await stub.Generate(request, metadata=alice)
-    before = inproc_server.call(inproc_server.engine.engine.stats).preemptions_total
+    before = inproc_server.call(inproc_server.engine.engine.stats).fair_preemptions_total
 
     async def alice_pair() -> list[pb.GenerateResponse]:
         return await asyncio.gather(*(stub.Generate(request, metadata=alice) for _ in range(2)))
@@ -90,4 +90,4 @@ async def test_preempted_requests_resume_with_the_same_tokens(stub, inproc_serve
     await stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)), metadata=bob)
     for response in await pair:
         assert list(response.choices[0].token_ids) == list(solo.choices[0].token_ids)
-    assert inproc_server.call(inproc_server.engine.engine.stats).preemptions_total > before
+    assert inproc_server.call(inproc_server.engine.engine.stats).fair_preemptions_total > before
