@@ -6,6 +6,11 @@ Cuts fall between words where they can: a chunk that starts inside a word
 fragment no reader would write. A word longer than the space left is cut
 inside, and every planned chunk is measured by re-tokenizing its text, so a
 chunk never exceeds the window whatever the tokenizer does at a cut.
+
+A long document is planned a slice of its text at a time (``plan_slice``): the
+planner stops before the ranges that could reach past the slice, and the next
+slice starts at the next range's first character. Only one slice's tokens are
+in memory at once, and the work can stop between slices.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ def word_firsts(word_ids: Sequence[int | None]) -> list[int]:
     return firsts
 
 
+@dataclass(frozen=True)
+class SlicePlan:
+    """The ranges planned in one slice, and where the next slice must start (None: the text is done)."""
+
+    ranges: list[TokenRange]
+    next_start: int | None  # token index in this slice of the next range's first token
+
+
 def plan_chunks(
     word_ids: Sequence[int | None], window: int, overlap: int, measure: Callable[[int, int], int]
 ) -> list[TokenRange]:
@@ -53,13 +66,36 @@ def plan_chunks(
     re-tokenizes a range's text; a range it finds too long is shortened a token
     at a time. Starts and ends both strictly increase.
     """
+    return plan_slice(word_ids, window, overlap, measure).ranges
+
+
+def plan_slice(
+    word_ids: Sequence[int | None],
+    window: int,
+    overlap: int,
+    measure: Callable[[int, int], int],
+    *,
+    final: bool = True,
+    previous_end: int = 0,
+) -> SlicePlan:
+    """``plan_chunks`` over one slice of a longer text, the slice starting at a range's first token.
+
+    ``previous_end``: how many of the slice's first tokens the previous slice's last range covered.
+    Unless ``final``, the slice was cut inside the text, so its last word may be cut too: planning
+    stops before the first range that could reach that word, and ``next_start`` says where the
+    next slice starts. A slice too short for one such range plans nothing (next_start 0).
+    """
     if not 0 <= overlap < window:
         raise ValueError(f"overlap {overlap} must be in [0, window {window})")
     n = len(word_ids)
     firsts = word_firsts(word_ids)
+    # Tokens from here on may belong to a word the slice's end cut: a range must end before it.
+    reliable = n if final or not n else firsts[n - 1]
     ranges: list[TokenRange] = []
-    start, previous_end = 0, 0
+    start = 0
     while start < n:
+        if start + window >= reliable and not final:
+            return SlicePlan(ranges, start)
         end = min(start + window, n)
         # End between words unless that would leave no room to move past the overlap,
         # or add nothing to the previous range (a word longer than the window starts there).
@@ -79,7 +115,7 @@ def plan_chunks(
             break
         previous_end = end
         start = _next_start(firsts, start, end, overlap)
-    return ranges
+    return SlicePlan(ranges, None)
 
 
 def _next_start(firsts: list[int], start: int, end: int, overlap: int) -> int:
@@ -100,9 +136,14 @@ def drop_contained(chunks: list[TextChunk]) -> list[TextChunk]:
     """
     kept: list[TextChunk] = []
     for chunk in chunks:
-        if kept and chunk.end <= kept[-1].end:
-            continue
-        while kept and kept[-1].start >= chunk.start:
-            kept.pop()
-        kept.append(chunk)
+        keep_chunk(kept, chunk)
     return kept
+
+
+def keep_chunk(kept: list[TextChunk], chunk: TextChunk) -> None:
+    """Append ``chunk`` to ``kept`` as ``drop_contained`` would: one chunk at a time, as slices plan them."""
+    if kept and chunk.end <= kept[-1].end:
+        return
+    while kept and kept[-1].start >= chunk.start:
+        kept.pop()
+    kept.append(chunk)

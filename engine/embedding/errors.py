@@ -23,3 +23,15 @@ class EmbeddingInputTooLong(ContextLengthError):
             f"input {index} has {tokens} tokens but the embedding model's window is {max_tokens} tokens "
             "(including [CLS] and [SEP]); chunk it first",
         )
+
+
+class TooManyChunks(ValueError):
+    """A document would make more than ``max_chunks`` chunks; chunking stopped there.
+
+    Raised as soon as the count passes the cap, so a document that small chunks and a large overlap
+    would cut into tens of thousands of pieces costs no more than the cap's worth of planning.
+    """
+
+    def __init__(self, max_chunks: int) -> None:
+        self.max_chunks = max_chunks
+        super().__init__(f"the text makes more than {max_chunks} chunks")

@@ -1,4 +1,8 @@
-"""EmbeddingWorker: same vectors as the model, per-caller results, fairness, a free event loop, errors, close."""
+"""EmbeddingWorker: same vectors as the model, per-caller results, fairness, a free event loop, errors, close.
+
+Fairness order itself is checked without timing on fakes in test_fair_queue.py; here, on the real
+model, that another tenant's small request overtakes a big job and the loop keeps ticking.
+"""
 
 from __future__ import annotations
 
@@ -27,21 +31,26 @@ def _big_job() -> list[str]:
 
 
 class FailingModel:
-    """The real model, except that its ``fail_at``-th forward slice raises."""
+    """The real model, except that the ``fail_at``-th unit of its forward steps raises."""
 
     def __init__(self, model, fail_at: int) -> None:
         self._model = model
         self._fail_at = fail_at
-        self.slices = 0
+        self.units = 0
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
-    def embed_token_ids(self, ids, batch_size=32):
-        self.slices += 1
-        if self.slices == self._fail_at:
-            raise RuntimeError(f"forward failed in slice {self.slices}")
-        return self._model.embed_token_ids(ids, batch_size)
+    def embed_steps(self, ids, batch_size, unit_tokens, check=True):
+        steps = self._model.embed_steps(ids, batch_size, unit_tokens, check)
+        while True:
+            self.units += 1
+            if self.units == self._fail_at:
+                raise RuntimeError(f"forward failed in unit {self.units}")
+            try:
+                yield next(steps)
+            except StopIteration as done:
+                return done.value
 
 
 async def test_results_equal_the_model(embedding_model, varied_texts):
@@ -76,7 +85,7 @@ async def test_concurrent_callers_get_their_own_results(embedding_model, varied_
 
 
 async def test_big_job_neither_starves_a_small_request_nor_blocks_the_loop(embedding_model):
-    worker = EmbeddingWorker(embedding_model, max_batch_texts=16)  # 400 texts -> 25 slices
+    worker = EmbeddingWorker(embedding_model, max_batch_texts=16)  # 400 texts -> 25 micro-batches
     ticks: list[float] = []
     stop = asyncio.Event()
 
@@ -88,11 +97,11 @@ async def test_big_job_neither_starves_a_small_request_nor_blocks_the_loop(embed
     try:
         ticking = asyncio.create_task(ticker())
         started = time.perf_counter()
-        big = asyncio.create_task(worker.embed_texts(_big_job()))
-        await asyncio.sleep(0.3)  # the big job is several slices in
+        big = asyncio.create_task(worker.embed_texts(_big_job(), tenant="indexer"))
+        await asyncio.sleep(0.3)  # the big job is several units in
         assert not big.done()
         asked = time.perf_counter()
-        small = await worker.embed_texts(["what is retrieval augmented generation?"])
+        small = await worker.embed_texts(["what is retrieval augmented generation?"], tenant="searcher")
         small_latency = time.perf_counter() - asked
         assert not big.done()  # the small request overtook the rest of the big job
         big_vectors = await big
@@ -100,7 +109,7 @@ async def test_big_job_neither_starves_a_small_request_nor_blocks_the_loop(embed
         stop.set()
         await ticking
 
-        # It waited for about one slice of the big job, not for its remaining ~20.
+        # It waited for about one unit of the big job, not for its remaining ones.
         assert small_latency < big_time / 4, (small_latency, big_time)
         gaps = np.diff(ticks)
         assert gaps.max() < 0.2, f"event loop stalled {gaps.max():.3f}s"
@@ -132,7 +141,7 @@ async def test_errors_reach_the_caller_and_the_worker_keeps_serving(embedding_mo
 
     failing = EmbeddingWorker(FailingModel(embedding_model, fail_at=3), max_batch_texts=2)
     try:
-        with pytest.raises(RuntimeError, match="slice 3"):
+        with pytest.raises(RuntimeError, match="unit 3"):
             await failing.embed_texts([f"text {i}" for i in range(10)])
     finally:
         failing.close()
