@@ -3,6 +3,11 @@
 Every table row carries its owner's full identity and every statement filters by it. ``chunks.id``
 (AUTOINCREMENT, so never reused) is the chunk's FAISS id. ``meta`` holds the schema version, the vector
 dimensions, a random database id and the ``generation``, which every writing transaction raises.
+
+``owners`` keeps each owner's use (documents, stored bytes: records.stored_size) and its quota id, the
+API key whose quota it also counts against (NULL when that is the owner itself); the store sums the
+owners of a key over every partition when it opens. Schema 1 counted only text bytes and knew no
+quota ids: opening such a database migrates it in one transaction (see _migrate_1_to_2).
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from protoserve.server.rag.records import ChunkHit, QuotaExceeded, Quotas
+from protoserve.server.rag.records import OWNER, ChunkHit, QuotaExceeded, Quotas
 
 DB_NAME = "rag.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Stays under SQLite's limit on bound parameters per statement.
 _IN_BATCH = 500
 
@@ -32,7 +37,8 @@ CREATE TABLE IF NOT EXISTS owners (
     owner TEXT PRIMARY KEY,
     next_seq INTEGER NOT NULL,  -- orders the owner's documents for listing; never reused
     documents INTEGER NOT NULL,  -- the owner's use, kept by the transactions that change it (quotas)
-    bytes INTEGER NOT NULL
+    bytes INTEGER NOT NULL,  -- stored bytes (records.stored_size)
+    quota_id TEXT  -- the API key's quota id the owner also counts against; NULL: none but its own
 );
 CREATE TABLE IF NOT EXISTS documents (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -41,9 +47,10 @@ CREATE TABLE IF NOT EXISTS documents (
     document_id TEXT NOT NULL,
     text TEXT NOT NULL,
     metadata TEXT NOT NULL,  -- JSON object of strings
-    bytes INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,  -- UTF-8 bytes of the text
     chunk_count INTEGER NOT NULL,
     indexed_at REAL NOT NULL,
+    stored_bytes INTEGER NOT NULL,  -- what it costs its owner's quota (records.stored_size)
     UNIQUE (owner, document_id),
     UNIQUE (owner, seq)
 );
@@ -78,9 +85,19 @@ class PreparedDocument:
     document_id: str
     text: str
     metadata: dict[str, str]
-    bytes: int
+    bytes: int  # UTF-8 bytes of the text
+    stored_bytes: int  # records.stored_size
     spans: list[tuple[int, int, str]]  # (start, end, text) per chunk
     vectors: np.ndarray
+
+
+@dataclass(frozen=True)
+class OwnerUsage:
+    """An owner's row in ``owners`` (zeros and no quota id before its first document)."""
+
+    documents: int = 0
+    bytes: int = 0
+    quota_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,9 @@ def open_database(path: Path, dimensions: int) -> OpenedDatabase:
             ):
                 db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
             meta = dict(db.execute("SELECT key, value FROM meta"))
+            if meta["schema"] == 1:
+                _migrate_1_to_2(db)
+                meta["schema"] = 2
         if meta["schema"] != SCHEMA_VERSION:
             raise ValueError(f"{path}: schema version {meta['schema']}, this server reads {SCHEMA_VERSION}")
         if meta["dimensions"] != dimensions:
@@ -120,6 +140,25 @@ def open_database(path: Path, dimensions: int) -> OpenedDatabase:
         db.close()
         raise
     return OpenedDatabase(db, int(meta["generation"]), int(meta["database_id"]))
+
+
+def _migrate_1_to_2(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2, inside the caller's transaction: each document's stored size computed from its
+    rows, owners' bytes recounted from them, and the (unknown, NULL) quota id of every owner."""
+    db.execute("ALTER TABLE documents ADD COLUMN stored_bytes INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        "UPDATE documents SET stored_bytes = bytes"
+        " + COALESCE((SELECT SUM(length(CAST(m.key AS BLOB)) + length(CAST(m.value AS BLOB)))"
+        "   FROM document_metadata m WHERE m.document = documents.id), 0)"
+        " + COALESCE((SELECT SUM(length(CAST(c.text AS BLOB)) + length(c.vector))"
+        "   FROM chunks c WHERE c.document = documents.id), 0)"
+    )
+    db.execute("ALTER TABLE owners ADD COLUMN quota_id TEXT")
+    db.execute(
+        "UPDATE owners SET bytes = COALESCE((SELECT SUM(d.stored_bytes) FROM documents d"
+        " WHERE d.owner = owners.owner), 0)"
+    )
+    db.execute("UPDATE meta SET value = 2 WHERE key = 'schema'")
 
 
 def bump_generation(db: sqlite3.Connection) -> None:
@@ -169,29 +208,55 @@ def execute_in(db: sqlite3.Connection, sql: str, params: tuple, values: Sequence
         db.execute(sql.format(",".join("?" * len(batch))), (*params, *batch))
 
 
-def check_quotas(
-    db: sqlite3.Connection,
-    owner: str,
-    documents: Sequence[PreparedDocument],
-    replaced: Sequence[tuple[int, int]],
-    quotas: Quotas,
+def owner_usage(db: sqlite3.Connection, owner: str) -> OwnerUsage:
+    row = db.execute("SELECT documents, bytes, quota_id FROM owners WHERE owner = ?", (owner,)).fetchone()
+    return OwnerUsage(*row) if row is not None else OwnerUsage()
+
+
+def replaced_sizes(
+    db: sqlite3.Connection, owner: str, document_ids: Sequence[str]
+) -> dict[str, tuple[int, int]]:
+    """{document id: (row id, stored bytes)} of the owner's documents among ``document_ids``."""
+    return {
+        document_id: (row_id, size)
+        for row_id, document_id, size in select_in(
+            db,
+            "SELECT id, document_id, stored_bytes FROM documents WHERE owner = ? AND document_id IN ({})",
+            (owner,),
+            document_ids,
+        )
+    }
+
+
+def key_usage(db: sqlite3.Connection) -> dict[str, tuple[int, int]]:
+    """{quota id: (documents, stored bytes)} of the owners here that count against an API key."""
+    rows = db.execute(
+        "SELECT quota_id, SUM(documents), SUM(bytes) FROM owners WHERE quota_id IS NOT NULL GROUP BY quota_id"
+    )
+    return {quota_id: (documents, size) for quota_id, documents, size in rows}
+
+
+def set_quota_id(db: sqlite3.Connection, owner: str, quota_id: str | None) -> None:
+    db.execute("UPDATE owners SET quota_id = ? WHERE owner = ?", (quota_id, owner))
+
+
+def check_limits(
+    used: tuple[int, int], after: tuple[int, int], quotas: Quotas, holder: str = OWNER
 ) -> None:
-    """QuotaExceeded if storing ``documents`` (``replaced``: (row id, bytes) they replace) passes a limit."""
-    row = db.execute("SELECT documents, bytes FROM owners WHERE owner = ?", (owner,)).fetchone()
-    used_documents, used_bytes = row if row is not None else (0, 0)
-    after_documents = used_documents - len(replaced) + len(documents)
-    after_bytes = used_bytes - sum(size for _, size in replaced) + sum(d.bytes for d in documents)
-    # A call that does not grow an owner's use is allowed even past a (since lowered) limit.
-    for quota, used, after, limit in (
-        ("documents", used_documents, after_documents, quotas.max_documents),
-        ("bytes", used_bytes, after_bytes, quotas.max_bytes),
+    """QuotaExceeded if (documents, bytes) going from ``used`` to ``after`` passes one of ``quotas``.
+
+    A call that does not grow a holder's use is allowed even past a (since lowered) limit.
+    """
+    for quota, before, now, limit in (
+        ("documents", used[0], after[0], quotas.max_documents),
+        ("bytes", used[1], after[1], quotas.max_bytes),
     ):
-        if limit and after > limit and after > used:
-            raise QuotaExceeded(quota, used, after, limit)
+        if limit and now > limit and now > before:
+            raise QuotaExceeded(quota, before, now, limit, holder)
 
 
 def remove_documents(db: sqlite3.Connection, owner: str, rows: Sequence[tuple[int, int]]) -> list[int]:
-    """Delete the owner's documents ((row id, bytes) each) with their metadata and chunks; the chunk ids."""
+    """Delete the owner's documents ((row id, stored bytes) each) with metadata and chunks; the chunk ids."""
     if not rows:
         return []
     row_ids = [row_id for row_id, _ in rows]
@@ -221,7 +286,7 @@ def add_documents(
     (first,) = db.execute("SELECT next_seq FROM owners WHERE owner = ?", (owner,)).fetchone()
     db.execute(
         "UPDATE owners SET next_seq = ?, documents = documents + ?, bytes = bytes + ? WHERE owner = ?",
-        (first + len(documents), len(documents), sum(d.bytes for d in documents), owner),
+        (first + len(documents), len(documents), sum(d.stored_bytes for d in documents), owner),
     )
     chunk_ids: list[int] = []
     for offset, document in enumerate(documents):
@@ -235,9 +300,20 @@ def _insert_document(
     """Insert the document, its metadata pairs and its chunks; the chunks' ids (their FAISS ids)."""
     metadata = json.dumps(document.metadata, sort_keys=True, ensure_ascii=False)
     row_id = db.execute(
-        "INSERT INTO documents (owner, seq, document_id, text, metadata, bytes, chunk_count, indexed_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (owner, seq, document.document_id, document.text, metadata, document.bytes, len(document.spans), now),
+        "INSERT INTO documents"
+        " (owner, seq, document_id, text, metadata, bytes, chunk_count, indexed_at, stored_bytes)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            owner,
+            seq,
+            document.document_id,
+            document.text,
+            metadata,
+            document.bytes,
+            len(document.spans),
+            now,
+            document.stored_bytes,
+        ),
     ).lastrowid
     db.executemany(
         "INSERT INTO document_metadata (document, owner, key, value) VALUES (?, ?, ?, ?)",

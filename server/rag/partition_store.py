@@ -10,6 +10,10 @@ otherwise (missing, stale after a crash, damaged) they are rebuilt from the vect
 
 Every method takes the owner and filters by it in SQL (``documents_db`` holds the schema and the
 writing statements); one lock per partition serializes its SQLite connection and its indexes.
+
+Quotas are checked inside the writing transaction: the owner's from its ``owners`` row, its API key's
+from the use over every partition that the store passes in (records.KeyQuota). The writes report how
+each key's use changed, for the store to keep its totals.
 """
 
 from __future__ import annotations
@@ -26,17 +30,30 @@ import numpy as np
 
 from protoserve.server.rag.documents_db import (
     DB_NAME,
+    OwnerUsage,
     PreparedDocument,
     Transaction,
     add_documents,
     bump_generation,
-    check_quotas,
+    check_limits,
     hit_from_row,
+    key_usage,
     open_database,
+    owner_usage,
     remove_documents,
+    replaced_sizes,
     select_in,
+    set_quota_id,
 )
-from protoserve.server.rag.records import ChunkHit, DocumentInfo, IndexedDocument, Quotas
+from protoserve.server.rag.records import (
+    API_KEY,
+    ChunkHit,
+    DocumentInfo,
+    DocumentSize,
+    IndexedDocument,
+    KeyQuota,
+    Quotas,
+)
 from protoserve.server.rag.snapshot import (
     Snapshot,
     SnapshotError,
@@ -49,6 +66,38 @@ from protoserve.server.rag.vector_index import OwnerIndex
 log = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = "faiss.snapshot"
+# How a write changed API keys' use: {quota id: (documents, stored bytes)}, either may be negative.
+KeyChanges = dict[str, tuple[int, int]]
+
+
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _minus(a: tuple[int, int]) -> tuple[int, int]:
+    return -a[0], -a[1]
+
+
+def _checked(
+    usage: OwnerUsage,
+    change: tuple[int, int],
+    quotas: Quotas,
+    key: KeyQuota | None,
+) -> KeyChanges:
+    """Check the owner's and its key's quotas for a call that changes the owner's use by ``change``;
+    how the call changes each key's use. QuotaExceeded, naming the holder, if it passes one."""
+    before = (usage.documents, usage.bytes)
+    check_limits(before, _plus(before, change), quotas)
+    if key is None:
+        return {usage.quota_id: change} if usage.quota_id is not None else {}
+    # An owner not yet counted against this key (stored before keys were counted) joins it whole.
+    joining = usage.quota_id != key.quota_id
+    key_before = _plus(key.used, before) if joining else key.used
+    check_limits(key_before, _plus(key_before, change), key.quotas, API_KEY)
+    changes = {key.quota_id: _plus(before, change) if joining else change}
+    if joining and usage.quota_id is not None:
+        changes[usage.quota_id] = _minus(before)
+    return changes
 
 
 class Partition:
@@ -175,30 +224,54 @@ class Partition:
     # --- operations -----------------------------------------------------------------------
 
     def index(
-        self, owner: str, documents: Sequence[PreparedDocument], quotas: Quotas, now: float
-    ) -> list[IndexedDocument]:
+        self,
+        owner: str,
+        documents: Sequence[PreparedDocument],
+        quotas: Quotas,
+        now: float,
+        key: KeyQuota | None = None,
+    ) -> tuple[list[IndexedDocument], KeyChanges]:
         with self._lock:
             db = self._conn()
             with self._transaction():
-                existing = {
-                    document_id: (row_id, size)
-                    for row_id, document_id, size in select_in(
-                        db,
-                        "SELECT id, document_id, bytes FROM documents WHERE owner = ? AND document_id IN ({})",
-                        (owner,),
-                        [d.document_id for d in documents],
-                    )
-                }
-                check_quotas(db, owner, documents, list(existing.values()), quotas)
+                usage = owner_usage(db, owner)
+                existing = replaced_sizes(db, owner, [d.document_id for d in documents])
+                change = (
+                    len(documents) - len(existing),
+                    sum(d.stored_bytes for d in documents) - sum(size for _, size in existing.values()),
+                )
+                changes = _checked(usage, change, quotas, key)
                 removed = remove_documents(db, owner, list(existing.values()))
                 added = add_documents(db, owner, documents, now)
+                if key is not None and usage.quota_id != key.quota_id:
+                    set_quota_id(db, owner, key.quota_id)
                 bump_generation(db)
             self._generation += 1
             vectors = np.concatenate([d.vectors for d in documents]) if documents else None
             self._apply(
                 owner, np.asarray(removed, dtype=np.int64), np.asarray(added, dtype=np.int64), vectors
             )
-        return [IndexedDocument(d.document_id, len(d.spans), d.document_id in existing) for d in documents]
+        indexed = [IndexedDocument(d.document_id, len(d.spans), d.document_id in existing) for d in documents]
+        return indexed, changes
+
+    def check_quotas(
+        self, owner: str, sizes: Sequence[DocumentSize], quotas: Quotas, key: KeyQuota | None = None
+    ) -> None:
+        """QuotaExceeded if indexing documents of these sizes now would pass a quota; writes nothing."""
+        with self._lock:
+            db = self._conn()
+            usage = owner_usage(db, owner)
+            existing = replaced_sizes(db, owner, [s.document_id for s in sizes])
+        change = (
+            len(sizes) - len(existing),
+            sum(s.stored_bytes for s in sizes) - sum(size for _, size in existing.values()),
+        )
+        _checked(usage, change, quotas, key)
+
+    def key_usage(self) -> KeyChanges:
+        """{quota id: (documents, stored bytes)} of this partition's owners that count against a key."""
+        with self._lock:
+            return key_usage(self._conn())
 
     def _apply(self, owner: str, removed: np.ndarray, added: np.ndarray, vectors: np.ndarray | None) -> None:
         """Bring the owner's index in step with a committed transaction."""
@@ -300,26 +373,24 @@ class Partition:
         info = DocumentInfo(row[1], json.loads(row[2]), row[3], row[4], row[5])
         return info, row[6], [hit_from_row(chunk, 0.0) for chunk in chunks]
 
-    def delete_documents(self, owner: str, document_ids: Sequence[str]) -> tuple[list[str], list[str]]:
+    def delete_documents(
+        self, owner: str, document_ids: Sequence[str]
+    ) -> tuple[list[str], list[str], KeyChanges]:
         with self._lock:
             db = self._conn()
             with self._transaction():
-                found = {
-                    document_id: (row_id, size)
-                    for document_id, row_id, size in select_in(
-                        db,
-                        "SELECT document_id, id, bytes FROM documents WHERE owner = ? AND document_id IN ({})",
-                        (owner,),
-                        document_ids,
-                    )
-                }
+                quota_id = owner_usage(db, owner).quota_id
+                found = replaced_sizes(db, owner, document_ids)
                 removed = remove_documents(db, owner, list(found.values()))
                 if found:
                     bump_generation(db)
             if found:
                 self._generation += 1
                 self._apply(owner, np.asarray(removed, dtype=np.int64), np.empty(0, np.int64), None)
-        return [d for d in document_ids if d in found], [d for d in document_ids if d not in found]
+        freed = (len(found), sum(size for _, size in found.values()))
+        changes = {quota_id: _minus(freed)} if quota_id is not None and found else {}
+        deleted = [d for d in document_ids if d in found]
+        return deleted, [d for d in document_ids if d not in found], changes
 
     def snapshot(self) -> None:
         """Write the indexes to the snapshot file unless it already reflects this generation."""

@@ -66,10 +66,10 @@ class DocumentInfo:
 
 @dataclass(frozen=True)
 class Quotas:
-    """Per-owner limits; 0 means no limit."""
+    """Limits on what one holder (an owner, or an API key over all its owners) stores; 0 means no limit."""
 
     max_documents: int = 10_000
-    max_bytes: int = 256 * 1024 * 1024  # UTF-8 bytes of the documents' texts
+    max_bytes: int = 256 * 1024 * 1024  # stored bytes: see stored_size
 
     def __post_init__(self) -> None:
         for name in ("max_documents", "max_bytes"):
@@ -78,15 +78,50 @@ class Quotas:
                 raise ValueError(f"quotas.{name}: must be an integer >= 0 (0 = no limit), got {value!r}")
 
 
-class QuotaExceeded(Exception):
-    """An index call would take its owner past a quota; nothing was written."""
+def stored_size(text: str, metadata: dict[str, str], chunk_texts: list[str], dimensions: int) -> int:
+    """The bytes a document costs the store, as quotas count them: its text, its metadata, every chunk's
+    text (overlaps included) and every chunk's float32 vector.
 
-    def __init__(self, quota: str, used: int, requested: int, limit: int) -> None:
-        self.quota = quota  # "documents" or "bytes"
-        self.used = used  # the owner's use before the call
-        self.requested = requested  # the owner's use had the call been accepted
+    Not the text alone: small chunks with a large overlap store the text many times over, and each
+    chunk's vector (1,536 bytes at 384 dimensions) can outweigh its text.
+    """
+    metadata_bytes = sum(len(k.encode("utf-8")) + len(v.encode("utf-8")) for k, v in metadata.items())
+    chunk_bytes = sum(len(t.encode("utf-8")) for t in chunk_texts)
+    return len(text.encode("utf-8")) + metadata_bytes + chunk_bytes + 4 * dimensions * len(chunk_texts)
+
+
+@dataclass(frozen=True)
+class DocumentSize:
+    """What a document to index will cost, for checking quotas before it is embedded."""
+
+    document_id: str
+    stored_bytes: int
+
+
+OWNER = "owner"
+API_KEY = "API key"
+
+
+@dataclass(frozen=True)
+class KeyQuota:
+    """An API key's quota as one index call checks it."""
+
+    quota_id: str  # the key's quota id (server.security.auth.Identity.quota_id)
+    used: tuple[int, int]  # (documents, stored bytes) of all its owners, every partition, before the call
+    quotas: Quotas
+
+
+class QuotaExceeded(Exception):
+    """An index call would take its owner, or the owner's API key, past a quota; nothing was written."""
+
+    def __init__(self, quota: str, used: int, requested: int, limit: int, holder: str = OWNER) -> None:
+        self.quota = quota  # "documents" or "bytes" (stored bytes)
+        self.used = used  # the holder's use before the call
+        self.requested = requested  # the holder's use had the call been accepted
         self.limit = limit
+        self.holder = holder  # OWNER or API_KEY (every identity of the key together)
+        what = "stored bytes" if quota == "bytes" else quota
         super().__init__(
-            f"{quota} quota exceeded: the owner has {used} {quota}, this call would make it "
+            f"{quota} quota exceeded: the {holder} has {used} {what}, this call would make it "
             f"{requested}, the limit is {limit}"
         )

@@ -8,6 +8,11 @@ partitions``, so no caller ever names a partition. Layout under ``root``::
     partition-<k>/rag.sqlite3     (+ -wal, -shm) documents and chunks, the truth
     partition-<k>/faiss.snapshot  the owners' FAISS indexes at some generation
 
+Quotas hold per owner and per API key (``Identity.quota_id``: every user id under one key shares the
+key's quota). An owner's use lives in its partition; a key's owners spread over partitions, so the
+store keeps each key's total in memory, summed from the partitions when it opens and moved by every
+committed write. A lock per key (striped) makes checking a key's quota and writing one transaction.
+
 Partitions are created on an owner's first write and opened (snapshot loaded or indexes rebuilt) when
 the store opens. ``close()`` writes a snapshot, so a clean restart loads in well under a second; after
 a crash the snapshot is stale and the indexes are rebuilt from the vectors in SQLite, which for HNSW
@@ -30,15 +35,20 @@ from pathlib import Path
 
 import numpy as np
 
-from protoserve.server.rag.partition_store import DB_NAME, Partition, PreparedDocument
+from protoserve.server.rag.documents_db import check_limits
+from protoserve.server.rag.partition_store import DB_NAME, KeyChanges, Partition, PreparedDocument
 from protoserve.server.rag.records import (
+    API_KEY,
     ChunkHit,
     ChunkInput,
     DocumentInfo,
     DocumentInput,
+    DocumentSize,
     IndexedDocument,
+    KeyQuota,
     QuotaExceeded,
     Quotas,
+    stored_size,
 )
 from protoserve.server.rag.vector_index import INDEX_KINDS
 
@@ -52,6 +62,7 @@ __all__ = [
     "ChunkInput",
     "DocumentInfo",
     "DocumentInput",
+    "DocumentSize",
     "IndexedDocument",
     "QuotaExceeded",
     "Quotas",
@@ -65,6 +76,9 @@ _OWNER = re.compile(r"[0-9a-f]{1,128}")
 # Embeddings are normalized in float32; anything further off was never normalized.
 UNIT_TOLERANCE = 1e-3
 _TOKEN_PREFIX = "rag1:"
+# Locks serializing each API key's check-and-write, striped: keys share a lock now and then, which
+# costs a wait, never a wrong answer, and the table never grows.
+_KEY_LOCKS = 64
 
 
 class RagStore:
@@ -78,20 +92,28 @@ class RagStore:
         dimensions: int,
         index_kind: str = "flat",
         quotas: Quotas = Quotas(),
+        key_quotas: Quotas | None = None,
     ) -> None:
+        """``quotas`` hold per owner; ``key_quotas`` (None: the same) per API key, over all its owners."""
         _check_count("partitions", partitions)
         _check_count("dimensions", dimensions)
         if index_kind not in INDEX_KINDS:
             raise ValueError(f"index_kind: must be one of {', '.join(INDEX_KINDS)}, got {index_kind!r}")
-        if not isinstance(quotas, Quotas):
-            raise ValueError(f"quotas: must be a Quotas, got {type(quotas).__name__}")
+        key_quotas = quotas if key_quotas is None else key_quotas
+        for name, value in (("quotas", quotas), ("key_quotas", key_quotas)):
+            if not isinstance(value, Quotas):
+                raise ValueError(f"{name}: must be a Quotas, got {type(value).__name__}")
         self._root = Path(root)
         self._count = partitions
         self._dimensions = dimensions
         self._kind = index_kind
         self._quotas = quotas
+        self.key_quotas = key_quotas
         self._partitions: dict[int, Partition] = {}
         self._partitions_lock = threading.Lock()
+        self._key_use: dict[str, tuple[int, int]] = {}  # quota id -> (documents, stored bytes)
+        self._key_use_lock = threading.Lock()
+        self._key_locks = [threading.Lock() for _ in range(_KEY_LOCKS)]
         self._closed = False
         self._lock_fd: int | None = None
         self._root.mkdir(parents=True, exist_ok=True)
@@ -101,6 +123,7 @@ class RagStore:
             for k in range(partitions):
                 if (self._partition_dir(k) / DB_NAME).exists():
                     self._partitions[k] = self._open_partition(k)
+                    self._add_key_use(self._partitions[k].key_usage())
         except BaseException:
             self.close()
             raise
@@ -122,16 +145,62 @@ class RagStore:
 
     # --- writes ---------------------------------------------------------------------------
 
-    def index(self, owner: str, documents: list[DocumentInput]) -> list[IndexedDocument]:
+    def index(
+        self,
+        owner: str,
+        documents: list[DocumentInput],
+        key: str | None = None,
+        key_quotas: Quotas | None = None,
+    ) -> list[IndexedDocument]:
         """Store ``documents`` (replacing same ids) in one transaction, durable before this returns.
 
-        Raises QuotaExceeded, before writing anything, when the owner would pass a quota.
+        ``key``: the quota id of the owner's API key (None, or the owner itself: no key quota), whose
+        ``key_quotas`` (None: the store's) hold over all its owners. Raises QuotaExceeded, before
+        writing anything, when the owner or its key would pass a quota.
         """
         _check_owner(owner)
+        key = self._key(owner, key)
         prepared = _prepare_documents(documents, self._dimensions)
         if not prepared:
             return []
-        return self._partition(owner, create=True).index(owner, prepared, self._quotas, time.time())
+        partition = self._partition(owner, create=True)
+        if key is None:
+            indexed, changes = partition.index(owner, prepared, self._quotas, time.time())
+            self._add_key_use(changes)
+            return indexed
+        with self._key_lock(key):  # the key's total read, checked, written and moved as one
+            quota = KeyQuota(key, self.key_use(key), self._key_quotas(key_quotas))
+            indexed, changes = partition.index(owner, prepared, self._quotas, time.time(), quota)
+            self._add_key_use(changes)
+        return indexed
+
+    def check_quotas(
+        self,
+        owner: str,
+        sizes: list[DocumentSize],
+        key: str | None = None,
+        key_quotas: Quotas | None = None,
+    ) -> None:
+        """QuotaExceeded if ``index`` of documents of these sizes would pass a quota now; writes nothing.
+
+        For refusing a call before its documents are embedded; ``index`` checks again as it writes.
+        """
+        _check_owner(owner)
+        key = self._key(owner, key)
+        for i, size in enumerate(sizes):
+            if not isinstance(size, DocumentSize):
+                raise ValueError(f"sizes[{i}]: must be a DocumentSize, got {type(size).__name__}")
+        quota = None if key is None else KeyQuota(key, self.key_use(key), self._key_quotas(key_quotas))
+        partition = self._partition(owner, create=False)
+        if partition is not None:
+            partition.check_quotas(owner, sizes, self._quotas, quota)
+        else:  # the owner's partition does not exist yet: the owner stores nothing so far
+            _check_fresh_owner(sizes, self._quotas, quota)
+
+    def key_use(self, key: str) -> tuple[int, int]:
+        """(documents, stored bytes) of every owner counted against ``key``."""
+        with self._key_use_lock:
+            return self._key_use.get(key, (0, 0))
 
     def delete_documents(self, owner: str, document_ids: list[str]) -> tuple[list[str], list[str]]:
         """(deleted, not_found), each in the order given; a repeated id counts once."""
@@ -144,7 +213,35 @@ class RagStore:
         partition = self._partition(owner, create=False)
         if partition is None:
             return [], unique
-        return partition.delete_documents(owner, unique)
+        deleted, missing, changes = partition.delete_documents(owner, unique)
+        self._add_key_use(changes)
+        return deleted, missing
+
+    def _key(self, owner: str, key: str | None) -> str | None:
+        if key is None or key == owner:
+            return None
+        _check_owner(key, "key")
+        return key
+
+    def _key_quotas(self, key_quotas: Quotas | None) -> Quotas:
+        if key_quotas is None:
+            return self.key_quotas
+        if not isinstance(key_quotas, Quotas):
+            raise ValueError(f"key_quotas: must be a Quotas, got {type(key_quotas).__name__}")
+        return key_quotas
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        return self._key_locks[hash(key) % _KEY_LOCKS]
+
+    def _add_key_use(self, changes: KeyChanges) -> None:
+        with self._key_use_lock:
+            for key, (documents, size) in changes.items():
+                now = self._key_use.get(key, (0, 0))
+                now = (now[0] + documents, now[1] + size)
+                if now == (0, 0):
+                    self._key_use.pop(key, None)
+                else:
+                    self._key_use[key] = now
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -257,9 +354,17 @@ def _check_count(name: str, value: object) -> None:
         raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
 
 
-def _check_owner(owner: object) -> None:
+def _check_owner(owner: object, field: str = "owner") -> None:
     if not isinstance(owner, str) or not _OWNER.fullmatch(owner):
-        raise ValueError("owner: must be an identity id (1-128 lowercase hex digits)")
+        raise ValueError(f"{field}: must be an identity id (1-128 lowercase hex digits)")
+
+
+def _check_fresh_owner(sizes: list[DocumentSize], quotas: Quotas, key: KeyQuota | None) -> None:
+    """check_quotas for an owner with nothing stored (its partition does not exist yet)."""
+    after = (len(sizes), sum(s.stored_bytes for s in sizes))
+    check_limits((0, 0), after, quotas)
+    if key is not None:
+        check_limits(key.used, (key.used[0] + after[0], key.used[1] + after[1]), key.quotas, API_KEY)
 
 
 def _check_document_id(document_id: object, field: str) -> None:
@@ -334,6 +439,7 @@ def _prepare_document(document: DocumentInput, dimensions: int, field: str) -> P
         text=document.text,
         metadata=dict(document.metadata),
         bytes=len(document.text.encode("utf-8")),
+        stored_bytes=stored_size(document.text, document.metadata, [t for _, _, t in spans], dimensions),
         spans=spans,
         vectors=np.stack(vectors) if vectors else np.empty((0, dimensions), dtype=np.float32),
     )
