@@ -3,6 +3,10 @@
 The identity (not the user id) is the key, so the count cannot be spoofed by
 a request body; the metrics service reads these totals, each caller only its
 own unless it has an admin key (server.services.metrics_service).
+
+Input tokens include the tokens a caller had embedded (Embed, OpenAI embeddings,
+RAG index and search, a retrieve-and-generate's query), as OpenAI counts an
+embedding's input as prompt tokens; each embedding call is a request.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ class UsageLedger:
         self._lock = threading.Lock()
         self._usage: dict[str, IdentityUsage] = {}
 
-    def record(self, identity_id: str, input_tokens: int, output_tokens: int) -> None:
+    def record(self, identity_id: str, input_tokens: int, output_tokens: int, requests: int = 1) -> None:
+        """Add a finished request's tokens; ``requests=0`` adds tokens to a request counted elsewhere."""
         with self._lock:
             usage = self._usage.setdefault(identity_id, IdentityUsage())
-            usage.requests += 1
+            usage.requests += requests
             usage.input_tokens += input_tokens
             usage.output_tokens += output_tokens
 

@@ -42,7 +42,7 @@ def search_tool(owner: str, retrieval: Retrieval) -> FunctionTool:
         if embedder is None or store is None:
             raise RuntimeError("RAG is not available on this server")
         try:
-            embedded = await embedder.embed_texts([arguments["query"]], "query")
+            embedded = await embedder.embed_texts([arguments["query"]], "query", tenant=owner)
         except ServiceError as exc:
             raise ValueError(exc.message) from None
         hits = await asyncio.to_thread(store.search, owner, embedded.vectors[0], arguments.get("top_k", 3))

@@ -1,10 +1,20 @@
 """RagService: the caller's documents indexed, searched and answered from, over the RagStore.
 
 The owner of everything is the authenticated caller's identity (``Identity.id``), never a field of
-the request. Work that takes time runs off the event loop: chunking on a worker thread, embedding on
-the embedding worker's thread, SQLite and FAISS on worker threads (the store is thread-safe).
-Retrieve-and-generate puts the best chunks into the system message and generates through the same
-in-flight path as every other request (cancel, deadline, disconnect, usage, rate limits).
+the request. Work that takes time runs off the event loop: chunking and embedding on the embedding
+worker's thread, in small units shared fairly between callers (engine.embedding.worker), SQLite and
+FAISS on worker threads (the store is thread-safe). A caller that goes away (cancel, deadline, a
+closed HTTP connection) stops its chunking and embedding after the running unit, and nothing of its
+call is stored: the store writes a call's documents in one transaction, after all are embedded.
+
+Everything is sized before it is paid for. Index, search and retrieve-and-generate are metered like
+embeddings (server.services.embeddings.EmbeddingMeter): a request of the caller's rpm first, then,
+once the chunks (or the query) are counted, their tokens from its tpm, before the model runs. An
+index call's chunks are capped per document (MAX_DOCUMENT_CHUNKS) as they are planned, and its
+stored size (records.stored_size) is checked against the owner's and its API key's quotas before
+anything is embedded. Retrieve-and-generate puts the best chunks into the system message, sized
+(placeholders times the sources) before it is built, and generates through the same in-flight path
+as every other request (cancel, deadline, disconnect, usage, rate limits).
 """
 
 from __future__ import annotations
@@ -16,17 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from protoserve.engine.embedding.errors import TooManyChunks
 from protoserve.engine.request import TokenizedRequest
 from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.limits import (
     MAX_DOCUMENT_BYTES,
+    MAX_DOCUMENT_CHUNKS,
     MAX_DOCUMENT_ID_CHARS,
     MAX_INDEX_DOCUMENTS,
     MAX_METADATA_CHARS,
     MAX_METADATA_ENTRIES,
+    MAX_OVERLAP_PERCENT,
     MAX_PAGE_SIZE,
+    MAX_PROMPT_BYTES,
     MAX_RAG_CONTEXT_CHUNKS,
     MAX_SEARCH_TOP_K,
 )
@@ -37,14 +51,16 @@ from protoserve.server.models.served_model import (
     ServedModel,
     new_request_id,
 )
+from protoserve.server.rag.records import DocumentSize, Quotas, stored_size
 from protoserve.server.security.auth import Identity
-from protoserve.server.services.embeddings import Retrieval, ServedEmbedder
+from protoserve.server.services.embeddings import EmbeddingMeter, Retrieval, ServedEmbedder
 from protoserve.server.services.inference_service import call_deadline
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import rag_pb2 as rpb
 from protoserve.v1 import rag_pb2_grpc
 
 if TYPE_CHECKING:
+    from protoserve.engine.embedding.chunking import TextChunk
     from protoserve.server.rag.store import ChunkHit as StoredHit
     from protoserve.server.rag.store import RagStore
 
@@ -58,6 +74,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "Answer the question using only the sources below. Cite the sources you use as [n].\n\n"
     "Sources:\n{context}"
 )
+CONTEXT_PLACEHOLDER = "{context}"
+NO_SOURCES = "(no sources found)"
 Violations = list[tuple[str, str]]
 
 
@@ -103,9 +121,23 @@ def _info(info: Any) -> rpb.DocumentInfo:
     )
 
 
+def _source(n: int, hit: StoredHit) -> str:
+    return f"[{n}] (document {hit.document_id}) {hit.text}"
+
+
 def context_text(hits: list[StoredHit]) -> str:
-    """The numbered sources as the prompt shows them."""
-    return "\n\n".join(f"[{n}] (document {hit.document_id}) {hit.text}" for n, hit in enumerate(hits, 1))
+    """The numbered sources as the prompt shows them (NO_SOURCES when there are none)."""
+    return "\n\n".join(_source(n, hit) for n, hit in enumerate(hits, 1)) or NO_SOURCES
+
+
+def context_size(hits: list[StoredHit]) -> int:
+    """UTF-8 bytes of ``context_text(hits)``, counted without building it."""
+    if not hits:
+        return len(NO_SOURCES)
+    return 2 * (len(hits) - 1) + sum(
+        len(f"[{n}] (document ) ") + errors.utf8_size(hit.document_id) + errors.utf8_size(hit.text)
+        for n, hit in enumerate(hits, 1)
+    )
 
 
 @dataclasses.dataclass
@@ -143,21 +175,32 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         from protoserve.server.rag.store import ChunkInput, DocumentInput, QuotaExceeded
 
         identity, embedder, store = self._enter(context)
+        meter = embedder.meter(self.inflight, identity)
+        meter.admit()
         violations = self._document_violations(request)
         chunk_tokens, overlap = self._chunking(request.chunking, embedder, violations)
         if violations:
             raise errors.invalid_argument(violations)
-        model = embedder.model
-        chunked = await asyncio.to_thread(
-            lambda: [model.chunk(d.text, chunk_tokens, overlap) for d in request.documents]
-        )
-        empty = [
-            (f"documents[{i}].text", "holds no tokens") for i, chunks in enumerate(chunked) if not chunks
-        ]
-        if empty:
-            raise errors.invalid_argument(empty)
-        texts = [c.text for chunks in chunked for c in chunks]
-        vectors = await embedder.worker.embed_texts(texts)
+        try:
+            chunked = await self._chunked(request, embedder, identity, chunk_tokens, overlap)
+            key, key_quotas = identity.quota_id, self._key_quotas(identity, store)
+            sizes = [
+                DocumentSize(
+                    d.document_id,
+                    stored_size(d.text, dict(d.metadata), [c.text for c in chunks], embedder.dimensions),
+                )
+                for d, chunks in zip(request.documents, chunked, strict=True)
+            ]
+            try:
+                # Refused now rather than after embedding; the store checks again as it writes.
+                await asyncio.to_thread(store.check_quotas, identity.id, sizes, key, key_quotas)
+            except QuotaExceeded as exc:
+                raise errors.quota_exceeded(str(exc)) from None
+            texts = [c.text for chunks in chunked for c in chunks]
+            meter.charge(sum(c.tokens for chunks in chunked for c in chunks))
+            vectors = await embedder.worker.embed_texts(texts, identity.id)
+        finally:
+            meter.record()
         documents, at = [], 0
         for document, chunks in zip(request.documents, chunked, strict=True):
             inputs = [ChunkInput(c.start, c.end, c.text, vectors[at + j]) for j, c in enumerate(chunks)]
@@ -166,7 +209,7 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
                 DocumentInput(document.document_id, document.text, dict(document.metadata), inputs)
             )
         try:
-            indexed = await asyncio.to_thread(store.index, identity.id, documents)
+            indexed = await asyncio.to_thread(store.index, identity.id, documents, key, key_quotas)
         except QuotaExceeded as exc:
             raise errors.quota_exceeded(str(exc)) from None
         tokens = {
@@ -183,6 +226,53 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
                 )
                 for d in indexed
             ]
+        )
+
+    @staticmethod
+    async def _chunked(
+        request: rpb.IndexDocumentsRequest,
+        embedder: ServedEmbedder,
+        identity: Identity,
+        chunk_tokens: int,
+        overlap: int,
+    ) -> list[list[TextChunk]]:
+        """Each document's chunks, planned on the embedding worker a slice at a time; INVALID_ARGUMENT
+        on ``documents[i].text`` for one that makes no chunk or more than MAX_DOCUMENT_CHUNKS."""
+        chunked, empty = [], []
+        for i, document in enumerate(request.documents):
+            try:
+                chunks = await embedder.worker.chunk(
+                    document.text, chunk_tokens, overlap, MAX_DOCUMENT_CHUNKS, identity.id
+                )
+            except TooManyChunks:
+                raise errors.invalid_argument(
+                    [
+                        (
+                            f"documents[{i}].text",
+                            f"makes more than {MAX_DOCUMENT_CHUNKS} chunks of {chunk_tokens} tokens overlapping "
+                            f"by {overlap}; split the document, or raise chunking.chunk_tokens",
+                        )
+                    ]
+                ) from None
+            if not chunks:
+                empty.append((f"documents[{i}].text", "holds no tokens"))
+            chunked.append(chunks)
+        if empty:
+            raise errors.invalid_argument(empty)
+        return chunked
+
+    def _key_quotas(self, identity: Identity, store: RagStore) -> Quotas | None:
+        """The caller's API key's own RAG quotas from the rate-limits file; None: the store's."""
+        limiter = self.inflight.limiter
+        if limiter is None:
+            return None
+        limits = limiter.limits(identity)
+        if limits.rag_max_documents is None and limits.rag_max_bytes is None:
+            return None
+        default = store.key_quotas
+        return Quotas(
+            default.max_documents if limits.rag_max_documents is None else limits.rag_max_documents,
+            default.max_bytes if limits.rag_max_bytes is None else limits.rag_max_bytes,
         )
 
     @staticmethod
@@ -218,31 +308,48 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
             if options.HasField("chunk_tokens")
             else min(DEFAULT_CHUNK_TOKENS, embedder.max_tokens)
         )
-        overlap = options.overlap_tokens if options.HasField("overlap_tokens") else DEFAULT_OVERLAP_TOKENS
+        # Past this share every token is embedded and stored several times over; it also stays under
+        # a chunk's own text (size - 2 tokens: the model adds [CLS] and [SEP]) for any allowed size.
+        most = size * MAX_OVERLAP_PERCENT // 100
+        overlap = (
+            options.overlap_tokens
+            if options.HasField("overlap_tokens")
+            else min(DEFAULT_OVERLAP_TOKENS, most)
+        )
         if not MIN_CHUNK_TOKENS <= size <= embedder.max_tokens:
             violations.append(
                 ("chunking.chunk_tokens", f"must be in [{MIN_CHUNK_TOKENS}, {embedder.max_tokens}]")
             )
-        elif not 0 <= overlap < size - 2:
-            # A chunk's own text is at most size - 2 tokens: the model adds [CLS] and [SEP].
-            violations.append(("chunking.overlap_tokens", f"must be in [0, {size - 3}]"))
+        elif not 0 <= overlap <= most:
+            violations.append(
+                (
+                    "chunking.overlap_tokens",
+                    f"must be in [0, {most}]: at most {MAX_OVERLAP_PERCENT}% of chunk_tokens ({size})",
+                )
+            )
         return size, overlap
 
     @errors.reports_errors
     async def SearchDocuments(self, request: rpb.SearchDocumentsRequest, context: grpc.aio.ServicerContext):
         """The caller's chunks closest to the query."""
         identity, embedder, store = self._enter(context)
+        meter = embedder.meter(self.inflight, identity)
+        meter.admit()
         top_k = request.top_k if request.HasField("top_k") else DEFAULT_SEARCH_TOP_K
-        hits, tokens = await self._search(
-            identity,
-            embedder,
-            store,
-            request.query,
-            top_k,
-            MAX_SEARCH_TOP_K,
-            request.filter,
-            request.min_score if request.HasField("min_score") else None,
-        )
+        try:
+            hits, tokens = await self._search(
+                identity,
+                embedder,
+                store,
+                meter,
+                request.query,
+                top_k,
+                MAX_SEARCH_TOP_K,
+                request.filter,
+                request.min_score if request.HasField("min_score") else None,
+            )
+        finally:
+            meter.record()
         return rpb.SearchDocumentsResponse(
             chunks=[_hit(h) for h in hits], usage=pb.Usage(prompt_tokens=tokens, total_tokens=tokens)
         )
@@ -252,6 +359,7 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         identity: Identity,
         embedder: ServedEmbedder,
         store: RagStore,
+        meter: EmbeddingMeter,
         query: str,
         top_k: int,
         max_top_k: int,
@@ -269,7 +377,9 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         violations += _metadata_violations(filter, f"{prefix}filter")
         if violations:
             raise errors.invalid_argument(violations)
-        embedded = await embedder.embed_texts([query], f"{prefix}query")
+        embedded = await embedder.embed_texts(
+            [query], f"{prefix}query", tenant=identity.id, charge=meter.charge
+        )
         hits = await asyncio.to_thread(
             store.search, identity.id, embedded.vectors[0], top_k, dict(filter) or None, min_score
         )
@@ -337,22 +447,31 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         if params.n != 1:
             violations.append(("sampling.n", "must be 1: an answer is one text"))
         system = request.system_prompt if request.HasField("system_prompt") else DEFAULT_SYSTEM_PROMPT
-        if "{context}" not in system:
+        system_bytes = errors.utf8_size(system)
+        if system_bytes > MAX_PROMPT_BYTES:
+            violations.append(("system_prompt", f"must be at most {MAX_PROMPT_BYTES} bytes"))
+        elif CONTEXT_PLACEHOLDER not in system:
             violations.append(("system_prompt", "must contain {context}, where the sources go"))
         served.sampling.check(params, lambda f: f"sampling.{f}", violations)
         await served.check_constraint(params.constraint, lambda f: f"sampling.{f}")
         top_k = request.top_k if request.HasField("top_k") else DEFAULT_CONTEXT_CHUNKS
-        hits, _ = await self._search(
-            identity,
-            embedder,
-            store,
-            request.query,
-            top_k,
-            MAX_RAG_CONTEXT_CHUNKS,
-            request.filter,
-            request.min_score if request.HasField("min_score") else None,
-        )
-        system_text = system.replace("{context}", context_text(hits) or "(no sources found)")
+        meter = embedder.meter(self.inflight, identity, request=False)  # the call took its request
+        try:
+            hits, _ = await self._search(
+                identity,
+                embedder,
+                store,
+                meter,
+                request.query,
+                top_k,
+                MAX_RAG_CONTEXT_CHUNKS,
+                request.filter,
+                request.min_score if request.HasField("min_score") else None,
+            )
+        finally:
+            meter.record()
+        self._check_expansion(system, system_bytes, hits)
+        system_text = system.replace(CONTEXT_PLACEHOLDER, context_text(hits))
         policy = ContextPolicy.ALLOW_CONTEXT_STOP
         if served.tokenizer.has_chat_template:
             turns = [ChatTurn("system", system_text), ChatTurn("user", request.query)]
@@ -370,6 +489,28 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         )
         citations = [rpb.Citation(number=n, chunk=_hit(h)) for n, h in enumerate(hits, 1)]
         return _Answering(served, tokenized, citations)
+
+    @staticmethod
+    def _check_expansion(system: str, system_bytes: int, hits: list[StoredHit]) -> None:
+        """INVALID_ARGUMENT if the system message, every {context} replaced by the sources, would pass
+        MAX_PROMPT_BYTES; sized from the placeholders and the sources, before anything is built."""
+        sources = context_size(hits)
+        if sources > MAX_PROMPT_BYTES:
+            raise errors.invalid_argument(
+                [("top_k", f"the {len(hits)} best chunks hold {sources} bytes, more than {MAX_PROMPT_BYTES}")]
+            )
+        placeholders = system.count(CONTEXT_PLACEHOLDER)
+        expanded = system_bytes + placeholders * (sources - len(CONTEXT_PLACEHOLDER))
+        if expanded > MAX_PROMPT_BYTES:
+            raise errors.invalid_argument(
+                [
+                    (
+                        "system_prompt",
+                        f"its {placeholders} {{context}} placeholders, each replaced by the {sources} bytes "
+                        f"of sources, make {expanded} bytes, more than {MAX_PROMPT_BYTES}",
+                    )
+                ]
+            )
 
     @errors.reports_errors
     async def RetrieveAndGenerate(

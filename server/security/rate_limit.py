@@ -11,6 +11,11 @@ API key when auth is on, the user id when it is off.
   it runs, and gives back what it did not use when it ends, however it ends.
   A request that can never fit (more than the per-minute limit) is refused
   without RetryInfo, since waiting would not help.
+* Embedding work (Embed, OpenAI embeddings, RAG index and search) takes one
+  request per call, and the tokens it embeds (every input's; every chunk's,
+  overlaps included; the query's) once they are counted and before the model
+  runs (``charge_tokens``): nothing comes back, the work is known in advance.
+  Retrieve-and-generate's query counts too, beside its generation's reservation.
 
 A refusal is RESOURCE_EXHAUSTED with reason RATE_LIMIT_EXCEEDED and a RetryInfo
 delay: the time until the bucket holds enough (the gateway's 429 Retry-After).
@@ -21,6 +26,9 @@ Defaults come from ``--rate-limit-rpm`` / ``--rate-limit-tpm`` (0: no limit);
     [keys."sk-team-a"]
     rpm = 600
     tpm = 200000        # a field left out keeps the server default; 0 lifts that limit
+    weight = 2          # its share of the engine when keys compete (engine fair scheduling) [1]
+    rag_max_documents = 50000   # RAG quotas of the key over all its user ids [--rag-key-max-*]
+    rag_max_bytes = 1073741824
 
 The buckets are in memory, per process; time comes from an injectable clock.
 """
@@ -53,10 +61,15 @@ _IDLE_S = 60.0
 
 @dataclass(frozen=True)
 class Limits:
-    """Allowances per minute; 0 means no limit."""
+    """Allowances per minute (0 means no limit), and the key's weight in the engine's fair scheduling."""
 
     rpm: int = 0  # requests per minute
     tpm: int = 0  # tokens per minute: prompt plus generated, reserved as prompt + max_tokens per choice
+    # While keys compete for the engine, each is served in proportion to its weight (a whole number >= 1).
+    weight: int = 1
+    # The key's RAG quotas over all its identities (0: no limit); None: the server's --rag-key-max-*.
+    rag_max_documents: int | None = None
+    rag_max_bytes: int | None = None
 
 
 class TokenBucket:
@@ -209,6 +222,11 @@ class RateLimiter:
             raise rate_limited("tokens", tpm, tokens, wait)
         return Reservation(identity.quota_id, tokens)
 
+    def charge_tokens(self, identity: Identity, tokens: int) -> None:
+        """Take ``tokens`` of the caller's tpm for work whose size is known before it runs (embedding);
+        RESOURCE_EXHAUSTED as :meth:`reserve_tokens` when the bucket lacks them. Nothing is given back."""
+        self.reserve_tokens(identity, tokens)
+
     def release(self, reservation: Reservation | None, used: int) -> None:
         """End a reservation: the tokens not used go back to the caller's bucket."""
         if reservation is None:
@@ -219,8 +237,11 @@ class RateLimiter:
             bucket.give(reservation.tokens - used, self._clock())
 
 
+_KEY_FIELDS = ("rpm", "tpm", "weight", "rag_max_documents", "rag_max_bytes")
+
+
 def load_key_limits(path: str | Path, default: Limits = Limits()) -> dict[str, Limits]:
-    """``{api_key: Limits}`` from a TOML file of ``[keys."<key>"]`` tables with ``rpm`` / ``tpm``.
+    """``{api_key: Limits}`` from a TOML file of ``[keys."<key>"]`` tables of :class:`Limits` fields.
 
     Error messages name the file and the entry's position, never the key.
     """
@@ -238,12 +259,13 @@ def load_key_limits(path: str | Path, default: Limits = Limits()) -> dict[str, L
     for position, (api_key, entry) in enumerate(keys.items(), start=1):
         where = f"{path}: entry {position} of [keys]"
         if not isinstance(entry, dict):
-            raise ValueError(f"{where} must be a table with rpm and/or tpm")
-        unknown = sorted(set(entry) - {"rpm", "tpm"})
+            raise ValueError(f"{where} must be a table of some of {', '.join(_KEY_FIELDS)}")
+        unknown = sorted(set(entry) - set(_KEY_FIELDS))
         if unknown:
-            raise ValueError(f"{where}: unknown fields {unknown}; only rpm and tpm")
+            raise ValueError(f"{where}: unknown fields {unknown}; only {', '.join(_KEY_FIELDS)}")
         for name, value in entry.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{where}: {name} must be a whole number >= 0")
+            least = 1 if name == "weight" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{where}: {name} must be a whole number >= {least}")
         limits[api_key] = dataclasses.replace(default, **entry)
     return limits

@@ -1,14 +1,19 @@
 """ServedEmbedder: the embedding model as the API serves it, and the EmbeddingService servicer.
 
-It checks inputs (none empty, each within the model's window, token ids inside its vocabulary) on the
-request's own field paths, and runs the model on the embedding worker's thread, so neither the event
-loop nor the engine's decode loop waits for a big batch. OpenAI's ``/v1/embeddings`` (OpenAIService)
-and RAG use the same object.
+It checks inputs (none empty, each within MAX_EMBEDDING_INPUT_BYTES before it is tokenized and within
+the model's window after, token ids inside its vocabulary) on the request's own field paths, and runs
+the model on the embedding worker's thread, so neither the event loop nor the engine's decode loop
+waits for a big batch. OpenAI's ``/v1/embeddings`` (OpenAIService) and RAG use the same object.
+
+Every embedding call is metered (EmbeddingMeter): one request of the caller's rpm as it starts, the
+tokens it embeds from the caller's tpm as soon as they are counted (tokenizing is cheap) and before
+any forward (the model is not), and those tokens in the caller's usage. The worker shares its thread
+fairly between callers by the tenant each call names (the caller's identity).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +21,8 @@ import grpc
 
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
-from protoserve.server.limits import MAX_EMBEDDING_INPUTS
+from protoserve.server.limits import MAX_EMBEDDING_INPUT_BYTES, MAX_EMBEDDING_INPUTS
+from protoserve.server.models.served_model import INLINE_TOKENIZE_CHARS
 from protoserve.v1 import embeddings_pb2 as epb
 from protoserve.v1 import embeddings_pb2_grpc
 from protoserve.v1 import inference_pb2 as pb
@@ -26,7 +32,12 @@ if TYPE_CHECKING:
 
     from protoserve.engine.embedding.model import EmbeddingModel
     from protoserve.engine.embedding.worker import EmbeddingWorker
+    from protoserve.server.calls.inflight import InflightRequests
     from protoserve.server.rag.store import RagStore
+    from protoserve.server.security.auth import Identity
+
+# Called with a call's token count once it is known, before the model runs; raises to refuse the call.
+Charge = Callable[[int], None]
 
 
 @dataclass
@@ -53,6 +64,38 @@ class Embedded:
         return sum(self.tokens)
 
 
+class EmbeddingMeter:
+    """What one embedding call costs its caller: :meth:`admit` takes a request of its rpm as the call
+    starts, :meth:`charge` takes the tokens it embeds from its tpm before the model runs (each
+    RESOURCE_EXHAUSTED with RetryInfo when over), :meth:`record` adds those tokens to its usage.
+
+    ``request=False`` for a call whose request is counted elsewhere (retrieve-and-generate's query,
+    whose call InflightRequests opens).
+    """
+
+    def __init__(self, inflight: InflightRequests, identity: Identity, *, request: bool = True) -> None:
+        self._limiter = inflight.limiter
+        self._usage = inflight.usage
+        self.identity = identity
+        self._request = request
+        self.tokens = 0
+
+    def admit(self) -> None:
+        if self._limiter is not None:
+            self._limiter.admit_request(self.identity)
+
+    def charge(self, tokens: int) -> None:
+        if self._limiter is not None:
+            self._limiter.charge_tokens(self.identity, tokens)
+        self.tokens += tokens
+
+    def record(self) -> None:
+        """Once the call ends, however it ends: what it was charged is what it used."""
+        if self.tokens:
+            self._usage.record(self.identity.id, self.tokens, 0, requests=int(self._request))
+            self.tokens = 0
+
+
 class ServedEmbedder:
     """One loaded embedding model behind its worker thread."""
 
@@ -72,26 +115,54 @@ class ServedEmbedder:
     def max_tokens(self) -> int:
         return self.model.max_tokens
 
+    def meter(self, inflight: InflightRequests, identity: Identity, *, request: bool = True) -> EmbeddingMeter:
+        """A meter for one call of ``identity`` to this model (see EmbeddingMeter)."""
+        return EmbeddingMeter(inflight, identity, request=request)
+
     def check_model(self, name: str) -> None:
         """NOT_FOUND for a model name that is not this one (empty names this one)."""
         if name and name != self.name:
             raise errors.model_not_found(name, [self.name])
 
-    async def embed_texts(self, texts: Sequence[str], path: str) -> Embedded:
-        """Vectors of ``texts``; INVALID_ARGUMENT on ``path[i]`` for an empty or too long text."""
+    async def embed_texts(
+        self, texts: Sequence[str], path: str, *, tenant: str = "", charge: Charge | None = None
+    ) -> Embedded:
+        """Vectors of ``texts``; INVALID_ARGUMENT on ``path[i]`` for an empty, too large or too long text.
+
+        ``charge(tokens)`` runs once the texts are tokenized and checked, before the model runs.
+        """
         _check_count(len(texts), path)
         violations = [(f"{path}[{i}]", "must not be empty") for i, t in enumerate(texts) if not t]
+        violations += [
+            (
+                f"{path}[{i}]",
+                f"must be at most {MAX_EMBEDDING_INPUT_BYTES} bytes; the model reads {self.max_tokens} tokens",
+            )
+            for i, t in enumerate(texts)
+            if len(t) > MAX_EMBEDDING_INPUT_BYTES or errors.utf8_size(t) > MAX_EMBEDDING_INPUT_BYTES
+        ]
         if violations:
             raise errors.invalid_argument(violations)
-        # Tokenized once: the lengths are checked on the ids the model then embeds.
-        ids = await self.worker.tokenize(list(texts))
+        # Tokenized once: the lengths are checked on the ids the model then embeds. A query's few
+        # characters are tokenized here: a turn on the worker would wait behind another caller's unit.
+        if sum(len(t) for t in texts) < INLINE_TOKENIZE_CHARS:
+            ids = self.model.tokenize(list(texts))
+        else:
+            ids = await self.worker.tokenize(list(texts), tenant)
         tokens = [len(row) + self.model.special_tokens for row in ids]
         self._check_lengths(tokens, path)
-        return Embedded(await self.worker.embed_tokenized(ids), tokens)
+        if charge is not None:
+            charge(sum(tokens))
+        return Embedded(await self.worker.embed_tokenized(ids, tenant), tokens)
 
-    async def embed_token_ids(self, ids: Sequence[Sequence[int]], path: str) -> Embedded:
-        """Vectors of token-id inputs (the model's own special tokens are added)."""
+    async def embed_token_ids(
+        self, ids: Sequence[Sequence[int]], path: str, *, tenant: str = "", charge: Charge | None = None
+    ) -> Embedded:
+        """Vectors of token-id inputs (the model's own special tokens are added); ``charge`` as embed_texts."""
         _check_count(len(ids), path)
+        tokens = [len(item) + self.model.special_tokens for item in ids]
+        # Lengths first: an input past the window is refused before its ids are looked at.
+        self._check_lengths(tokens, path)
         vocab = self.model.vocab_size
         violations = []
         for i, item in enumerate(ids):
@@ -101,9 +172,9 @@ class ServedEmbedder:
                 violations.append((f"{path}[{i}]", f"token ids must be in [0, {vocab})"))
         if violations:
             raise errors.invalid_argument(violations)
-        tokens = [len(item) + 2 for item in ids]  # [CLS] and [SEP]
-        self._check_lengths(tokens, path)
-        return Embedded(await self.worker.embed_token_ids([list(i) for i in ids]), tokens)
+        if charge is not None:
+            charge(sum(tokens))
+        return Embedded(await self.worker.embed_token_ids([list(i) for i in ids], tenant), tokens)
 
     def _check_lengths(self, tokens: Sequence[int], path: str) -> None:
         violations = [
@@ -142,17 +213,29 @@ class EmbeddingService(AdmittingServicer, embeddings_pb2_grpc.EmbeddingServiceSe
     @errors.reports_errors
     async def Embed(self, request: epb.EmbedRequest, context: grpc.aio.ServicerContext) -> epb.EmbedResponse:
         """One unit vector per input, in input order."""
-        self._admit(context)
+        identity = self._admit(context)
         embedder = self.retrieval.embedder
         if embedder is None:
             raise embeddings_disabled()
+        meter = embedder.meter(self.inflight, identity)
+        meter.admit()
         embedder.check_model(request.model)
         if request.texts and request.token_ids:
             raise errors.invalid_argument([("token_ids", "set texts or token_ids, not both")])
-        if request.token_ids:
-            done = await embedder.embed_token_ids([list(t.ids) for t in request.token_ids], "token_ids")
-        else:
-            done = await embedder.embed_texts(list(request.texts), "texts")
+        try:
+            if request.token_ids:
+                done = await embedder.embed_token_ids(
+                    [list(t.ids) for t in request.token_ids],
+                    "token_ids",
+                    tenant=identity.id,
+                    charge=meter.charge,
+                )
+            else:
+                done = await embedder.embed_texts(
+                    list(request.texts), "texts", tenant=identity.id, charge=meter.charge
+                )
+        finally:
+            meter.record()
         return epb.EmbedResponse(
             model=embedder.name,
             dimensions=embedder.dimensions,

@@ -410,7 +410,7 @@ def test_without_an_embedding_model_rag_is_failed_precondition(spawn_server):
 
 
 def test_quotas_are_resource_exhausted_and_write_nothing(spawn_server):
-    server = spawn_server("--rag-max-documents", "2", env={"PROTOSERVE_API_KEYS": KEYS[0]})
+    server = spawn_server("--rag-max-documents", "2", env={"PROTOSERVE_API_KEYS": ",".join(KEYS)})
     channel, stub = stubs(server)
     md = metadata(KEYS[0], "quota")
     try:
@@ -421,8 +421,12 @@ def test_quotas_are_resource_exhausted_and_write_nothing(spawn_server):
         index(stub, md, ("a", "first, replaced"))  # a replacement adds no document
         listed = stub.ListDocuments(rpb.ListDocumentsRequest(), metadata=md).documents
         assert sorted(d.document_id for d in listed) == ["a", "b"]
-        # Another identity has its own quota.
-        index(stub, metadata(KEYS[0], "someone-else"), ("c", "third"))
+        # Another user of the same key shares the key's quota (--rag-key-max-documents defaults to
+        # --rag-max-documents); another key has its own.
+        with pytest.raises(grpc.RpcError) as exc:
+            index(stub, metadata(KEYS[0], "someone-else"), ("c", "third"))
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "API key" in exc.value.details()
+        index(stub, metadata(KEYS[1], "someone-else"), ("c", "third"))
     finally:
         channel.close()
     response = httpx.post(
