@@ -19,11 +19,18 @@ Three measurements, each a ratio to a peer measured in the same run:
   rounds on both sides, so drift falls on both). A round counts as busy only if the index call
   was still running when its last stream ended. The figure is the streams' inter-token latency p99
   beside indexing over the p99 on their own.
+- **Another tenant's search beside an upload**: on such a server, one identity (``x-user-id``)
+  searches its own small set of documents back to back, on its own, then while another identity
+  uploads one ~4 MiB document (chunked and embedded on the same worker thread), then on its own
+  again. Searches count as busy only if the upload was still running when they ended; the upload is
+  cancelled once the busy window is over. The figure is the searches' latency p99 beside the upload
+  over the p99 on their own: what fair, small units of embedding work leave another tenant.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import tempfile
 import time
@@ -64,6 +71,11 @@ INDEX_TIMEOUT_S = 600.0
 INDEX_LEAD_S = 0.2
 EMBED_TARGET = Target(1.0, "higher")  # at least sentence-transformers' speed on the same chunks
 ITL_TARGET = Target(1.5, "lower")  # indexing at most half again what decoding streams wait per token
+SEARCH_TARGET = Target(3.0, "lower")  # an upload at most triples another tenant's search p99
+# Just under the 4 MiB a document may hold (server/limits.py MAX_DOCUMENT_BYTES).
+UPLOAD_BYTES = 4 * 1024 * 1024 - 1024
+UPLOAD_LEAD_S = 0.5  # the upload is under way (its chunking) before the first busy search
+SEARCHER_DOCUMENTS, SEARCHER_DOCUMENT_WORDS, QUERY_WORDS = 20, 200, 8
 
 
 @dataclass(frozen=True)
@@ -79,12 +91,13 @@ class Sizes:
     index_documents: int
     document_tokens: int
     streams: int = 8
+    upload_search_s: float = 20.0  # seconds of searches beside the upload; half that on their own, each side
 
 
 SIZES = {
-    "smoke": Sizes(8, 2, (2_000, 5_000), 50, 16, 1, 16, 1024),
+    "smoke": Sizes(8, 2, (2_000, 5_000), 50, 16, 1, 16, 1024, upload_search_s=4.0),
     "default": Sizes(64, 4, (10_000, 100_000), 300, 64, 3, 64, 2048),
-    "full": Sizes(128, 6, (10_000, 100_000), 1000, 64, 5, 128, 2048),
+    "full": Sizes(128, 6, (10_000, 100_000), 1000, 64, 5, 128, 2048, upload_search_s=60.0),
 }
 
 
@@ -486,6 +499,140 @@ def _itl_step(ctx: BenchContext, sizes: Sizes) -> Step:
     )
 
 
+# --- another tenant's search beside an upload -------------------------------------------------------
+
+SEARCH_IDLE_NAME, SEARCH_BUSY_NAME, SEARCH_RATIO_NAME = (f"{SECTION}.tenant_search_p99.idle",
+                                                         f"{SECTION}.tenant_search_p99.uploading",
+                                                         f"{SECTION}.tenant_search_p99_ratio")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class UploadOutcome:
+    """The upload the busy searches ran beside: its size and how long it had run when cancelled."""
+
+    bytes: int
+    seconds: float
+
+
+def tenant_search_figures(
+    idle: Sequence[float], busy: Sequence[float], upload: UploadOutcome
+) -> list[Figure]:
+    """The searches' latency p99 on their own and beside the upload (seconds each), and their ratio."""
+    if not busy:
+        raise RuntimeError(f"the upload ended ({upload.seconds:.1f}s) before a search beside it did")
+    if not idle:
+        raise RuntimeError("no search ran on its own")
+    idle_p99, busy_p99 = percentile(list(idle), 99.0), percentile(list(busy), 99.0)
+    shared = {"upload_bytes": upload.bytes, "upload_s": significant(upload.seconds)}
+
+    def details(values: Sequence[float]) -> dict[str, Any]:
+        return {"searches": len(values), "p50_ms": significant(percentile(list(values), 50.0) * 1e3),
+                "max_ms": significant(max(values) * 1e3)}  # fmt: skip
+
+    return [
+        Figure(SEARCH_IDLE_NAME, idle_p99, "s", SECTION, better="lower", details=details(idle)),
+        Figure(SEARCH_BUSY_NAME, busy_p99, "s", SECTION, better="lower", details={**details(busy), **shared}),
+        Figure(SEARCH_RATIO_NAME, busy_p99 / idle_p99, "x", SECTION, better="lower", target=SEARCH_TARGET,
+               details=shared),
+    ]  # fmt: skip
+
+
+def upload_text(words: Sequence[str], seed: int) -> str:
+    """English-like text of just under UPLOAD_BYTES (ASCII, so characters are bytes)."""
+    text = english_like_text(words, UPLOAD_BYTES // 4, seed)  # words average well over 4 characters
+    return text[:UPLOAD_BYTES]
+
+
+def _tenant_search_step(ctx: BenchContext, sizes: Sizes) -> Step:
+    variant = ctx.profile.serving_variant
+
+    def run(_: Any) -> list[Figure]:
+        import grpc
+
+        from bench.load_generator import run_clients
+        from protoserve.v1 import rag_pb2 as rpb
+        from protoserve.v1 import rag_pb2_grpc
+
+        seed = ctx.seed * 1_000_003 + WORKLOAD + 1
+        words = text_words(model_dir())
+        own = rpb.IndexDocumentsRequest(
+            documents=[
+                rpb.Document(document_id=f"own-{i}", text=english_like_text(words, SEARCHER_DOCUMENT_WORDS, seed + i))
+                for i in range(SEARCHER_DOCUMENTS)
+            ]
+        )  # fmt: skip
+        queries = [english_like_text(words, QUERY_WORDS, seed + 1000 + i) for i in range(100)]
+        upload = rpb.IndexDocumentsRequest(
+            documents=[rpb.Document(document_id="upload", text=upload_text(words, seed + 2000))]
+        )
+        searcher, uploader = (("x-user-id", "searcher"),), (("x-user-id", "uploader"),)
+
+        async def main(target: str) -> tuple[list[float], list[float], UploadOutcome]:
+            channel = grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", -1)])
+            rag = rag_pb2_grpc.RagServiceStub(channel)
+            asked = 0
+
+            async def search() -> float:
+                nonlocal asked
+                query = queries[asked % len(queries)]
+                asked += 1
+                started = time.perf_counter()
+                await rag.SearchDocuments(
+                    rpb.SearchDocumentsRequest(query=query, top_k=TOP_K), metadata=searcher
+                )
+                return time.perf_counter() - started
+
+            async def searches(seconds: float) -> list[float]:
+                until, done = time.perf_counter() + seconds, []
+                while time.perf_counter() < until:
+                    done.append(await search())
+                return done
+
+            try:
+                await rag.IndexDocuments(own, metadata=searcher, timeout=INDEX_TIMEOUT_S)
+                await searches(1.0)  # unmeasured: connections, the first forwards
+                idle = await searches(sizes.upload_search_s / 2)
+                started = time.perf_counter()
+                call = rag.IndexDocuments(upload, metadata=uploader, timeout=INDEX_TIMEOUT_S)
+                pending = asyncio.ensure_future(call)
+                await asyncio.sleep(UPLOAD_LEAD_S)
+                busy: list[float] = []
+                until = time.perf_counter() + sizes.upload_search_s
+                while time.perf_counter() < until and not pending.done():
+                    seconds = await search()
+                    if not pending.done():
+                        busy.append(seconds)
+                outcome = UploadOutcome(len(upload.documents[0].text), time.perf_counter() - started)
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await pending
+                idle += await searches(sizes.upload_search_s / 2)
+            finally:
+                await channel.close()
+            return idle, busy, outcome
+
+        with tempfile.TemporaryDirectory(prefix="bench-rag-tenants-") as data_dir:
+            server = _start_server(variant, Path(data_dir))
+            try:
+                return tenant_search_figures(*run_clients(main(server.grpc_target)))
+            finally:
+                server.stop()
+
+    expects = ((SEARCH_IDLE_NAME, "s"), (SEARCH_BUSY_NAME, "s"), (SEARCH_RATIO_NAME, "x"))
+    return Step(
+        SECTION,
+        EngineModel(variant),
+        f"RAG: one tenant's searches beside another's ~{round(UPLOAD_BYTES / 2**20)} MiB upload",
+        run,
+        expects,
+    )
+
+
 def steps(ctx: BenchContext) -> list[Step]:
     sizes = SIZES.get(ctx.profile.name, SIZES["default"])
-    return [_embed_step(ctx, sizes), _search_step(ctx, sizes), _itl_step(ctx, sizes)]
+    return [
+        _embed_step(ctx, sizes),
+        _search_step(ctx, sizes),
+        _itl_step(ctx, sizes),
+        _tenant_search_step(ctx, sizes),
+    ]
