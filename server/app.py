@@ -148,7 +148,9 @@ class ServerConfig:
     rag_partitions: int = 16  # identity mod N picks a caller's partition (its directory and indexes)
     rag_index: str = "flat"  # "flat" (exact) or "hnsw"
     rag_max_documents: int = 10_000  # per identity; 0: no limit
-    rag_max_bytes: int = 256 * 1024 * 1024  # text bytes per identity; 0: no limit
+    rag_max_bytes: int = 256 * 1024 * 1024  # stored bytes (text, chunks, vectors) per identity; 0: no limit
+    rag_key_max_documents: int | None = None  # per API key over its identities; None: rag_max_documents
+    rag_key_max_bytes: int | None = None  # per API key over its identities; None: rag_max_bytes
     loras: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter loaded at start (--lora)
     max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0: DEFAULT_MAX_LORAS if loras, else off
 
@@ -337,6 +339,9 @@ class ServerApp:
             return
         model = await asyncio.to_thread(EmbeddingModel.load, self.config.embedding_model)
         root = Path(self.config.data_dir).expanduser() if self.config.data_dir else default_data_dir()
+        config = self.config
+        key_documents = config.rag_max_documents if config.rag_key_max_documents is None else config.rag_key_max_documents
+        key_bytes = config.rag_max_bytes if config.rag_key_max_bytes is None else config.rag_key_max_bytes
         try:
             store = await asyncio.to_thread(
                 RagStore,
@@ -345,6 +350,7 @@ class ServerApp:
                 dimensions=model.dimensions,
                 index_kind=self.config.rag_index,
                 quotas=Quotas(self.config.rag_max_documents, self.config.rag_max_bytes),
+                key_quotas=Quotas(key_documents, key_bytes),
             )
         except (RuntimeError, OSError) as exc:
             # Another server holding the directory, or one it cannot write: the operator's to fix.

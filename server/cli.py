@@ -51,6 +51,9 @@ ENGINE_FLAGS = (
     ("activation_precision", "activation_precision"),
     ("device", "device"),
     ("tensor_parallel_size", "tensor_parallel_size"),
+    ("max_running_per_identity", "max_running_per_identity"),
+    ("max_kv_share_per_identity", "max_kv_share_per_identity"),
+    ("fairness_margin_tokens", "fairness_margin_tokens"),
 )
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
@@ -272,6 +275,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, help="waiting requests before RESOURCE_EXHAUSTED [engine default]"
     )
     s.add_argument(
+        "--max-running-per-identity",
+        type=int,
+        metavar="N",
+        help="running sequences one caller identity may hold at once, even alone; 0: no cap (fair "
+        "scheduling still shares the engine between callers that compete) [0]",
+    )
+    s.add_argument(
+        "--max-kv-share-per-identity",
+        type=float,
+        metavar="F",
+        help="share of the KV cache (0-1] one caller identity may hold at once, even alone [1: no cap]",
+    )
+    s.add_argument(
+        "--fairness-margin-tokens",
+        type=int,
+        metavar="N",
+        help="fair scheduling preempts a caller's running work for another's only while it has been served "
+        "this many weighted tokens (prompt 1, generated 2) beyond the other [1024]",
+    )
+    s.add_argument(
         "--max-message-bytes",
         type=_byte_count,
         default=DEFAULT_MAX_MESSAGE_BYTES,
@@ -339,7 +362,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=256 * 1024 * 1024,
         metavar="BYTES",
-        help="text bytes each identity may store; 0: no limit [268435456]",
+        help="bytes each identity may store: texts, chunk texts and vectors; 0: no limit [268435456]",
+    )
+    s.add_argument(
+        "--rag-key-max-documents",
+        type=_non_negative_int,
+        metavar="N",
+        help="documents all identities of one API key may store together; 0: no limit "
+        "[--rag-max-documents; a key's rag_max_documents in --rate-limits-file]",
+    )
+    s.add_argument(
+        "--rag-key-max-bytes",
+        type=_non_negative_int,
+        metavar="BYTES",
+        help="bytes all identities of one API key may store together; 0: no limit "
+        "[--rag-max-bytes; a key's rag_max_bytes in --rate-limits-file]",
     )
     s.add_argument(
         "--tool-parser",
@@ -561,6 +598,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         rag_index=args.rag_index,
         rag_max_documents=args.rag_max_documents,
         rag_max_bytes=args.rag_max_bytes,
+        rag_key_max_documents=args.rag_key_max_documents,
+        rag_key_max_bytes=args.rag_key_max_bytes,
         loras=tuple(args.lora),
         max_loras=args.max_loras,
     )

@@ -50,9 +50,19 @@ MAX_COMPLETION_PROMPTS = MAX_BATCH_REQUESTS
 MAX_CHAT_MESSAGES = 2048
 # Inputs of one embeddings request (OpenAI's own limit); each is a forward row of the embedding model.
 MAX_EMBEDDING_INPUTS = 2048
+# UTF-8 bytes of one embedding input (an Embed text, an OpenAI input, a RAG query). The window is a
+# few hundred tokens, a few KB of any real text; a larger input could only be refused after
+# tokenizing it all, so it is refused by its size first.
+MAX_EMBEDDING_INPUT_BYTES = 64 * 1024
 # Documents of one IndexDocuments call, and the UTF-8 bytes of one document's text.
 MAX_INDEX_DOCUMENTS = 256
 MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
+# Chunks one document may make, and the overlap of consecutive chunks as a share of ``chunk_tokens``.
+# Every chunk is an embedding forward and a stored vector: small chunks with a large overlap turned
+# 96 KB of text into 7,137 chunks. A 4 MiB document of prose makes ~4,500 chunks at the defaults
+# (256 tokens, 32 overlap); past the cap chunking stops and the call is refused before embedding.
+MAX_DOCUMENT_CHUNKS = 8192
+MAX_OVERLAP_PERCENT = 50
 # Chunks a search may return, and chunks retrieve-and-generate may put into a prompt.
 MAX_SEARCH_TOP_K = 100
 MAX_RAG_CONTEXT_CHUNKS = 20

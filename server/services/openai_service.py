@@ -861,10 +861,12 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         self, request: oa.CreateEmbeddingRequest, context: grpc.aio.ServicerContext
     ) -> oa.CreateEmbeddingResponse:
         """OpenAI's embeddings: a vector per input, as floats or base64 float32s."""
-        self._admit(context)
+        identity = self._admit(context)
         embedder = self.retrieval.embedder
         if embedder is None:
             raise embeddings_disabled()
+        meter = embedder.meter(self.inflight, identity)
+        meter.admit()  # a request of the caller's rpm; its tokens are charged before the model runs
         embedder.check_model(request.model)
         violations: list[tuple[str, str]] = []
         if request.encoding_format not in ("", "float", "base64"):
@@ -879,10 +881,13 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         if violations:
             raise errors.invalid_argument(violations)
         path = "input"
-        if ids is not None:
-            done = await embedder.embed_token_ids(ids, path)
-        else:
-            done = await embedder.embed_texts(texts, path)
+        try:
+            if ids is not None:
+                done = await embedder.embed_token_ids(ids, path, tenant=identity.id, charge=meter.charge)
+            else:
+                done = await embedder.embed_texts(texts, path, tenant=identity.id, charge=meter.charge)
+        finally:
+            meter.record()
         data = []
         for i, vector in enumerate(done.vectors):
             embedding = struct_pb2.Value()

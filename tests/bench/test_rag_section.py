@@ -38,9 +38,11 @@ def test_registered_with_its_figures_and_targets():
         "rag.embed.protoserve", "rag.embed.st", "rag.embed.ratio",
         *[n.format(size="10k") for n in search], *[n.format(size="100k") for n in search],
         "rag.itl_p99.idle", "rag.itl_p99.indexing", "rag.itl_p99_ratio",
+        "rag.tenant_search_p99.idle", "rag.tenant_search_p99.uploading", "rag.tenant_search_p99_ratio",
     ]  # fmt: skip
     assert rag.EMBED_TARGET.met(1.0) and not rag.EMBED_TARGET.met(0.99)
     assert rag.ITL_TARGET.met(1.5) and not rag.ITL_TARGET.met(1.51)
+    assert rag.SEARCH_TARGET.met(3.0) and not rag.SEARCH_TARGET.met(3.01)
 
 
 def test_smoke_profile_uses_small_stores():
@@ -128,3 +130,26 @@ def test_itl_figures_need_a_round_beside_indexing_and_clean_streams():
     failed.fail(2.0, "UNAVAILABLE: gone")
     with pytest.raises(RuntimeError, match="UNAVAILABLE"):
         rag.itl_figures(idle, [[failed]], index)
+
+
+def test_tenant_search_figures_divide_busy_p99_by_idle_p99():
+    idle = [0.02] * 99 + [0.03]
+    busy = [0.03] * 98 + [0.06, 0.09]
+    upload = rag.UploadOutcome(bytes=4_000_000, seconds=21.5)
+    idle_fig, busy_fig, ratio = rag.tenant_search_figures(idle, busy, upload)
+    assert (idle_fig.name, busy_fig.name, ratio.name) == (
+        rag.SEARCH_IDLE_NAME,
+        rag.SEARCH_BUSY_NAME,
+        rag.SEARCH_RATIO_NAME,
+    )
+    assert ratio.value == pytest.approx(busy_fig.value / idle_fig.value)
+    assert busy_fig.details["searches"] == 100 and busy_fig.details["upload_bytes"] == 4_000_000
+    with pytest.raises(RuntimeError, match="before a search beside it"):
+        rag.tenant_search_figures(idle, [], upload)
+
+
+def test_the_upload_is_just_under_a_document_cap():
+    from protoserve.server.limits import MAX_DOCUMENT_BYTES
+
+    text = rag.upload_text(["alpha", "beta", "gamma", "delta"], seed=1)
+    assert MAX_DOCUMENT_BYTES - 4096 < len(text.encode()) <= MAX_DOCUMENT_BYTES

@@ -27,3 +27,20 @@ def test_engine_config_refuses_an_unknown_kv_cache_dtype() -> None:
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
         EngineConfig(kv_cache_dtype="fp8").validate()
+
+
+def test_fairness_flags_reach_the_engine_and_bad_values_name_the_flag() -> None:
+    from protoserve.server.cli import CliError
+
+    config = _engine_config(build_parser().parse_args([
+        "serve", "--max-running-per-identity", "8", "--max-kv-share-per-identity", "0.5",
+        "--fairness-margin-tokens", "256",
+    ]))
+    assert (config.max_running_per_identity, config.max_kv_share_per_identity, config.fairness_margin_tokens) == (
+        8, 0.5, 256)
+    default = _engine_config(build_parser().parse_args(["serve"]))
+    assert (default.max_running_per_identity, default.max_kv_share_per_identity) == (0, 1.0)
+    with pytest.raises(CliError, match=r"^--max-kv-share-per-identity must be in \(0, 1\]"):
+        _engine_config(build_parser().parse_args(["serve", "--max-kv-share-per-identity", "1.5"]))
+    with pytest.raises(CliError, match="^--max-running-per-identity must be non-negative"):
+        _engine_config(build_parser().parse_args(["serve", "--max-running-per-identity", "-1"]))

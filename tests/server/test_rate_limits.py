@@ -378,3 +378,17 @@ def test_callers_see_only_their_own_usage_and_admin_sees_all(limited_server):
     rows = httpx.get(f"{base}/v1/metrics", headers={"authorization": "Bearer rl-view-b"}, timeout=30).json()
     assert list(rows["snapshot"]["usage_by_identity"]) == [b]
     assert b != hashlib.sha256(b"rl-view-b").hexdigest()
+
+
+def test_key_weights_from_toml_reach_every_user_id_of_the_key(tmp_path):
+    path = tmp_path / "limits.toml"
+    path.write_text('[keys."key-a"]\nweight = 3\n[keys."key-b"]\nrpm = 5\n')
+    assert load_key_limits(path) == {"key-a": Limits(weight=3), "key-b": Limits(rpm=5)}
+    auth = Authenticator(["key-a", "key-b"])
+    limiter = RateLimiter.from_config(0, 0, str(path), auth)
+    assert limiter.limits(auth.identity_for("key-a", "any-user")).weight == 3
+    assert limiter.limits(auth.identity_for("key-b", "")).weight == 1
+    path.write_text('[keys."sk-secret-typo"]\nweight = 0\n')
+    with pytest.raises(ValueError, match="weight must be a whole number >= 1") as bad:
+        load_key_limits(path)
+    assert "sk-secret" not in str(bad.value)
