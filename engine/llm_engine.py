@@ -476,7 +476,10 @@ class LLMEngine:
     def _collect_outputs(self) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        for request_id in sorted(self._touched):
+        # The least-served callers' outputs first: a busy server's event loop writes them first, so one
+        # caller's many streams do not delay another's first token (the order is fixed: rank, then id).
+        rank = self.scheduler.fair.rank
+        for request_id in sorted(self._touched, key=lambda rid: (rank(self.requests[rid].request.tenant), rid)):
             state = self.requests[request_id]
             out = state.make_output(now)
             if out is not None:

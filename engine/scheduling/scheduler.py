@@ -14,10 +14,13 @@ of them, the last running sequence in that order (the most-served tenant's lowes
 priority, newest) is preempted: its blocks are freed and it returns to the waiting
 queue to recompute its tokens later. Waiting sequences are admitted in that order too,
 and strictly so: a large request at the head is not overtaken forever by smaller ones
-behind it. When the head cannot fit (no slot, no blocks), running work of a tenant
-served more than the fairness margin beyond the head's is preempted to make room, so
-one tenant holding every slot and block cannot keep another waiting. In steps where
-running sequences were preempted for blocks, only such fair admissions happen.
+behind it. When the head cannot fit (no slot, no blocks, no step budget), running work
+of a tenant served more than the fairness margin beyond the head's makes room: it is
+preempted, or it waits a step, so one tenant holding every slot and block cannot keep
+another waiting. A head whose caller has nothing running gets its first step without the
+rows of tenants ahead of it, so its first token waits for a short step rather than a full
+batch. In steps where running sequences were preempted for blocks, only such fair
+admissions happen.
 
 Optional hard caps bound what one identity holds at any time, alone or not:
 ``max_running_per_identity`` sequences and ``max_kv_share_per_identity`` of the pool.
@@ -141,6 +144,8 @@ class Scheduler:
             seq.take_drafts()
 
         self._admit_waiting(batch, budget, fair_only=bool(batch.preempted))
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            self._charge_prompt(seq, n)  # after admission, which may have taken budget back
         return batch
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -170,17 +175,24 @@ class Scheduler:
         slots = sum(1 + s.num_pending_forks for s in self.running)
         queues = self._waiting_queues()
         admitted: set[int] = set()  # seq ids admitted this step: never preempted for another this step
+        newcomers: list[Tenant] = []  # callers this step is given to: nobody served far beyond them joins it
         while queues:
             head = min((q[0] for q in queues.values()), key=self.order_key)
             if self._caps and self._at_cap(head):
                 del queues[_identity(head.tenant)]  # it waits; others go past it
                 continue
             owed = self._fair_victim(head, admitted) is not None
-            if not owed and (fair_only or budget <= 0):
+            if not owed and (fair_only or budget <= 0 or newcomers):
                 return
             if owed:
+                # A caller with nothing running gets this step to itself (the tenants ahead of it wait one
+                # step): its first token then waits for one short step, not a full batch's.
+                newcomer = not any(_same_identity(s.tenant, head.tenant) for s in self.running)
                 want = min(head.num_tokens, self.config.max_num_batched_tokens)
-                budget += self._reclaim_budget(batch, head, want - budget, admitted)
+                budget += self._reclaim_budget(batch, head, batch.num_tokens if newcomer else want - budget,
+                                               admitted)
+                if newcomer:
+                    newcomers.append(head.tenant)
             made_room = False
             while True:
                 hits = self._prefix_hits(head)
@@ -209,7 +221,7 @@ class Scheduler:
             head.status = SequenceStatus.RUNNING
             head.num_computed_tokens = num_cached
             head.num_cached_blocks = len(hits)
-            self._charge_prompt(head, num_cached)
+            self._charge_prompt(head, n)  # now: the heads after it are ordered with it counted
             self.counters.prefix_cache_queries += head.num_tokens
             self.counters.prefix_cache_hits += num_cached
             batch.prefix_hit_tokens[head.seq_id] = num_cached
@@ -222,14 +234,22 @@ class Scheduler:
 
     def _reclaim_budget(self, batch: ScheduledBatch, head: Sequence, tokens: int, admitted: set[int]) -> int:
         """Up to ``tokens`` of this step's budget back from scheduled sequences of tenants served more than
-        the margin beyond ``head``'s, the most served first: they keep their blocks and run next step."""
+        the margin beyond ``head``'s, the most served first: a prefill chunk shrinks, a decode row (or a
+        row with drafts) waits; they keep their blocks, nothing is recomputed."""
         reclaimed = 0
-        for seq in reversed(list(batch.seqs)):
+        for j in reversed(range(len(batch.seqs))):
+            seq = batch.seqs[j]
             if reclaimed >= tokens:
                 break
-            if seq.seq_id not in admitted and self.fair.ahead(seq.tenant, head.tenant):
+            if seq.seq_id in admitted or not self.fair.ahead(seq.tenant, head.tenant):
+                continue
+            n = batch.num_new_tokens[j]
+            if seq.num_draft_tokens or n <= tokens - reclaimed:
                 seq.take_drafts()
                 reclaimed += self._unschedule(batch, seq)
+            else:
+                batch.num_new_tokens[j] = n - (tokens - reclaimed)
+                reclaimed = tokens
         return reclaimed
 
     def _waiting_queues(self) -> dict[tuple[str, str], list[Sequence]]:
@@ -274,14 +294,18 @@ class Scheduler:
         first = self.block_manager.blocks_for(min(head.num_tokens, self.config.max_num_batched_tokens))
         return blocks + first > self.max_blocks_per_identity
 
-    def _charge_prompt(self, seq: Sequence, num_cached: int) -> None:
-        if seq.num_charged_tokens == 0:  # a preempted sequence coming back was charged already
-            self.fair.charge(seq.tenant, PROMPT_TOKEN_COST * (seq.num_tokens - num_cached))
-            seq.num_charged_tokens = seq.num_tokens
+    def _charge_prompt(self, seq: Sequence, n: int) -> None:
+        """Charge the prompt tokens among the ``n`` this step computes that were never computed before
+        (a prefix-cache hit is free, and so is recomputing after a preemption)."""
+        start = max(seq.num_charged_tokens, seq.num_computed_tokens)
+        end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
+        if end > start:
+            self.fair.charge(seq.tenant, PROMPT_TOKEN_COST * (end - start))
+            seq.num_charged_tokens = end
 
     def _charge_output(self, seq: Sequence) -> None:
         new = seq.num_final_tokens - seq.num_charged_tokens
-        if new > 0 and seq.num_charged_tokens:
+        if new > 0 and seq.num_charged_tokens >= seq.num_prompt_tokens:
             self.fair.charge(seq.tenant, OUTPUT_TOKEN_COST * new)
             seq.num_charged_tokens = seq.num_final_tokens
 

@@ -48,8 +48,8 @@ class Sequence:
     arrival_step: int = 0  # scheduler step at arrival, for priority aging
     cache_salt: bytes = b""
     tenant: Tenant = field(default_factory=Tenant)  # whose share of the engine this sequence uses
-    # Leading tokens already counted as served to the tenant (engine/scheduling/fair_share.py): the
-    # prompt when first admitted, each generated token after; recomputing after preemption is not.
+    # Leading tokens already counted as served to the tenant (engine/scheduling/fair_share.py): prompt
+    # tokens as they are first computed, then each generated token; recomputing after preemption is not.
     num_charged_tokens: int = 0
     num_pending_forks: int = 0  # choices still to fork off when the prompt's logits arrive
     status: SequenceStatus = SequenceStatus.WAITING

@@ -36,7 +36,8 @@ def seq_of(tenant: Tenant, prompt_len: int = 4, new_tokens: int = 4, priority: i
 
 def scheduler(num_blocks: int = 256, **kw) -> Scheduler:
     kw.setdefault("max_num_batched_tokens", 64)
-    return Scheduler(EngineConfig(block_size=BS, enable_prefix_caching=False, **kw), BlockManager(num_blocks, BS))
+    config = EngineConfig(block_size=BS, enable_prefix_caching=False, **kw)
+    return Scheduler(config, BlockManager(num_blocks, BS, enable_prefix_caching=False))
 
 
 class Run:
@@ -121,8 +122,31 @@ def test_a_newcomer_takes_step_budget_from_a_more_served_tenants_prefill():
     small = seq_of(B, prompt_len=6, new_tokens=2)
     run.add(small)
     batch = run.step()
-    assert small in batch.seqs and batch.num_tokens <= 16  # scheduled at once, within the budget
-    assert not batch.preempted  # alice's sequences only waited a step, nothing was recomputed
+    # Bob has nothing running: his first step is his alone, a short one, so his first token is not held
+    # behind a full batch of alice's; her sequences only wait that step, nothing is recomputed.
+    assert batch.seqs == [small] and batch.num_new_tokens == [6]
+    assert not batch.preempted
+
+
+def test_an_owed_request_of_a_busy_caller_takes_only_the_budget_it_needs():
+    run = Run(scheduler(max_num_seqs=4, max_num_batched_tokens=16, fairness_margin_tokens=20))
+    run.add(seq_of(A, prompt_len=800, new_tokens=4))
+    run.step()
+    decoding = seq_of(B, prompt_len=4, new_tokens=200)
+    run.add(decoding)
+    while decoding not in run.started:
+        run.step()  # until bob is owed room: then his first step is his alone
+    assert run.batches[-1].seqs == [decoding]
+    second = seq_of(B, prompt_len=8, new_tokens=2)
+    run.add(second)
+    # Alice's 15-token chunks outgrow bob's one decode token a step until he is owed room again; then
+    # his waiting request takes the 8 tokens it needs out of her chunk, which shrinks.
+    batch = run.step()
+    while second not in batch.seqs:
+        assert [s.tenant for s in batch.seqs] == [B, A] and batch.num_new_tokens == [1, 15]
+        batch = run.step()
+    assert batch.seqs == [decoding, batch.seqs[1], second] and batch.seqs[1].tenant == A
+    assert batch.num_new_tokens == [1, 7, 8] and not batch.preempted
 
 
 def test_a_tenant_is_not_preempted_for_one_within_the_margin():
