@@ -7,7 +7,8 @@ In rounds (the loads in turn, so the machine's drift hits both sides of a ratio 
 
 - tenant A alone: a closed loop of ``fairness_streams`` streams of ``fairness_long_tokens`` tokens each
   (greedy, EOS ignored), a new one as soon as one ends; its tokens/s after the ramp;
-- tenant B alone: a 4-token request every second; its time to first token (TTFT) p99;
+- tenant B alone: a 4-token request every second, from a client process of its own
+  (bench/short_requests.py); its time to first token (TTFT) p99;
 - both at once: A's tokens/s and B's TTFT p99 again. The figures are B's TTFT p99 beside A over B's alone
   (target <= 3) and A's tokens/s beside B over A's alone (target >= 0.9);
 - two keys weighted 2 and 1, each a closed loop of as many streams as A (together more than the engine
@@ -20,7 +21,9 @@ First come first served kept B's requests waiting behind A's for as long as one 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,14 +36,13 @@ from bench.figures import Figure
 from bench.load_generator import run_clients
 from bench.resources import Server
 from bench.runner import Step
+from bench.server_process import REPO
 from bench.stats import significant
 
 SECTION = "fairness"
 KEYS = {"a": "bench-tenant-a", "b": "bench-tenant-b", "w2": "bench-weight-2", "w1": "bench-weight-1"}
 WEIGHTS = {"w2": 2, "w1": 1}
 LONG_PROMPT_LEN = 100
-SHORT_PROMPT_LEN = 12
-SHORT_TOKENS = 4
 RAMP = 0.2  # of the window: streams that all start at once are still in their prefill
 SETTLE_S = 2.0  # between loads: cancelled streams leave the engine
 
@@ -113,26 +115,39 @@ async def closed_loop(tenant: Tenant, prompts: Any, streams: int, max_tokens: in
     return result
 
 
-async def periodic_ttft(tenant: Tenant, prompts: Any, window: float, period: float = 1.0) -> list[float]:
-    """A short request every ``period`` seconds for ``window`` seconds; each one's time to first token."""
+class ShortRequests:
+    """Tenant B's client: ``bench.short_requests`` in a process of its own, connected before its load."""
 
-    async def one() -> float | None:
-        sent = time.perf_counter()
-        try:
-            async for message in tenant.stream(prompts(), SHORT_TOKENS):
-                if message.HasField("delta") and message.delta.token_ids:
-                    return time.perf_counter() - sent
-        except Exception:  # noqa: BLE001 - a failed request has no TTFT; counted by the caller
-            return None
-        return None
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
 
-    tasks = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < window:
-        tasks.append(asyncio.create_task(one()))
-        await asyncio.sleep(period)
-    # A request that failed or got no token counts as never answered.
-    return [math.inf if ttft is None else ttft for ttft in await asyncio.gather(*tasks)]
+    @classmethod
+    async def start(cls, target: str, key: str, seconds: float) -> ShortRequests:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.short_requests", target, key, str(seconds),
+            cwd=REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdout is not None
+        line = await process.stdout.readline()
+        if line.strip() != b"ready":
+            process.kill()
+            await process.wait()
+            raise RuntimeError(f"the short-request client did not start (said {line[:200]!r})")
+        return cls(process)
+
+    async def run(self) -> list[float]:
+        """Send now; each request's TTFT, a failed one (or one with no token) counted as never answered."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(b"go\n")
+        await self.process.stdin.drain()
+        line = await self.process.stdout.readline()
+        await self.process.wait()
+        return [math.inf if ttft is None else ttft for ttft in json.loads(line)]
+
+
+async def short_requests(target: str, key: str, seconds: float) -> list[float]:
+    client = await ShortRequests.start(target, key, seconds)
+    return await client.run()
 
 
 def p99(values: Sequence[float]) -> float:
@@ -171,23 +186,23 @@ def _step(ctx: BenchContext) -> Step:
     window = p.fairness_window_s
 
     def run(server: Any) -> list[Figure]:
-        long_prompts, short_prompts = ctx.factory(42), ctx.factory(43)
+        long_prompts = ctx.factory(42)
 
         def long_prompt() -> tuple[int, ...]:
             return long_prompts.prompt(LONG_PROMPT_LEN)
-
-        def short_prompt() -> tuple[int, ...]:
-            return short_prompts.prompt(SHORT_PROMPT_LEN)
 
         async def main():
             import grpc
 
             from protoserve.v1 import inference_pb2_grpc
 
-            async with grpc.aio.insecure_channel(server.grpc_target) as channel:
-                stub = inference_pb2_grpc.InferenceServiceStub(channel)
-                t = {name: Tenant(stub, key) for name, key in KEYS.items()}
-                await periodic_ttft(t["b"], short_prompt, 2.0)  # warm-up
+            # A channel per tenant, as separate clients would have; B's client is a process of its own
+            # (bench/short_requests.py), so this process's loop, busy with A's streams, delays nothing of B's.
+            channels = {name: grpc.aio.insecure_channel(server.grpc_target) for name in KEYS if name != "b"}
+            try:
+                t = {name: Tenant(inference_pb2_grpc.InferenceServiceStub(channel), KEYS[name])
+                     for name, channel in channels.items()}
+                await short_requests(server.grpc_target, KEYS["b"], 2.0)  # warm-up
                 a_alone, a_beside = LoopResult(), LoopResult()
                 b_alone: list[float] = []
                 b_beside: list[float] = []
@@ -195,10 +210,11 @@ def _step(ctx: BenchContext) -> Step:
                     alone = await closed_loop(t["a"], long_prompt, p.fairness_streams, p.fairness_long_tokens,
                                               window)
                     await asyncio.sleep(SETTLE_S)
-                    b_alone += await periodic_ttft(t["b"], short_prompt, window / 2)
+                    b_alone += await short_requests(server.grpc_target, KEYS["b"], window / 2)
+                    b_client = await ShortRequests.start(server.grpc_target, KEYS["b"], window)
                     beside, ttfts = await asyncio.gather(
                         closed_loop(t["a"], long_prompt, p.fairness_streams, p.fairness_long_tokens, window),
-                        periodic_ttft(t["b"], short_prompt, window),
+                        b_client.run(),
                     )
                     await asyncio.sleep(SETTLE_S)
                     a_alone.add(alone)
@@ -208,6 +224,9 @@ def _step(ctx: BenchContext) -> Step:
                     closed_loop(t["w2"], long_prompt, p.fairness_streams, p.fairness_long_tokens, window),
                     closed_loop(t["w1"], long_prompt, p.fairness_streams, p.fairness_long_tokens, window),
                 )
+            finally:
+                for channel in channels.values():
+                    await channel.close()
             return fairness_figures(a_alone, a_beside, b_alone, b_beside, w2, w1)
 
         return run_clients(main())
