@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from protoserve.engine.tokenizer.gguf_tokenizer import load_gguf_tokenizer, special_tokens_processor
+from protoserve.engine.tokenizer.special_text import SpecialText
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPM_SPACE = "\u2581"  # ▁
@@ -98,6 +99,8 @@ class Tokenizer:
         self.eos_token_ids: list[int] = eos_ids
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: list[int] = sorted(i for i, token in added.items() if token.special)
+        # Untrusted text (messages, documents, tool results) keeps special-token strings as text.
+        self.special_text = SpecialText(backend, [added[i].content for i in self.all_special_ids])
         self._chat_template = (
             ChatTemplate(chat_template, bos_token=bos_token, eos_token=eos_token) if chat_template else None
         )
@@ -181,8 +184,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for ``text``; ``add_special_tokens`` adds BOS/EOS if the model wants them.
 
-        Special tokens written in the text (``<|im_start|>``) always encode as their single id.
+        Special tokens written in the text (``<|im_start|>``) encode as their single id, except inside
+        text that went through :meth:`protect_special` (special_text.py): those stay text.
         """
+        if self.special_text.holds_protected(text):
+            return self.special_text.encode([text], add_special_tokens)[0]
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -192,7 +198,13 @@ class Tokenizer:
         ``encode`` in a worker thread would still stop every other Python thread (a
         server's event loop) until it is done. A little slower than ``encode`` for short texts.
         """
+        if self.special_text.holds_protected(text):
+            return self.special_text.encode([text], add_special_tokens)[0]
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def protect_special(self, text: str) -> str:
+        """Untrusted ``text`` to put into a prompt: its special-token strings will encode as text."""
+        return self.special_text.protect(text)
 
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text))``, found without tokenizing; 0 when none holds.

@@ -205,11 +205,15 @@ class ServedModel:
         card: ModelCard,
         sampling_defaults: Mapping[str, float | int] | None = None,
         tool_parser: str | None = None,
+        parse_special_in_messages: bool = False,
     ) -> None:
         """``sampling_defaults``: what requests that leave those fields unset get (server/models/sampling_mapping.py);
-        ``tool_parser``: the tool-call format (``--tool-parser``), else read off the chat template."""
+        ``tool_parser``: the tool-call format (``--tool-parser``), else read off the chat template;
+        ``parse_special_in_messages``: special-token strings in the caller's messages (not in tool results)
+        encode as control tokens, as before protoserve kept them text (``--parse-special-in-messages``)."""
         self.engine = engine
         self._tool_parser = tool_parser
+        self.parse_special_in_messages = parse_special_in_messages
         self.card = card
         self.tokenizer = engine.tokenizer
         # Ids must be both embeddable and decodable; a padded embedding table can exceed the tokenizer.
@@ -292,10 +296,18 @@ class ServedModel:
 
         A template that refuses the conversation (say, roles that do not
         alternate) is the caller's error: INVALID_ARGUMENT on ``path``. The
-        rendered text is size-checked as :meth:`checked_ids` does.
+        rendered text is size-checked as :meth:`checked_ids` does. Special-token
+        strings in the messages' text stay text (engine/tokenizer/special_text.py):
+        only the template draws the conversation's boundaries; tool results always,
+        the caller's own messages and tools unless ``parse_special_in_messages``.
         """
         if not self.tokenizer.has_chat_template:
             raise errors.no_chat_template(self.name)
+        turns = [self._guarded(t) for t in turns]
+        if not self.parse_special_in_messages:
+            guard = self.tokenizer.special_text
+            tools = [replace(t, description=guard.protect(t.description), parameters=guard.protect_tree(t.parameters))
+                     for t in tools]
         variables: dict[str, Any] = {}
         if self.tool_template is not None:
             messages, variables = template_messages(turns, tools, self.tool_template)
@@ -319,6 +331,14 @@ class ServedModel:
             # The template writes any BOS itself; adding special tokens again would double it.
             return self.checked_ids(rendered, path=path, policy=policy, add_special_tokens=False)
         return list(rendered)
+
+    def _guarded(self, turn: ChatTurn) -> ChatTurn:
+        """``turn`` with its text protected, unless it is the caller's own and special tokens are parsed."""
+        if self.parse_special_in_messages and turn.role != "tool":
+            return turn
+        protect = self.tokenizer.protect_special
+        calls = tuple(replace(c, arguments=protect(c.arguments)) for c in turn.tool_calls)
+        return replace(turn, content=protect(turn.content), name=protect(turn.name), tool_calls=calls)
 
     def checked_ids(
         self, text: str, *, path: str, policy: ContextPolicy | None, add_special_tokens: bool = True

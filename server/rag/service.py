@@ -471,13 +471,17 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         finally:
             meter.record()
         self._check_expansion(system, system_bytes, hits)
-        system_text = system.replace(CONTEXT_PLACEHOLDER, context_text(hits))
+        # Retrieved documents are others' text: their special-token strings stay text, whatever the
+        # server parses in the caller's own messages (engine/tokenizer/special_text.py).
+        protect = served.tokenizer.protect_special
+        system_text = system.replace(CONTEXT_PLACEHOLDER, protect(context_text(hits)))
         policy = ContextPolicy.ALLOW_CONTEXT_STOP
         if served.tokenizer.has_chat_template:
             turns = [ChatTurn("system", system_text), ChatTurn("user", request.query)]
             prompt = await served.chat_ids(turns, path="query", policy=policy)
         else:
-            text = f"{system_text}\n\nQuestion: {request.query}\nAnswer:"
+            query = request.query if served.parse_special_in_messages else protect(request.query)
+            text = f"{system_text}\n\nQuestion: {query}\nAnswer:"
             prompt = await served.prompt_ids(text, path="query", policy=policy)
         tokenized = TokenizedRequest(
             request_id=f"{request_id}.0",
