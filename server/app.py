@@ -143,6 +143,9 @@ class ServerConfig:
     # model's own recommendation for requests that leave the field unset.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     tool_parser: str | None = None  # the model's tool-call format; None: read off its chat template
+    # Special-token strings in the caller's chat messages encode as control tokens (the old behaviour);
+    # tool results and retrieved documents stay text either way.
+    parse_special_in_messages: bool = False
     embeddings: bool = True  # load an embedding model (EmbeddingService, /v1/embeddings, RAG)
     embedding_model: str | None = None  # its directory; None: the packaged all-MiniLM-L6-v2
     rag_partitions: int = 16  # identity mod N picks a caller's partition (its directory and indexes)
@@ -368,7 +371,8 @@ class ServerApp:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
         defaults = served_defaults(card.sampling_defaults, self.config.sampling_defaults, engine.model_name)
-        self.models.add(ServedModel(engine, card, defaults, tool_parser=self.config.tool_parser))
+        self.models.add(ServedModel(engine, card, defaults, tool_parser=self.config.tool_parser,
+                                    parse_special_in_messages=self.config.parse_special_in_messages))
         self.metrics.add_model(engine.model_name)
         await self.readiness.set_serving()
         log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)

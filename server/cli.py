@@ -386,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         "which the server's own tool instructions teach]",
     )
     s.add_argument(
+        "--parse-special-in-messages",
+        action="store_true",
+        help="special-token strings in chat messages (<|im_start|>) encode as control tokens, as in a raw "
+        "prompt; tool results and retrieved documents stay text [off: messages are text]",
+    )
+    s.add_argument(
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
     )
     s.add_argument(
@@ -592,6 +598,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         max_message_bytes=args.max_message_bytes,
         sampling_defaults=_sampling_defaults(args),
         tool_parser=args.tool_parser,
+        parse_special_in_messages=args.parse_special_in_messages,
         embeddings=not args.no_embedding_model,
         embedding_model=args.embedding_model,
         rag_partitions=args.rag_partitions,
