@@ -90,7 +90,9 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
         """The tools a run of ``identity`` may use: the server's, and a search of its own documents."""
         if self.retrieval.store is None:
             return self.registry
-        return self.registry.with_tools([(search_tool(identity.id, self.retrieval), "built-in (RAG)")])
+        return self.registry.with_tools(
+            [(search_tool(identity, self.retrieval, self.inflight), "built-in (RAG)")]
+        )
 
     @errors.reports_errors
     async def ListTools(self, request: apb.ListToolsRequest, context: grpc.aio.ServicerContext):

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from protoserve.v1 import agent_pb2 as apb
-from protoserve.v1 import agent_pb2_grpc
+from protoserve.v1 import agent_pb2_grpc, embeddings_pb2_grpc, metrics_pb2, metrics_pb2_grpc
+from protoserve.v1 import embeddings_pb2 as epb
 from protoserve.v1 import inference_pb2 as pb
 
 TOOLS_MODULE = """
@@ -256,3 +257,27 @@ def test_a_broken_tool_package_stops_the_server_at_startup(tmp_path):
     )
     assert done.returncode == 2, done.stderr
     assert "broken" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_runs_document_searches_count_as_its_callers_tokens(agent_server, stub):
+    user = (("x-user-id", "agent-search-metering"),)
+    request = apb.RunAgentRequest(
+        messages=[pb.ChatMessage(role="user", content="Search my documents for the harbour master.")],
+        tools=["search_documents"], tool_choice="required", max_steps=1,
+        sampling=pb.SamplingParams(temperature=0, max_tokens=256),  # room for a query of 200 characters
+    )
+    events = list(stub.RunAgent(request, metadata=user, timeout=120))
+    calls = [e.tool_call for e in events if e.WhichOneof("event") == "tool_call"]
+    results = [e.tool_result for e in events if e.WhichOneof("event") == "tool_result"]
+    assert calls and all(not r.is_error for r in results), results
+    with agent_server.sync_channel() as channel:
+        embed = embeddings_pb2_grpc.EmbeddingServiceStub(channel)
+        queries = [json.loads(c.arguments)["query"] for c in calls]
+        searched = embed.Embed(epb.EmbedRequest(texts=queries), metadata=(("x-user-id", "other"),), timeout=60)
+        snapshot = metrics_pb2_grpc.MetricsServiceStub(channel).GetMetrics(
+            metrics_pb2.GetMetricsRequest(), metadata=user, timeout=30
+        ).snapshot
+    [row] = snapshot.usage_by_identity.values()
+    # The run is one request; its model steps' prompts and its searches' query tokens are its input.
+    assert row.requests == 1
+    assert row.input_tokens == events[-1].answer.usage.prompt_tokens + searched.usage.prompt_tokens
