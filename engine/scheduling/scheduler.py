@@ -127,7 +127,7 @@ class Scheduler:
                     n = min(seq.num_uncomputed_tokens, budget)
                     continue
                 # Everything after position i is later in order and not yet scheduled this step.
-                victim = self._room_victim(seq, i)
+                victim = self._room_victim(seq, i, seq.num_computed_tokens + n)
                 self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -160,10 +160,10 @@ class Scheduler:
         new = self.block_manager.blocks_for(num_tokens) - len(seq.block_table)
         return new > 0 and self._held(seq.tenant)[1] + new > self.max_blocks_per_identity
 
-    def _room_victim(self, seq: Sequence, i: int) -> Sequence:
-        """Whom to preempt when running sequence ``seq`` (at ``i``) cannot grow: the last in order of the
-        not yet scheduled, or, when its identity is at its block cap, that identity's own last."""
-        if self._over_block_cap(seq, seq.num_tokens):
+    def _room_victim(self, seq: Sequence, i: int, num_tokens: int) -> Sequence:
+        """Whom to preempt when running sequence ``seq`` (at ``i``) cannot grow to ``num_tokens``: the last
+        in order of the not yet scheduled, or, when its identity is at its block cap, that identity's own last."""
+        if self._over_block_cap(seq, num_tokens):
             return next(s for s in reversed(self.running[i:]) if _same_identity(s.tenant, seq.tenant))
         return self.running[-1]
 
@@ -175,14 +175,14 @@ class Scheduler:
         slots = sum(1 + s.num_pending_forks for s in self.running)
         queues = self._waiting_queues()
         admitted: set[int] = set()  # seq ids admitted this step: never preempted for another this step
-        newcomers: list[Tenant] = []  # callers this step is given to: nobody served far beyond them joins it
+        given = False  # the step went to a caller with nothing running: only heads owed room join it
         while queues:
             head = min((q[0] for q in queues.values()), key=self.order_key)
             if self._caps and self._at_cap(head):
                 del queues[_identity(head.tenant)]  # it waits; others go past it
                 continue
             owed = self._fair_victim(head, admitted) is not None
-            if not owed and (fair_only or budget <= 0 or newcomers):
+            if not owed and (fair_only or budget <= 0 or given):
                 return
             if owed:
                 # A caller with nothing running gets this step to itself (the tenants ahead of it wait one
@@ -191,8 +191,7 @@ class Scheduler:
                 want = min(head.num_tokens, self.config.max_num_batched_tokens)
                 budget += self._reclaim_budget(batch, head, batch.num_tokens if newcomer else want - budget,
                                                admitted)
-                if newcomer:
-                    newcomers.append(head.tenant)
+                given = given or newcomer
             made_room = False
             while True:
                 hits = self._prefix_hits(head)
