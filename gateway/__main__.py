@@ -11,6 +11,7 @@ import argparse
 import logging
 
 from protoserve.gateway.app import run_gateway
+from protoserve.gateway.browser_safety import check_allowed_hosts
 from protoserve.gateway.cors import check_origins
 from protoserve.gateway.runtime.handler import GatewaySettings
 
@@ -33,9 +34,30 @@ def main() -> None:
         metavar="ORIGIN",
         help="let browser pages from ORIGIN (scheme://host[:port], or * for any) call the API; repeatable [off]",
     )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host is NAME (.NAME: it and its subdomains; *: any Host); IP "
+        "literals, localhost and --host always work; repeatable [none]",
+    )
+    default_idle = GatewaySettings().stream_idle_timeout_s
+    parser.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=default_idle,
+        metavar="SECONDS",
+        help=f"drop an SSE or WebSocket client that reads nothing for this long, cancelling its requests "
+        f"[{default_idle:g}]",
+    )
     args = parser.parse_args()
     try:
         cors_origins = check_origins(args.cors_origin)
+        allowed_hosts = check_allowed_hosts(args.allowed_host)
+        settings = GatewaySettings(
+            max_body_bytes=args.max_body_bytes, stream_idle_timeout_s=args.stream_idle_timeout
+        )
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -51,8 +73,9 @@ def main() -> None:
         args.host,
         args.port,
         args.grpc_target,
-        settings=GatewaySettings(max_body_bytes=args.max_body_bytes),
+        settings=settings,
         cors_origins=cors_origins,
+        allowed_hosts=allowed_hosts,
     )
 
 

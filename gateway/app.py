@@ -3,7 +3,8 @@
 ``create_app(grpc_target)`` builds the app from the generated route table
 (``protoserve.generated.routes``) and OpenAPI document (``gen/python/protoserve/generated/openapi.json``),
 plus ``GET /metrics`` in Prometheus text format and the WebSocket route ``GET /v1/ws/completions``
-(gateway.ws);
+(gateway.ws), all behind the Host and Origin checks of gateway.browser_safety. uvicorn serves it
+with protocols that drop clients that stop reading (gateway.slow_clients);
 ``start_gateway`` starts it in the running event loop and returns its stop
 function (the server CLI's hook, next to the gRPC server); ``serve_gateway``
 serves until cancelled; ``GatewayServer`` starts and stops it explicitly; ``run_gateway`` blocks and handles signals
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -24,18 +26,21 @@ import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
 
-from protoserve.gateway.cors import cors_middleware
+from protoserve.gateway.browser_safety import BrowserPolicy, BrowserSafety, check_allowed_hosts
+from protoserve.gateway.cors import check_origins, cors_middleware
 from protoserve.gateway.runtime.channel import SharedChannel
 from protoserve.gateway.runtime.docs import render_docs
 from protoserve.gateway.runtime.handler import GatewayHandler, GatewaySettings
 from protoserve.gateway.runtime.metrics import GatewayMetrics
 from protoserve.gateway.runtime.route import Route
 from protoserve.gateway.runtime.tracing import HttpTracing, installed_tracer_provider
+from protoserve.gateway.slow_clients import watched_protocols
 from protoserve.gateway.ws.endpoint import WebSocketEndpoint, refuse_unknown_path, upgrade_required
 from protoserve.gateway.ws.session import WS_PATH
 
@@ -68,6 +73,8 @@ def create_app(
     metrics_registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
     cors_origins: Sequence[str] = (),
+    listen_host: str = "127.0.0.1",
+    allowed_hosts: Sequence[str] = (),
 ) -> Starlette:
     """The gateway ASGI app calling the gRPC server at ``grpc_target`` (``host:port``).
 
@@ -81,7 +88,10 @@ def create_app(
     gateway's HTTP and process metrics only; scrape the server's engine metrics
     from ``protoserve serve --metrics-port``. ``tracer_provider`` None traces
     with the global provider when one is installed, else not at all.
-    ``cors_origins`` turns on CORS for those origins (``"*"``: any; see gateway.cors).
+    ``cors_origins`` turns on CORS for those origins (``"*"``: any; see gateway.cors), and lets
+    pages there send state-changing requests. ``listen_host`` (the bound address) and
+    ``allowed_hosts`` are the names the app answers to besides IP literals and localhost
+    (gateway.browser_safety).
     """
     channel = SharedChannel(grpc_target)
     registry = metrics_registry
@@ -91,12 +101,18 @@ def create_app(
     provider = tracer_provider if tracer_provider is not None else installed_tracer_provider()
     route_table = tuple(generated_routes() if routes is None else routes)
     settings = settings or GatewaySettings()
+    gateway_metrics = GatewayMetrics(registry)
     handler = GatewayHandler(
         route_table,
         channel,
         settings,
         tracing=HttpTracing(provider),
-        metrics=GatewayMetrics(registry),
+        metrics=gateway_metrics,
+    )
+    policy = BrowserPolicy(
+        listen_host,
+        check_allowed_hosts(allowed_hosts),
+        tuple(origin.lower() for origin in check_origins(cors_origins)),
     )
     websockets = WebSocketEndpoint(handler)
     openapi_text = (openapi_path or generated_openapi_path()).read_text(encoding="utf-8")
@@ -138,14 +154,25 @@ def create_app(
         ],
         lifespan=lifespan,
         middleware=[
-            cors_middleware(
-                cors_origins,
-                {"GET"} | {r.http_method for r in route_table},
-                (*settings.forwarded_headers, settings.timeout_header, "content-type"),
-            )
-        ]
-        if cors_origins
-        else [],
+            # Outermost: a refused Host or Origin reaches no route, preflight or WebSocket.
+            Middleware(
+                BrowserSafety,
+                policy=policy,
+                style_for_path=handler.router.style_for_path,
+                metrics=gateway_metrics,
+            ),
+            *(
+                [
+                    cors_middleware(
+                        cors_origins,
+                        {"GET"} | {r.http_method for r in route_table},
+                        (*settings.forwarded_headers, settings.timeout_header, "content-type"),
+                    )
+                ]
+                if cors_origins
+                else []
+            ),
+        ],
     )
     # Starlette's `{path:path}` stops at a newline, so a path variable holding one (`/v1/models/a%0Ab`)
     # matches no route; the handler answers those too, in the route's error style.
@@ -202,6 +229,7 @@ class GatewayServer:
         metrics_registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
         cors_origins: Sequence[str] = (),
+        allowed_hosts: Sequence[str] = (),
     ) -> None:
         settings = settings or GatewaySettings()
         app = create_app(
@@ -210,7 +238,10 @@ class GatewayServer:
             metrics_registry=metrics_registry,
             tracer_provider=tracer_provider,
             cors_origins=cors_origins,
+            listen_host=host,
+            allowed_hosts=allowed_hosts,
         )
+        http_protocol, ws_protocol = watched_protocols(settings.stream_idle_timeout_s)
         config = uvicorn.Config(
             app,
             host=host,
@@ -224,6 +255,11 @@ class GatewayServer:
             timeout_graceful_shutdown=5,
             # A WebSocket message is a request body: the same limit, enforced while reading (1009).
             ws_max_size=settings.max_body_bytes,
+            http=http_protocol,
+            ws=ws_protocol,
+            # A client that answers no ping for as long has read nothing for as long (1011).
+            ws_ping_interval=settings.stream_idle_timeout_s,
+            ws_ping_timeout=settings.stream_idle_timeout_s,
         )
         self._server = _Server(config, handle_signals, app.state.websockets.close_all)
         self._task: asyncio.Task[None] | None = None
@@ -271,10 +307,17 @@ async def serve_gateway(
     settings: GatewaySettings | None = None,
     handle_signals: bool = False,
     cors_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
 ) -> None:
     """Serve the gateway until cancelled (or stopped by a signal when ``handle_signals``)."""
     server = GatewayServer(
-        host, port, grpc_target, settings=settings, handle_signals=handle_signals, cors_origins=cors_origins
+        host,
+        port,
+        grpc_target,
+        settings=settings,
+        handle_signals=handle_signals,
+        cors_origins=cors_origins,
+        allowed_hosts=allowed_hosts,
     )
     await server.start()
     try:
@@ -291,19 +334,27 @@ async def start_gateway(
     metrics_registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
     cors_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
+    stream_idle_timeout_s: float | None = None,
 ) -> Callable[[], Awaitable[None]]:
     """Start the gateway in the running loop and return the coroutine function that stops it.
 
     This is the hook ``protoserve serve --http-port`` calls (server.app.HttpGatewayStarter),
-    passing the server's metrics registry, tracer provider and CORS origins.
+    passing the server's metrics registry, tracer provider, CORS origins, allowed hosts and
+    stream idle timeout (None: GatewaySettings' default).
     """
+    settings = GatewaySettings()
+    if stream_idle_timeout_s is not None:
+        settings = dataclasses.replace(settings, stream_idle_timeout_s=stream_idle_timeout_s)
     server = GatewayServer(
         host,
         port,
         grpc_target,
+        settings=settings,
         metrics_registry=metrics_registry,
         tracer_provider=tracer_provider,
         cors_origins=cors_origins,
+        allowed_hosts=allowed_hosts,
     )
     await server.start()
     return server.stop
@@ -316,10 +367,17 @@ def run_gateway(
     *,
     settings: GatewaySettings | None = None,
     cors_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
 ) -> None:
     """Blocking runner: serve until SIGINT/SIGTERM."""
     asyncio.run(
         serve_gateway(
-            host, port, grpc_target, settings=settings, handle_signals=True, cors_origins=cors_origins
+            host,
+            port,
+            grpc_target,
+            settings=settings,
+            handle_signals=True,
+            cors_origins=cors_origins,
+            allowed_hosts=allowed_hosts,
         )
     )

@@ -2,7 +2,9 @@
 
 Off unless origins are given (``protoserve serve --cors-origin``, ``python -m
 protoserve.gateway --cors-origin``); then a browser page on one of those origins (or any,
-with ``*``) may call the API. Preflights (``OPTIONS`` with ``Origin`` and
+with ``*``) may call the API and read the answers. CORS only governs reading: that a page
+on any other origin cannot change anything (its POSTs and WebSocket upgrades are 403) is
+gateway.browser_safety's, which takes its allowed origins from the same list. Preflights (``OPTIONS`` with ``Origin`` and
 ``Access-Control-Request-Method``) get 204 with the allowed origin, methods,
 headers and a max age; a preflight for an origin, method or header that is
 not allowed gets 400. Keys travel as ``authorization: Bearer``, never as

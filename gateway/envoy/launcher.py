@@ -238,7 +238,8 @@ def _health_checks(balancing: Balancing, check: dict) -> list[dict]:
 # "" is the whole server: NOT_SERVING while loading and from the start of a drain.
 GRPC_HEALTH_CHECK = {"grpc_health_check": {"service_name": ""}}
 # The gateway's /health is CheckHealth, which answers UNAVAILABLE (503) while loading or draining.
-HTTP_HEALTH_CHECK = {"http_health_check": {"path": "/health"}}
+# Envoy would send the cluster's name as Host, which the gateway refuses (gateway.browser_safety).
+HTTP_HEALTH_CHECK = {"http_health_check": {"path": "/health", "host": "localhost"}}
 
 
 # Envoy's default allows 3 retries in flight per cluster: when a replica dies under load, its

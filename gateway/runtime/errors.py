@@ -53,6 +53,7 @@ _OPENAI_TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     426: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled_error",

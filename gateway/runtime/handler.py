@@ -1,7 +1,7 @@
 """The ASGI application that serves the route table through the shared gRPC channel.
 
-Per request: route (404/405), read the body within the size limit (413),
-bind the gRPC request (400), forward the identity and trace headers as
+Per request: route (404/405), check that a body is declared JSON (415, see
+media_type), read it within the size limit (413), bind the gRPC request (400), forward the identity and trace headers as
 metadata, then call. When tracing, each request runs in the gateway's own
 SERVER span, whose context goes to the server in place of the incoming trace
 headers; with metrics, each answered request is counted by route and status. Unary answers are one JSON body; streams are framed per
@@ -29,6 +29,7 @@ from protoserve.gateway.runtime.binding import Call, bind_request
 from protoserve.gateway.runtime.channel import SharedChannel
 from protoserve.gateway.runtime.errors import HttpError, from_rpc_error, gateway_error
 from protoserve.gateway.runtime.json_codec import dumps, message_to_json
+from protoserve.gateway.runtime.media_type import body_type_error
 from protoserve.gateway.runtime.metrics import GatewayMetrics
 from protoserve.gateway.runtime.route import ErrorStyle, Framing, Route
 from protoserve.gateway.runtime.router import Router, RoutingError
@@ -62,6 +63,16 @@ class GatewaySettings:
     # queue holds before the streams feeding it wait for the client to read.
     ws_max_streams: int = 64
     ws_send_queue_frames: int = 256
+    # Seconds a streaming client (SSE or WebSocket) may leave what it was sent unread before its
+    # connection is dropped and its requests cancelled (gateway.slow_clients); also the WebSocket
+    # keepalive ping's interval and timeout.
+    stream_idle_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.stream_idle_timeout_s) and self.stream_idle_timeout_s > 0):
+            raise ValueError(
+                f"the stream idle timeout must be a positive number of seconds, got {self.stream_idle_timeout_s}"
+            )
 
 
 class _ClientGone(Exception):
@@ -116,7 +127,7 @@ class GatewayHandler:
                 log.exception("unexpected gateway error on %s %s", scope["method"], raw_path)
                 if exchange.status is None:
                     error = gateway_error(code_pb2.INTERNAL, "internal gateway error")
-                    await _send_error(tracked_send, error, self.router.style_for_path(raw_path))
+                    await send_error(tracked_send, error, self.router.style_for_path(raw_path))
             finally:
                 route = exchange.route.path.openapi_path() if exchange.route is not None else None
                 self.tracing.finish(span, scope["method"], route, exchange.status)
@@ -132,16 +143,16 @@ class GatewayHandler:
             route = match.route
             exchange.route = route
             style = route.error_style
-            body = await self._read_body(scope, receive) if route.body else b""
+            body = await self._read_json_body(scope, receive) if route.body else b""
             query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             call = bind_request(route, match.path_values, query, body)
             metadata = self.call_metadata(scope)
             timeout = self.call_timeout(scope)
         except RoutingError as exc:
-            await _send_error(send, exc, exc.style)
+            await send_error(send, exc, exc.style)
             return
         except HttpError as exc:
-            await _send_error(send, exc, style)
+            await send_error(send, exc, style)
             return
         except _ClientGone:
             return
@@ -149,6 +160,16 @@ class GatewayHandler:
             await self._stream(route, call, metadata, timeout, receive, send)
         else:
             await self._unary(route, call, metadata, timeout, receive, send)
+
+    async def _read_json_body(self, scope: Scope, receive: Receive) -> bytes:
+        content_type = _header(scope, b"content-type")
+        error = body_type_error(content_type, None)  # a wrong type is refused before reading
+        if error is None:
+            body = await self._read_body(scope, receive)
+            error = body_type_error(content_type, len(body))
+        if error is not None:
+            raise error
+        return body
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
@@ -216,7 +237,7 @@ class GatewayHandler:
                 return
             raise
         except grpc.RpcError as exc:
-            await _send_error(send, from_rpc_error(exc), route.error_style)
+            await send_error(send, from_rpc_error(exc), route.error_style)
             return
         finally:
             watcher.cancel()
@@ -260,7 +281,7 @@ class GatewayHandler:
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
             if not started:
-                await _send_error(send, error, route.error_style)
+                await send_error(send, error, route.error_style)
                 return
             log.warning(
                 "%s stream failed after it started: %s %s",
@@ -319,5 +340,6 @@ async def _send_json(send: Send, status: int, payload: Any, headers: dict[str, s
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Send, error: HttpError, style: ErrorStyle) -> None:
+async def send_error(send: Send, error: HttpError, style: ErrorStyle) -> None:
+    """Answer with ``error``: its HTTP status, headers and the body of the route's error style."""
     await _send_json(send, error.http_status, error.body(style), error.headers)

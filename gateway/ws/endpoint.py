@@ -1,5 +1,9 @@
 """``GET /v1/ws/completions``: the upgrade (authorized before it is accepted) and the open sockets.
 
+An upgrade reaches this endpoint only past gateway.browser_safety: its Host names the server
+and its Origin, if any, is the gateway's own or a ``--cors-origin`` one (403 otherwise, before
+accepting), so a page elsewhere cannot open a socket and read completions.
+
 The gateway holds no keys: the gRPC server authenticates. So before
 accepting, the upgrade's forwarded headers (``authorization``, ``x-user-id``)
 go to the server on its cheapest authenticated call, the OpenAI route's

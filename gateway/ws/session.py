@@ -7,8 +7,10 @@ connection. The queue holds ``GatewaySettings.ws_send_queue_frames`` frames:
 when a client reads slower than its streams produce, the queue fills, the
 stream tasks wait on it and stop reading their gRPC streams, and gRPC's flow
 control holds the rest on the server, so the gateway never buffers without
-bound. Nothing is dropped while the client is connected; once it is gone the
-writer discards frames so that nothing waits on it.
+bound. Nothing is dropped while the client reads; one that reads nothing for the
+stream idle timeout has its connection dropped under the session
+(gateway.slow_clients), which then ends as for any disconnect. Once the client
+is gone the writer discards frames so that nothing waits on it.
 
 A cancel message cancels the request's task, whose gRPC call is cancelled
 with it: the server aborts the engine request and frees its KV cache. The

@@ -107,6 +107,8 @@ def test_health_checks_outlier_detection_and_safe_retries(descriptor):
     assert grpc_check["grpc_health_check"] == {"service_name": ""} and grpc_check["interval"] == "0.5s"
     [http_check] = clusters["protoserve_http"]["health_checks"]
     assert http_check["http_health_check"]["path"] == "/health"
+    # Not the cluster's name, Envoy's default Host, which the gateway refuses (gateway.browser_safety).
+    assert http_check["http_health_check"]["host"] == "localhost"
     for cluster in clusters.values():
         if cluster["name"].startswith("protoserve_"):
             assert cluster["outlier_detection"]["enforcing_consecutive_gateway_failure"] == 100

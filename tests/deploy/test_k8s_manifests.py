@@ -179,3 +179,11 @@ def _bytes(quantity: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]i?)?", quantity)
     assert match, f"not a memory quantity: {quantity!r}"
     return float(match.group(1)) * units.get(match.group(2) or "", 1)
+
+
+def test_replicas_answer_the_names_envoy_forwards():
+    # Envoy passes its clients' Host on; the gateway refuses names it was not given (DNS rebinding).
+    args, _ = _serve_args()
+    envoy_service = next(d for d in _documents(K8S / "envoy.yaml") if d["kind"] == "Service")
+    assert envoy_service["metadata"]["name"] in args.allowed_host
+    assert ".svc.cluster.local" in args.allowed_host

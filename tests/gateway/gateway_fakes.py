@@ -315,13 +315,18 @@ def start_fake_backend() -> FakeBackend:
 
 @contextlib.contextmanager
 def gateway_thread(
-    grpc_target: str, settings: GatewaySettings | None = None, cors_origins: tuple[str, ...] = ()
+    grpc_target: str,
+    settings: GatewaySettings | None = None,
+    cors_origins: tuple[str, ...] = (),
+    allowed_hosts: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """A gateway on an ephemeral loopback port, served from its own thread; yields its base URL."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="gateway", daemon=True)
     thread.start()
-    server = GatewayServer("127.0.0.1", 0, grpc_target, settings=settings, cors_origins=cors_origins)
+    server = GatewayServer(
+        "127.0.0.1", 0, grpc_target, settings=settings, cors_origins=cors_origins, allowed_hosts=allowed_hosts
+    )
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
     try:
         yield server.url

@@ -99,8 +99,9 @@ def test_cross_origin_success_and_same_origin_untouched(cors_gateway):
     foreign = httpx.post(
         cors_gateway + "/v1/generate", json={"prompt": "abc"}, headers={"origin": "https://evil.example"}, timeout=10
     )
-    # Answered (CORS is the browser's to enforce) but without a grant.
-    assert foreign.status_code == 200 and "access-control-allow-origin" not in foreign.headers
+    # Refused, not merely left without a grant: a page's simple request would run before the
+    # browser hid its answer (gateway.browser_safety).
+    assert foreign.status_code == 403 and "access-control-allow-origin" not in foreign.headers
     plain = httpx.post(cors_gateway + "/v1/generate", json={"prompt": "abc"}, timeout=10)
     assert "access-control-allow-origin" not in plain.headers
 

@@ -429,7 +429,8 @@ async def test_gateway_bug_is_a_logged_500_in_the_route_style(monkeypatch, caplo
 
     monkeypatch.setattr(handler, "bind_request", broken)
     transport = httpx.ASGITransport(app=create_app("127.0.0.1:1"))
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+    # A name the gateway answers to (an arbitrary one is refused: gateway.browser_safety).
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         with caplog.at_level(logging.ERROR, logger="protoserve.gateway.runtime.handler"):
             response = await client.post("/v1/chat/completions", json={"messages": []})
     assert response.status_code == 500
