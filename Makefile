@@ -14,7 +14,7 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 
-.PHONY: help install prometheus kernels proto proto-check lint test test-gpu fuzz soak run bench bench-peers clean
+.PHONY: help install prometheus chromium kernels proto proto-check lint test test-gpu fuzz soak run bench bench-peers clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
@@ -47,7 +47,7 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed node_modules/.installed proto kernels prometheus
+install: $(VENV)/.installed node_modules/.installed proto kernels prometheus chromium
 
 # Prometheus and promtool (Debian's `prometheus` package), which the metrics
 # tests run for real. Installed only where apt-get works as root and promtool is
@@ -57,6 +57,14 @@ prometheus:
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
 	else echo "prometheus: promtool is not on PATH and apt-get cannot run as root here; the Prometheus tests will skip" >&2; fi
+
+# Headless Chromium (Debian's `chromium` package), which the browser-safety tests
+# drive for real (tests/gateway/test_browser_live.py). Installed the same way.
+chromium:
+	@if command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	else echo "chromium: chromium is not on PATH and apt-get cannot run as root here; the browser tests will skip" >&2; fi
 
 # The C++ CPU kernels (kernels/cpu/*.cpp), compiled for this CPU ahead of the
 # first request; a no-op when the cached build is current.

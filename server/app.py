@@ -32,6 +32,10 @@ from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryErro
 from protoserve.server.calls.inflight import InflightRequests
 from protoserve.server.calls.request_decoding import RequestDecodingInterceptor
 from protoserve.server.calls.request_scope import RequestScopeInterceptor
+from protoserve.server.calls.stream_write_timeout import (
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    StreamWriteTimeoutInterceptor,
+)
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
 from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.models.sampling_mapping import served_defaults
@@ -96,7 +100,10 @@ class HttpGatewayStarter(Protocol):
 
     The gateway serves ``metrics_registry`` at ``GET /metrics``, traces with
     ``tracer_provider`` (None: not at all) and answers CORS for ``cors_origins``
-    (empty: no CORS; ``"*"``: any origin).
+    (empty: no CORS; ``"*"``: any origin), which may also send it state-changing requests.
+    It answers requests whose Host is an IP literal, localhost, ``host`` or one of
+    ``allowed_hosts`` (``.name``: a domain and its subdomains; ``"*"``: any), and drops
+    streaming clients that read nothing for ``stream_idle_timeout_s`` (None: its default).
     """
 
     def __call__(
@@ -108,6 +115,8 @@ class HttpGatewayStarter(Protocol):
         metrics_registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
         cors_origins: Sequence[str] = (),
+        allowed_hosts: Sequence[str] = (),
+        stream_idle_timeout_s: float | None = None,
     ) -> Awaitable[Callable[[], Awaitable[None]]]: ...
 
 
@@ -133,6 +142,9 @@ class ServerConfig:
     rate_limit_tpm: int = 0  # tokens per minute per caller; 0: no limit
     rate_limits_file: str | None = None  # per-API-key overrides (TOML)
     cors_origins: tuple[str, ...] = ()  # origins the REST gateway allows cross-origin ("*": any); (): no CORS
+    allowed_hosts: tuple[str, ...] = ()  # Host names the REST gateway answers besides IPs, localhost, --host
+    # Seconds a streaming client (gRPC, SSE, WebSocket) may read nothing before its stream ends.
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
     grace_period_s: float = 10.0
     progress: bool = True
     metrics_port: int | None = None  # Prometheus on a port of its own (0 picks one); None: not
@@ -225,6 +237,7 @@ class ServerApp:
         interceptors.append(
             RequestScopeInterceptor(self.telemetry.request_finished, lambda md: self.auth.identify(md).id)
         )
+        interceptors.append(StreamWriteTimeoutInterceptor(self.config.stream_idle_timeout_s))
         return interceptors
 
     async def start(self) -> int:
@@ -286,6 +299,8 @@ class ServerApp:
                 metrics_registry=self.metrics.registry,
                 tracer_provider=self.telemetry.tracer_provider,
                 cors_origins=self.config.cors_origins,
+                allowed_hosts=self.config.allowed_hosts,
+                stream_idle_timeout_s=self.config.stream_idle_timeout_s,
             )
             self.http_port = http_port
         return self.port

@@ -20,6 +20,7 @@ from protoserve.engine.request import RequestStats, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.server import exit_codes
+from protoserve.server.calls.stream_write_timeout import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
 from protoserve.server.models.chat_turn import CHAT_ROLES, ChatTurn
@@ -117,6 +118,16 @@ def _non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: 0 or a positive integer")
     return int(text)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a positive number of seconds")
+    return seconds
 
 
 def _flag_names(message: str) -> str:
@@ -437,6 +448,23 @@ def build_parser() -> argparse.ArgumentParser:
         "repeatable [off]",
     )
     s.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="let the REST gateway answer requests whose Host is NAME (.NAME: it and its subdomains; *: any "
+        "Host); IP literals, localhost and --host always work, other names are refused against DNS "
+        "rebinding; repeatable [none]",
+    )
+    s.add_argument(
+        "--stream-idle-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="end the stream of a gRPC, SSE or WebSocket client that reads nothing for this long, "
+        f"cancelling its requests [{DEFAULT_STREAM_IDLE_TIMEOUT_S:g}]",
+    )
+    s.add_argument(
         "--grace-period", type=float, default=10.0, help="seconds in-flight calls get on shutdown [10]"
     )
     s.add_argument(
@@ -590,6 +618,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         rate_limit_tpm=args.rate_limit_tpm,
         rate_limits_file=args.rate_limits_file,
         cors_origins=tuple(args.cors_origin),
+        allowed_hosts=tuple(args.allowed_host),
+        stream_idle_timeout_s=args.stream_idle_timeout,
         grace_period_s=args.grace_period,
         progress=not args.no_progress,
         metrics_port=args.metrics_port,
@@ -627,6 +657,15 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
         try:
             check_origins(config.cors_origins)
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+    if config.allowed_hosts:
+        if gateway is None:
+            raise CliError("--allowed-host needs the REST gateway (drop --no-http)")
+        from protoserve.gateway.browser_safety import check_allowed_hosts
+
+        try:
+            config.allowed_hosts = check_allowed_hosts(config.allowed_hosts)
         except ValueError as exc:
             raise CliError(str(exc)) from exc
     if gateway is None and not args.no_http:
