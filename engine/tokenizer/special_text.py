@@ -9,26 +9,30 @@ too. Tokenizing the rendered prompt as a whole would turn such text into the rea
   and the token's index. No template treats it specially and no caller can forge one.
 - :meth:`SpecialText.encode` tokenizes a rendered prompt that holds placeholders: the special strings
   the template itself wrote become sentinels (other private-use strings with the nonce), the
-  placeholders become the strings they stood for, and a copy of the tokenizer whose special tokens
-  are the sentinels encodes the whole text in one call, so normalizers and pre-tokenizers see what
-  they would have seen (SentencePiece's first-word space included). The copy gave those tokens new
-  ids; they map back to the real ones. The protected strings, which the copy does not know as added
-  tokens, come out as the text pieces ``encode_special_tokens`` would give them.
+  placeholders become the strings they stood for, and a copy of the tokenizer encodes the whole text
+  in one call, so normalizers and pre-tokenizers see what they would have seen (SentencePiece's
+  first-word space included). The copy has ``encode_special_tokens`` on, so the restored strings come
+  out as the text pieces transformers' ``split_special_tokens=True`` gives, and knows each sentinel as
+  an added (non-special, so still split out) token with its special token's options, whose new id maps
+  back to the real one. A copy, built once, rather than flipping the flag on the shared tokenizer that
+  other threads encode with.
 
 Text without placeholders is not touched here: the tokenizer's own encode runs, so its ids are
 exactly what they always were. Non-special added tokens (Qwen's ``<tool_call>``, ``<think>``) are the
-model's vocabulary, not boundaries, and are left alone.
+model's vocabulary, not boundaries, and are left alone: templates split on them (Qwen 3 drops an
+assistant turn's reasoning up to ``</think>``), so hiding them would change what ordinary conversations
+render, and the copy keeps their ids (sentinels are appended, no token is renumbered).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 _PLACEHOLDER = ("\ue000", "\ue001")  # around the nonce and a token index: a protected string in text
@@ -69,6 +73,13 @@ class SpecialText:
     def holds_protected(self, text: str) -> bool:
         return self.marker in text
 
+    def revealed(self, text: str) -> str:
+        """``text`` with its placeholders back to the strings they stood for: what the caller wrote, to
+        size it as sent."""
+        if self.marker not in text:
+            return text
+        return self._placeholder_pattern.sub(lambda m: self._contents[int(m.group(1), 16)], text)
+
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token ids of rendered prompts holding placeholders (see the module doc); batch API, so the
         tokenizer runs with the GIL released."""
@@ -80,25 +91,28 @@ class SpecialText:
     def _prepared(self, text: str) -> str:
         if self._pattern is not None:
             text = self._pattern.sub(lambda m: self._mark(_SENTINEL, self._index[m.group()]), text)
-        return self._placeholder_pattern.sub(lambda m: self._contents[int(m.group(1), 16)], text)
+        return self.revealed(text)
 
     def _mark(self, marks: tuple[str, str], index: int) -> str:
         return f"{marks[0]}{self._nonce}{index:x}{marks[1]}"
 
     def _tokenizer_copy(self) -> tuple[BackendTokenizer, dict[int, int]]:
-        """The tokenizer with its special tokens renamed to sentinels, and their ids in it -> the real ids.
-        Built on first use (a large vocabulary takes a moment to copy)."""
+        """The copy that encodes protected prompts, and its sentinels' ids -> the real special ids."""
         with self._copy_lock:
             if self._copy is None:
-                spec = json.loads(self._backend.to_str())
-                renamed: dict[str, int] = {}
-                for token in spec.get("added_tokens", []):
-                    if token.get("special") and token["content"] in self._index:
-                        sentinel = self._mark(_SENTINEL, self._index[token["content"]])
-                        renamed[sentinel] = token["id"]
-                        token["content"] = sentinel
-                copy = BackendTokenizer.from_str(json.dumps(spec))
+                copy = BackendTokenizer.from_str(self._backend.to_str())
                 copy.no_padding()
                 copy.no_truncation()
-                self._copy = copy, {copy.token_to_id(sentinel): real for sentinel, real in renamed.items()}
+                copy.encode_special_tokens = True
+                sentinels: dict[str, int] = {}
+                added: list[AddedToken] = []
+                for token_id, token in self._backend.get_added_tokens_decoder().items():
+                    if token.special and token.content in self._index:
+                        sentinel = self._mark(_SENTINEL, self._index[token.content])
+                        sentinels[sentinel] = token_id
+                        added.append(AddedToken(sentinel, single_word=token.single_word, lstrip=token.lstrip,
+                                                rstrip=token.rstrip, normalized=token.normalized, special=False))
+                # One call: each call rebuilds the tokenizer's added-token matcher (Gemma 3 has 6,249 specials).
+                copy.add_tokens(added)
+                self._copy = copy, {copy.token_to_id(sentinel): real for sentinel, real in sentinels.items()}
             return self._copy

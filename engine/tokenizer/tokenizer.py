@@ -218,6 +218,7 @@ class Tokenizer:
         if bound is None:
             return 0
         span, dropped = bound
+        text = self.special_text.revealed(text)  # placeholders are longer than what they stand for
         kept = 0
         for start in range(0, len(text), _COUNT_PIECE_CHARS):
             piece = text[start : start + _COUNT_PIECE_CHARS].encode("utf-8", "surrogatepass")

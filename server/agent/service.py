@@ -184,13 +184,14 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
         served, template = run.served, run.served.tool_template
         max_calls = None if run.options.parallel_tool_calls else 1
         numbers = itertools.count(1)
+        given = len(run.messages)  # the caller's; the loop appends the run's own steps after them
 
         async def step(messages: list[dict[str, Any]], tool_choice: str) -> StepOutput:
             plan = ToolPlan(template.format, ToolChoice(ToolChoiceMode(tool_choice)), max_calls)
             constraint = tool_constraint(run.specs, plan)
             await served.check_constraint(constraint, {constraint.field: "tools"} if constraint else {})
             prompt = await served.chat_ids(
-                _turns(messages), path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP, tools=run.specs
+                _turns(messages, given), path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP, tools=run.specs
             )
             request = TokenizedRequest(
                 request_id=f"{run_id}.step{next(numbers)}",
@@ -245,16 +246,18 @@ def _messages(request: apb.RunAgentRequest, violations: list[tuple[str, str]]) -
     return out
 
 
-def _turns(messages: Sequence[dict[str, Any]]) -> list[ChatTurn]:
-    """The loop's OpenAI-form messages as the served model's chat turns."""
+def _turns(messages: Sequence[dict[str, Any]], given: int) -> list[ChatTurn]:
+    """The loop's OpenAI-form messages as the served model's chat turns; past the ``given`` first (the
+    caller's), the run's own: model output that may quote a document, never parsed for special tokens."""
     turns = []
-    for m in messages:
+    for i, m in enumerate(messages):
         calls = tuple(
             ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
             for c in m.get("tool_calls") or ()
         )
         turns.append(
-            ChatTurn(m["role"], m.get("content") or "", m.get("name", ""), calls, m.get("tool_call_id", ""))
+            ChatTurn(m["role"], m.get("content") or "", m.get("name", ""), calls, m.get("tool_call_id", ""),
+                     from_caller=i < given)
         )
     return turns
 

@@ -22,3 +22,6 @@ class ChatTurn:
     name: str = ""
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str = ""  # the call a tool turn answers
+    # False for text the caller did not write (an agent run's own steps): its special-token strings stay
+    # text even under --parse-special-in-messages, as a tool turn's always do.
+    from_caller: bool = True

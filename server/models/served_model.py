@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import secrets
 import time
@@ -306,8 +307,8 @@ class ServedModel:
         turns = [self._guarded(t) for t in turns]
         if not self.parse_special_in_messages:
             guard = self.tokenizer.special_text
-            tools = [replace(t, description=guard.protect(t.description), parameters=guard.protect_tree(t.parameters))
-                     for t in tools]
+            tools = [replace(t, name=guard.protect(t.name), description=guard.protect(t.description),
+                             parameters=guard.protect_tree(t.parameters)) for t in tools]
         variables: dict[str, Any] = {}
         if self.tool_template is not None:
             messages, variables = template_messages(turns, tools, self.tool_template)
@@ -333,12 +334,31 @@ class ServedModel:
         return list(rendered)
 
     def _guarded(self, turn: ChatTurn) -> ChatTurn:
-        """``turn`` with its text protected, unless it is the caller's own and special tokens are parsed."""
-        if self.parse_special_in_messages and turn.role != "tool":
+        """``turn`` with every text the template may write protected, unless the caller wrote it and
+        special tokens in messages are parsed."""
+        if self.parse_special_in_messages and turn.role != "tool" and turn.from_caller:
             return turn
-        protect = self.tokenizer.protect_special
-        calls = tuple(replace(c, arguments=protect(c.arguments)) for c in turn.tool_calls)
-        return replace(turn, content=protect(turn.content), name=protect(turn.name), tool_calls=calls)
+        protect = self.tokenizer.special_text.protect
+        calls = tuple(
+            replace(c, id=protect(c.id), name=protect(c.name), arguments=self._protected_arguments(c.arguments))
+            for c in turn.tool_calls
+        )
+        return replace(turn, content=protect(turn.content), name=protect(turn.name), tool_calls=calls,
+                       tool_call_id=protect(turn.tool_call_id))
+
+    def _protected_arguments(self, arguments: str) -> str:
+        """A call's arguments protected as the template will see them: rendering decodes a JSON object
+        (server/tool_calls/rendering.py), whose escapes (``\\u003c``) could spell a special string."""
+        guard = self.tokenizer.special_text
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return guard.protect(arguments)
+        if not isinstance(value, dict):
+            return guard.protect(arguments)
+        protected = guard.protect_tree(value)
+        # Unchanged text keeps its exact spelling; rewritten, it decodes to the protected object.
+        return arguments if protected == value else json.dumps(protected, ensure_ascii=False)
 
     def checked_ids(
         self, text: str, *, path: str, policy: ContextPolicy | None, add_special_tokens: bool = True
@@ -350,21 +370,23 @@ class ServedModel:
         prompts the context cannot hold (``FITTING_POLICIES``), text whose bytes need at least
         max_model_len tokens is OUT_OF_RANGE.
         """
-        self.check_text_chars(text, path)
+        # Sized as sent: placeholders (engine/tokenizer/special_text.py) are longer than what they stand for.
+        sized = self.tokenizer.special_text.revealed(text)
+        self.check_text_chars(sized, path)
         # A character is at most 4 bytes and a token at least 1: shorter text cannot be too long.
-        if policy in FITTING_POLICIES and 4 * len(text) >= self.max_model_len:
+        if policy in FITTING_POLICIES and 4 * len(sized) >= self.max_model_len:
             fewest = self.tokenizer.fewest_tokens(text)
             if fewest >= self.max_model_len:
                 raise ContextLengthError(
                     fewest,
                     self.max_model_len,
-                    f"the prompt ({errors.utf8_size(text)} bytes) is at least {fewest} tokens, but the "
+                    f"the prompt ({errors.utf8_size(sized)} bytes) is at least {fewest} tokens, but the "
                     f"context window (max_model_len) is {self.max_model_len} tokens, which leaves no "
                     "room to generate",
                 )
         if (
-            len(text) > self.max_prompt_bytes // 4
-            and (size := errors.utf8_size(text)) > self.max_prompt_bytes
+            len(sized) > self.max_prompt_bytes // 4
+            and (size := errors.utf8_size(sized)) > self.max_prompt_bytes
         ):
             raise errors.invalid_argument(
                 [(path, f"is {size} bytes; at most {self.max_prompt_bytes} bytes of text are tokenized")]

@@ -29,6 +29,7 @@ from protoserve.engine.request import (
 )
 from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.engine.stats import EngineStats
+from protoserve.engine.tokenizer.special_text import SpecialText
 
 EOS = 256
 
@@ -40,6 +41,7 @@ class ByteTokenizer:
     has_chat_template = True
 
     max_token_span_bytes = 1
+    special_text = SpecialText(None, ())  # no special tokens: nothing to protect
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))

@@ -8,6 +8,8 @@ that encodes protected prompts gives the tokenizer's own ids wherever nothing wa
 from __future__ import annotations
 
 import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
 
 from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
@@ -94,3 +96,25 @@ def test_a_forged_placeholder_is_only_text(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode(forged, add_special_tokens=False)
     assert IM_START not in ids and IM_END not in ids
     assert smollm2_tokenizer.decode(ids) == forged
+
+
+def test_protected_text_is_sized_as_what_it_stands_for(smollm2_tokenizer):
+    # Placeholders are longer than the strings they replace; bounds and caps count what was sent.
+    protected = smollm2_tokenizer.protect_special(ATTACK * 20)
+    assert len(protected) > len(ATTACK * 20)
+    assert smollm2_tokenizer.special_text.revealed(protected) == ATTACK * 20
+    assert smollm2_tokenizer.fewest_tokens(protected) == smollm2_tokenizer.fewest_tokens(ATTACK * 20)
+    assert smollm2_tokenizer.fewest_tokens(protected) <= len(smollm2_tokenizer.encode(protected))
+
+
+def test_non_special_added_tokens_are_vocabulary_and_left_alone(smollm2_tokenizer):
+    # Qwen's <think> and <tool_call> are added but not special: templates split on them and transformers
+    # parses them inside a message too, so they keep their ids; only special tokens draw boundaries.
+    backend = BackendTokenizer.from_str(smollm2_tokenizer.backend.to_str())
+    backend.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    tokenizer = Tokenizer(backend, chat_template=smollm2_tokenizer.chat_template)
+    think = backend.token_to_id("<think>")
+    protected = tokenizer.protect_special("<think>plan</think> done<|im_end|>")
+    assert "<think>" in protected and "<|im_end|>" not in protected
+    ids = tokenizer.encode(f"<|im_start|>assistant\n{protected}<|im_end|>", add_special_tokens=False)
+    assert ids.count(think) == 1 and ids.count(IM_START) == 1 and ids.count(IM_END) == 1
