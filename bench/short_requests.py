@@ -2,8 +2,8 @@
 
 Connects with API key KEY, prints ``ready``, waits for a line on stdin, then sends a 12-token prompt
 for 4 new tokens (greedy, EOS ignored) every second for SECONDS seconds, each on its own, and prints
-one JSON line: every request's time to first token in seconds (null for one that failed or got no
-token). Its own process, as another tenant's client would be: the measuring process's event loop,
+one JSON line: for every request, ``[sent, ttft]``: when it was sent (seconds after the first) and its
+time to first token in seconds (null for one that failed or got no token). Its own process, as another tenant's client would be: the measuring process's event loop,
 busy with the other tenant's streams, adds nothing to these figures.
 """
 
@@ -23,7 +23,7 @@ CALL_TIMEOUT_S = 120.0
 TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary ids of the default model
 
 
-async def run(target: str, key: str, seconds: float) -> list[float | None]:
+async def run(target: str, key: str, seconds: float) -> list[tuple[float, float | None]]:
     import grpc
 
     from protoserve.v1 import inference_pb2 as pb
@@ -37,7 +37,7 @@ async def run(target: str, key: str, seconds: float) -> list[float | None]:
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
-        async def one() -> float | None:
+        async def one(offset: float) -> tuple[float, float | None]:
             request = pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=[rng.randrange(*TOKEN_RANGE) for _ in range(PROMPT_LEN)]),
                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
@@ -51,13 +51,13 @@ async def run(target: str, key: str, seconds: float) -> list[float | None]:
                     if first is None and message.HasField("delta") and message.delta.token_ids:
                         first = time.perf_counter() - sent
             except grpc.RpcError:
-                return None
-            return first
+                return offset, None
+            return offset, first
 
         tasks = []
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
-            tasks.append(asyncio.create_task(one()))
+            tasks.append(asyncio.create_task(one(time.perf_counter() - start)))
             await asyncio.sleep(PERIOD_S)
         return list(await asyncio.gather(*tasks))
 

@@ -492,7 +492,7 @@ def test_fairness_figures_compare_each_tenant_with_itself_alone_and_the_weighted
 
     figures = fairness_figures(
         a_alone=LoopResult(tokens=30_000, seconds=48.0), a_beside=LoopResult(tokens=28_500, seconds=48.0),
-        b_alone=[0.03] * 50 + [0.04], b_beside=[0.05] * 50 + [0.10],
+        b_alone=[0.03] * 50 + [0.04], b_beside=[0.05] * 50 + [0.10], b_in_ramp=[0.3, 0.05],
         w2=LoopResult(tokens=2_100, seconds=24.0), w1=LoopResult(tokens=1_000, seconds=24.0),
     )
     by = {f.name: f for f in finish(figures)}
@@ -500,6 +500,7 @@ def test_fairness_figures_compare_each_tenant_with_itself_alone_and_the_weighted
     assert by["fairness.b_alone.ttft_p99"].value == pytest.approx(0.04)
     ratio = by["fairness.b_ttft_p99_ratio"]
     assert ratio.value == pytest.approx(2.5) and ratio.met is True and ratio.target == Target(3.0, "lower")
+    assert by["fairness.b_beside_a.ttft_p99"].details["ttft_max_in_ramp"] == pytest.approx(0.3)
     share = by["fairness.weighted_share_error"]
     assert share.value == pytest.approx(0.05) and share.met and share.details["ratio"] == pytest.approx(2.1)
     limits = write_limits_file().read_text()
