@@ -99,6 +99,19 @@ _REFUSED = {
     ast.Dict: "dicts are",
 }
 
+# Numbers, operators, brackets and the known names, nothing else, so that a forced call's grammar holds the
+# model to an expression (a small model otherwise writes JSON punctuation into the string): it starts after
+# at most signs and brackets, has commas only after a function's "(", and ends with a digit, a constant
+# or a ")" that closes something. A regular language cannot balance brackets; the parser still refuses what this lets through.
+_NAMES = "|".join(sorted(_FUNCTIONS.keys() | _CONSTANTS.keys()))
+_ATOMS = f"(?:[0-9]|{_NAMES})"
+_BODY = f"(?:[0-9.+\\-*/%() ]|{_NAMES})*"
+_ARGUMENTS = f"(?:[0-9.+\\-*/%(), ]|{_NAMES})*"
+_CALL = f"(?:{'|'.join(sorted(_FUNCTIONS))})\\("
+_VALUE = f"(?:[0-9]|{'|'.join(sorted(_CONSTANTS))})"
+_MIDDLE = f"(?:(?:{_ATOMS}{_BODY})?{_CALL}{_ARGUMENTS}|{_ATOMS}{_BODY})"
+EXPRESSION_PATTERN = f"^[-+( ]*(?:{_MIDDLE}(?:{_VALUE}|\\))|{_VALUE})$"
+
 SPEC = ToolSpec(
     name=NAME,
     description=(
@@ -114,6 +127,7 @@ SPEC = ToolSpec(
                 # In the schema too, so a forced call's grammar ends the string: a small model
                 # otherwise writes until max_tokens.
                 "maxLength": 200,
+                "pattern": EXPRESSION_PATTERN,
                 "description": 'The expression, in Python syntax, e.g. "(2 + 3) * sqrt(16) / 2".',
             }
         },

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
+import json
 import math
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from protoserve.server.agent.calculator import MAX_EXPRESSION_CHARS, SPEC, calculate, evaluate
@@ -117,3 +119,26 @@ def test_spec_is_the_documented_schema() -> None:
     assert SPEC.parameters["required"] == ["expression"]
     assert SPEC.parameters["properties"]["expression"]["type"] == "string"
     assert SPEC.description
+
+
+@pytest.mark.parametrize(
+    "expression", ["17 * 23", "(2 + 3) * sqrt(16) / 2", "-5", "pi", "max(1, 2)", "round(17 * 23, 2)", "2 ** 10 // 3"]
+)
+def test_the_schema_lets_expressions_through(expression: str) -> None:
+    jsonschema.validate({"expression": expression}, SPEC.parameters)
+    evaluate(expression)
+
+
+@pytest.mark.parametrize("expression", ["", " ", ")", "+17*23, ", "17*23, 5", '}}, "', "x", "__import__('os')"])
+def test_the_schema_refuses_what_is_not_an_expression(expression: str) -> None:
+    # What a small model wrote into a forced call before the pattern: JSON punctuation, a dangling comma.
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"expression": expression}, SPEC.parameters)
+
+
+def test_the_grammar_engine_compiles_the_schema() -> None:
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(SPEC.parameters))
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    assert not is_error and not messages, messages
