@@ -128,9 +128,10 @@ class AsyncEngine:
                 raise EngineStoppedError("the engine is shutting down")
             if rid in self._live:
                 raise InvalidRequestError([("request_id", f"request {rid!r} is already running")])
-            queued = len(self._inbox) + self._stats.waiting
-            if queued >= self.engine.config.max_queue:
-                raise QueueFullError(queued)
+            # The engine thread decides at a full waiting queue (a newcomer may displace a longer-queued
+            # tenant's request); only the hand-over list itself is bounded here.
+            if len(self._inbox) >= self.engine.config.max_queue:
+                raise QueueFullError(len(self._inbox) + self._stats.waiting)
             self._live.add(rid)
             self._inbox.append((prepared, stream))
         self._wakeup.set()
@@ -201,13 +202,17 @@ class AsyncEngine:
     def _admit(self, prepared: AdmittedRequest, stream: _Stream) -> None:
         rid = prepared.request.request_id
         try:
-            self.engine.add_request(prepared)
+            shed = self.engine.add_request(prepared)
         except EngineError as exc:
             with self._lock:
                 self._live.discard(rid)
             _put(stream, exc)
             return
         self._streams[rid] = stream
+        for shed_id in shed:  # refused as if it had arrived at the full queue
+            with self._lock:
+                self._live.discard(shed_id)
+            _put(self._streams.pop(shed_id), QueueFullError(self.engine.config.max_queue))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}

@@ -228,14 +228,23 @@ class LLMEngine:
         except ConstraintCompileError as exc:
             raise InvalidRequestError([(exc.field, exc.message)]) from None
 
-    def add_request(self, request: TokenizedRequest | AdmittedRequest) -> None:
-        """Queue a request; raises InvalidRequestError, ContextLengthError or QueueFullError."""
+    def add_request(self, request: TokenizedRequest | AdmittedRequest) -> list[str]:
+        """Queue a request; raises InvalidRequestError, ContextLengthError or QueueFullError.
+
+        At a full waiting queue a request may take the place of another tenant's that never ran
+        (scheduling/queue_shedding.py): the ids of the requests so refused are returned, gone from
+        the engine; their callers are owed a QueueFullError.
+        """
         prepared = request if isinstance(request, AdmittedRequest) else self.prepare(request)
         req = prepared.request
         if req.request_id in self.requests:
             raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
+        shed = []
         if len(self.scheduler.waiting) >= self.config.max_queue:
-            raise QueueFullError(len(self.scheduler.waiting))
+            victim = self.scheduler.shed_for(req.tenant)
+            if victim is None:
+                raise QueueFullError(len(self.scheduler.waiting))
+            shed.append(self._drop_shed(victim.request_id))
         if req.adapter is not None:  # pinned until the request leaves (_collect_outputs)
             self.adapters.acquire(req.adapter)
         state = RunningRequest(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
@@ -250,6 +259,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prepared.prompt_token_ids)
         self.counters.truncated_prompt_tokens += prepared.truncated
+        return shed
+
+    def _drop_shed(self, request_id: str) -> str:
+        """Forget a request the scheduler shed from the waiting queue (it never ran: nothing to output)."""
+        state = self.requests.pop(request_id)
+        if state.span is not None:
+            state.span.shed()
+        if state.request.adapter is not None:
+            self.adapters.release(state.request.adapter)
+        self._touched.discard(request_id)
+        return request_id
 
     def _prompt_text(self, token_ids: list[int]) -> str:
         """The prompt as text, for traces that opted in to content capture."""

@@ -156,6 +156,13 @@ class RequestSpan:
             for delta in out.deltas:
                 self._texts.setdefault(delta.index, []).append(delta.text)
 
+    def shed(self) -> None:
+        """Refused while waiting: the queue was full and a shorter-queued tenant took its place."""
+        if self.recording:
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, "shed from the full waiting queue"))
+            self.span.add_event("shed")
+        self.span.end()
+
     def finish(self, stats: RequestStats, finish_reasons: Sequence[FinishReason | None]) -> None:
         """Record reasons and usage, then end the span (the request is gone from the engine)."""
         if self.recording:

@@ -36,6 +36,7 @@ from protoserve.engine.config import EngineConfig, identity_block_cap
 from protoserve.engine.request import Tenant
 from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.fair_share import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairShare
+from protoserve.engine.scheduling.queue_shedding import shed_victim
 from protoserve.engine.scheduling.sequence import Sequence, SequenceStatus
 
 
@@ -71,6 +72,7 @@ class SchedulerCounters:
     fair_preemptions: int = 0  # of those, made to admit a less-served tenant's request
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    queue_sheds: int = 0  # waiting requests refused to make room for a shorter-queued tenant's
 
 
 class Scheduler:
@@ -98,6 +100,15 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def shed_for(self, tenant: Tenant) -> Sequence | None:
+        """At a full waiting queue: take out the waiting sequence to refuse so one of ``tenant``'s can wait
+        (queue_shedding.py), or None when the newcomer is the one to refuse."""
+        victim = shed_victim(self.waiting, tenant)
+        if victim is not None:
+            self.finish(victim)
+            self.counters.queue_sheds += 1
+        return victim
 
     def order_key(self, seq: Sequence) -> tuple[int, int, int, int]:
         """Sort key: the least-served tenant first, then effective priority descending, then arrival."""

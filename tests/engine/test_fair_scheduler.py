@@ -284,3 +284,48 @@ def test_an_idle_tenant_does_not_bank_credit_beyond_the_margin():
     fair = run.sched.fair
     # On arrival bob is lifted to just below alice's counter minus the margin, not left far behind it.
     assert 20 < fair.served(A) - fair.served(B) <= 20 + 1e-5
+
+
+# -- a full waiting queue: longest queue drop across tenants ------------------
+
+
+def test_a_newcomer_at_a_full_queue_takes_the_place_of_the_longest_queued_tenants_newest() -> None:
+    sched = scheduler(max_queue=6)
+    a_seqs = [seq_of(A) for _ in range(6)]
+    for seq in a_seqs:
+        sched.add(seq)
+    victim = sched.shed_for(B)
+    assert victim is a_seqs[-1] and victim not in sched.waiting and sched.counters.queue_sheds == 1
+
+
+def test_a_newcomer_whose_tenant_holds_as_much_as_the_longest_is_refused_itself() -> None:
+    sched = scheduler(max_queue=6)
+    for tenant in (A, B) * 3:
+        sched.add(seq_of(tenant))
+    # Equal shares: neither displaces the other, so two tenants never take turns shedding each other.
+    assert sched.shed_for(A) is None and sched.shed_for(B) is None
+    assert sched.shed_for(Tenant("carol", "key-c")) is not None  # a third, with none queued, gets a place
+
+
+def test_one_key_with_many_user_ids_is_one_tenant_at_the_full_queue() -> None:
+    sched = scheduler(max_queue=6)
+    for i in range(6):
+        sched.add(seq_of(Tenant(f"user-{i}", "key-a")))
+    victim = sched.shed_for(B)
+    assert victim is not None and victim.tenant.group == "key-a"
+    # Within one key, its identities share the same way: user-0 displaces nobody of its own key but
+    # a newcomer identity of the key refuses the one holding most of the key's place.
+    assert sched.shed_for(Tenant("user-0", "key-a")) is None
+
+
+def test_a_request_that_already_ran_is_never_shed() -> None:
+    sched = scheduler(max_queue=3)
+    preempted = seq_of(A)
+    preempted.num_preemptions = 1  # back in the queue after streaming: its caller cannot retry half a stream
+    sched.add(preempted)
+    sched.add(seq_of(A))
+    sched.add(seq_of(A))
+    victim = sched.shed_for(B)  # A holds three places, two of requests that never ran: 2 > 0 + 1
+    assert victim is not None and victim is not preempted
+    assert sched.shed_for(B) is None  # A's one request that never ran is as many as B's would be
+    assert preempted in sched.waiting
