@@ -41,6 +41,8 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2, duration_pb2
 from google.rpc import error_details_pb2
 
+from protoserve.gateway.envoy.browser_routes import NO_TRANSCODING, browser_refusals
+
 TEMPLATE = Path(__file__).with_name("envoy.yaml.template")
 # Not OpenAIService: Envoy refuses to load RetrieveModel's `response_body: "model"` (only
 # google.api.HttpBody fields are supported there), and the OpenAI routes need
@@ -265,19 +267,25 @@ def _outlier_detection(balancing: Balancing) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class BrowserRules:
+    """Which Host values Envoy serves and which pages may send it state-changing requests
+    (browser_routes.py): ``--allowed-host`` names and ``--allowed-origin`` origins."""
+
+    listen_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+
+
 def _route(match: dict, action: dict) -> dict:
     return {"match": match, "route": action}
 
 
-def _routes() -> list[dict]:
-    """OpenAI and WebSocket paths to the gateways, everything gRPC (native or transcoded) to the servers."""
+def _routes(browser: BrowserRules) -> list[dict]:
+    """The browser refusals first; then OpenAI and WebSocket paths to the gateways, everything gRPC (native
+    or transcoded) to the servers."""
     hash_policy = [{"header": {"header_name": name}} for name in AFFINITY_HEADERS]
-    no_transcoding = {
-        "envoy.filters.http.grpc_json_transcoder": {
-            "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
-            "disabled": True,
-        }
-    }
+    no_transcoding = NO_TRANSCODING
     http_retry = {
         "retry_on": HTTP_RETRY_ON,
         "retriable_status_codes": [503],
@@ -294,7 +302,8 @@ def _routes() -> list[dict]:
     }
     grpc_retry = {**http_retry, "retry_on": GRPC_RETRY_ON}
     del grpc_retry["retriable_status_codes"]
-    routes = [
+    routes = browser_refusals(browser.listen_host, browser.allowed_hosts, browser.allowed_origins)
+    routes += [
         {
             **_route(
                 {"path": WEBSOCKET_PATH},
@@ -392,10 +401,13 @@ def render_config(
     services: Sequence[str] = DEFAULT_SERVICES,
     balancing: Balancing = Balancing(),
     otlp_target: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> str:
     """The Envoy YAML for these ports and replicas (one gRPC target is one replica without a gateway).
 
     ``otlp_target``: host:port of an OTLP/gRPC collector for Envoy's own spans; None records none.
+    ``allowed_hosts`` and ``allowed_origins``: see browser_routes.py.
     """
     replicas = [Replica(grpc_target)] if isinstance(grpc_target, str) else list(grpc_target)
     if not replicas:
@@ -409,7 +421,7 @@ def render_config(
         http_port=http_port,
         descriptor=os.fspath(descriptor_path),
         services=", ".join(services),
-        routes=block_list(_routes(), 24),
+        routes=block_list(_routes(BrowserRules(listen_host, tuple(allowed_hosts), tuple(allowed_origins))), 24),
         tracing=_tracing(otlp_target),
         lb_policy=balancing.lb_policy,
         grpc_health_checks=flow_yaml(_health_checks(balancing, GRPC_HEALTH_CHECK)),
@@ -533,6 +545,8 @@ def start_envoy(
     listen_host: str = "127.0.0.1",
     balancing: Balancing = Balancing(),
     otlp_target: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
     timeout: float = 30.0,
 ) -> EnvoyGateway:
     """Start Envoy for ``grpc_target`` (or several replicas) and wait until its listener is ready."""
@@ -553,6 +567,8 @@ def start_envoy(
             listen_host=listen_host,
             balancing=balancing,
             otlp_target=otlp_target,
+            allowed_hosts=allowed_hosts,
+            allowed_origins=allowed_origins,
         )
     )
     log_path = workdir / "envoy.log"
@@ -621,6 +637,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--health-check-interval", type=float, default=Balancing.health_check_interval_s)
     parser.add_argument("--otlp-target", help="host:port of an OTLP/gRPC collector for Envoy's spans [none]")
     parser.add_argument(
+        "--allowed-host", action="append", default=[], metavar="NAME",
+        help="a Host to serve besides IP literals, localhost and --host: name, .name (and its subdomains) "
+             "or * (any); repeatable",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allowed-origin", action="append", default=[], metavar="ORIGIN",
+        help="scheme://host[:port] of a page that may send state-changing requests; repeatable [none]",
+    )  # fmt: skip
+    parser.add_argument(
         "--render",
         metavar="DESCRIPTOR_PATH",
         help="print the config (the descriptor set read from DESCRIPTOR_PATH) instead of running Envoy",
@@ -650,6 +675,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             listen_host=args.host,
             balancing=balancing,
             otlp_target=args.otlp_target,
+            allowed_hosts=args.allowed_host,
+            allowed_origins=args.allowed_origin,
         )
         launcher = "python -m protoserve.gateway.envoy.launcher"
         command = f"{launcher} " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -668,6 +695,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         listen_host=args.host,
         balancing=balancing,
         otlp_target=args.otlp_target,
+        allowed_hosts=args.allowed_host,
+        allowed_origins=args.allowed_origin,
     ) as gateway:
         print(f"envoy on {gateway.url} -> {replicas} (log: {gateway.log_path})", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

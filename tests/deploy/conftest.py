@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from mesh_load import HEALTH_CHECK_INTERVAL_S
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from protoserve.gateway.envoy.launcher import Balancing, EnvoyGateway, Replica, running_envoy
 from protoserve.v1 import metrics_pb2, metrics_pb2_grpc
 
-HEALTH_CHECK_INTERVAL_S = 0.5
 GRACE_PERIOD_S = 8
 
 

@@ -18,6 +18,8 @@ import httpx
 from protoserve.v1 import inference_pb2, inference_pb2_grpc
 
 KINDS = ("grpc", "rest", "openai")
+# Envoy's health-check interval in the mesh (conftest.py): short, so rotation changes are quick to see.
+HEALTH_CHECK_INTERVAL_S = 0.5
 CALL_TIMEOUT_S = 60.0
 
 

@@ -6,6 +6,7 @@ without opening a port, so a config that Envoy would refuse at start fails here.
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -44,10 +45,39 @@ def _clusters(config: str) -> dict[str, dict]:
     return {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
 
 
-def _routes(config: str) -> list[dict]:
+def _all_routes(config: str) -> list[dict]:
     listener = yaml.safe_load(config)["static_resources"]["listeners"][0]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     return manager["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def _routes(config: str) -> list[dict]:
+    """The routes that forward (after the browser refusals, which Envoy answers itself)."""
+    return [r for r in _all_routes(config) if "route" in r]
+
+
+def test_the_browser_refusals_come_before_every_forwarding_route(descriptor):
+    config = render_config(_replicas(2), 8080, 9901, descriptor, listen_host="0.0.0.0",
+                           allowed_hosts=["envoy", ".svc.cluster.local"], allowed_origins=["https://ui.example"])
+    validate_config(config)
+    routes = _all_routes(config)
+    host, origin = routes[0], routes[1]
+    assert host["direct_response"]["status"] == origin["direct_response"]["status"] == 403
+    assert all("route" in r for r in routes[2:])
+    [authority] = host["match"]["headers"]
+    assert authority["name"] == ":authority" and authority["invert_match"]
+    pattern = re.compile(authority["string_match"]["safe_regex"]["regex"])
+    served = ["envoy", "envoy:8080", "protoserve.default.svc.cluster.local", "10.0.0.7:8080", "[::1]", "LOCALHOST"]
+    foreign = ["attacker.example", "envoy.attacker.example", "svc.cluster.local.evil.example", "0.0.0.0.evil.example"]
+    assert all(pattern.fullmatch(h) for h in served) and not any(pattern.fullmatch(h) for h in foreign)
+    assert [h["name"] for h in origin["match"]["headers"]] == [":method", "origin", "origin"]
+    # '*' serves any Host: the Host refusal is left out, the Origin one stays.
+    anywhere = _all_routes(render_config(_replicas(1), 8080, 9901, descriptor, allowed_hosts=["*"]))
+    assert [r["match"]["headers"][0]["name"] for r in anywhere if "direct_response" in r] == [":method"]
+    with pytest.raises(ValueError, match="--allowed-host"):
+        render_config(_replicas(1), 8080, 9901, descriptor, allowed_hosts=["https://x.example"])
+    with pytest.raises(ValueError, match="--allowed-origin"):
+        render_config(_replicas(1), 8080, 9901, descriptor, allowed_origins=["ui.example"])
 
 
 @pytest.mark.parametrize("count", [1, 3, 5])

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from conftest import HEALTH_CHECK_INTERVAL_S
-from mesh_load import KINDS, MixedClient, run_load
+from mesh_load import HEALTH_CHECK_INTERVAL_S, KINDS, MixedClient, run_load
 
 REPO = Path(__file__).resolve().parents[2]
 USERS = [f"user-{i}" for i in range(24)]

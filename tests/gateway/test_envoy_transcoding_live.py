@@ -14,10 +14,12 @@ import pytest
 
 from protoserve.gateway.envoy.launcher import DEFAULT_SERVICES, render_config, running_envoy
 
+ALLOWED_ORIGIN = "https://app.example"
+
 
 @pytest.fixture(scope="module")
 def envoy(live_server):
-    with running_envoy(live_server.grpc_target) as gateway:
+    with running_envoy(live_server.grpc_target, allowed_origins=[ALLOWED_ORIGIN]) as gateway:
         with httpx.Client(base_url=gateway.url, timeout=60) as client:
             yield client
 
@@ -108,3 +110,44 @@ def test_rag_and_embedding_routes_match_our_gateway(envoy, ours):
     assert embedded.status_code == 200 and embedded.json()["dimensions"] == 384
     deleted = envoy.post("/v1/rag/documents:delete", json={"document_ids": ["envoy-doc"]})
     assert deleted.json() == {"deleted": ["envoy-doc"], "not_found": []}
+
+
+def test_a_foreign_page_cannot_drive_the_transcoded_routes(envoy):
+    # The attack: a "simple" text/plain POST from another origin, no preflight, would plant a document.
+    document = json.dumps({"documents": [{"document_id": "planted", "text": "from evil.example"}]})
+    for origin in ("http://evil.example", "null", f"http://127.0.0.1:{envoy.base_url.port}.evil.example"):
+        refused = envoy.post("/v1/rag/index", content=document,
+                             headers={"origin": origin, "content-type": "text/plain"})
+        assert refused.status_code == 403, (origin, refused.text)
+        assert refused.json()["code"] == 7 and "--allowed-origin" in refused.json()["message"]
+    assert envoy.get("/v1/rag/documents/planted").status_code == 404
+    allowed = envoy.post("/v1/tokenize", json={"text": "hi"}, headers={"origin": ALLOWED_ORIGIN})
+    assert allowed.status_code == 200, allowed.text
+    # A transcoded GET is a gRPC POST by the time routes match: refused too (a page could not read it anyway).
+    assert envoy.get("/v1/inference/models", headers={"origin": "http://evil.example"}).status_code == 403
+    assert envoy.get("/v1/inference/models").status_code == 200
+
+
+@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:8080", "localhost.attacker.example"])
+def test_a_host_that_does_not_name_envoy_is_refused(envoy, host):
+    # DNS rebinding: a page on attacker.example whose name now resolves to Envoy's address.
+    for method, path in (("GET", "/v1/inference/models"), ("POST", "/v1/tokenize")):
+        refused = envoy.request(method, path, json={"text": "hi"} if method == "POST" else None,
+                                headers={"host": host})
+        assert refused.status_code == 403 and "--allowed-host" in refused.json()["message"], refused.text
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:8080", "app.localhost", "127.0.0.1", "[::1]:8080"])
+def test_names_of_this_machine_are_served(envoy, host):
+    assert envoy.post("/v1/tokenize", json={"text": "hi"}, headers={"host": host}).status_code == 200
+
+
+def test_grpc_through_envoy_is_not_a_page(envoy, live_server):
+    import grpc
+
+    from protoserve.v1 import inference_pb2 as pb
+    from protoserve.v1 import inference_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{envoy.base_url.port}") as channel:
+        reply = inference_pb2_grpc.InferenceServiceStub(channel).Tokenize(pb.TokenizeRequest(text="hi"), timeout=30)
+    assert list(reply.token_ids)
