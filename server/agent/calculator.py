@@ -101,8 +101,9 @@ _REFUSED = {
 
 # Numbers, operators, brackets and the known names, nothing else, so that a forced call's grammar holds the
 # model to an expression (a small model otherwise writes JSON punctuation into the string): it starts after
-# at most signs and brackets, has commas only after a function's "(", and ends with a digit, a constant
-# or a ")" that closes something. A regular language cannot balance brackets; the parser still refuses what this lets through.
+# at most minus signs and brackets, has commas only after a function's "(", and ends with a digit, a constant
+# or a ")" that closes something. A regular language cannot balance brackets: the parser still refuses
+# what this lets through.
 _NAMES = "|".join(sorted(_FUNCTIONS.keys() | _CONSTANTS.keys()))
 _ATOMS = f"(?:[0-9]|{_NAMES})"
 _BODY = f"(?:[0-9.+\\-*/%() ]|{_NAMES})*"
@@ -110,7 +111,7 @@ _ARGUMENTS = f"(?:[0-9.+\\-*/%(), ]|{_NAMES})*"
 _CALL = f"(?:{'|'.join(sorted(_FUNCTIONS))})\\("
 _VALUE = f"(?:[0-9]|{'|'.join(sorted(_CONSTANTS))})"
 _MIDDLE = f"(?:(?:{_ATOMS}{_BODY})?{_CALL}{_ARGUMENTS}|{_ATOMS}{_BODY})"
-EXPRESSION_PATTERN = f"^[-+( ]*(?:{_MIDDLE}(?:{_VALUE}|\\))|{_VALUE})$"
+EXPRESSION_PATTERN = f"^[-( ]*(?:{_MIDDLE}(?:{_VALUE}|\\))|{_VALUE})$"
 
 SPEC = ToolSpec(
     name=NAME,
