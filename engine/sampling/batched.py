@@ -2,9 +2,10 @@
 
 On device cuda the logits of a step stay on the GPU: the rows this module serves are sampled there and
 only their token ids come back to the host. It serves rows with nothing beyond temperature, top-k,
-top-p, min-p, the repetition / frequency / presence penalties and ``n``: greedy, or a draw. Rows with
-a grammar, logit bias, min_tokens still holding tokens back, Mirostat, typical-p, top-n-sigma or
-logprobs go to the per-row host sampler (engine/sampling/sampler.py), which this mirrors operation for
+top-p, min-p, the repetition / frequency / presence penalties and ``n``: greedy, or a draw. Rows that
+use a field ``SAMPLING_FIELDS`` (sampling_params.py) marks host-only (a grammar, logit bias, min_tokens
+still holding tokens back, Mirostat, typical-p, top-n-sigma, logprobs) go to the per-row host sampler
+(engine/sampling/sampler.py), which this mirrors operation for
 operation, so a row gets the same token either way up to float rounding: the same filters in the same
 order, and the draw's uniform comes from the sequence's own generator on the host (one float64 per
 row), so a seeded request keeps its stream.
@@ -18,17 +19,15 @@ from __future__ import annotations
 import torch
 
 from protoserve.engine.sampling.nucleus import keep_sorted
+from protoserve.engine.sampling.sampling_params import host_only
 from protoserve.engine.scheduling.sequence import Sequence
 
 NEG_INF = float("-inf")
 
 
 def batch_sampleable(seq: Sequence) -> bool:
-    """The row needs nothing the batched operations leave out."""
-    sp = seq.sampling
-    return (seq.matcher is None and not sp.logit_bias and seq.num_generated >= sp.min_tokens
-            and not sp.mirostat_mode and sp.typical_p >= 1.0 and sp.top_n_sigma <= 0.0
-            and not sp.logprobs and sp.top_logprobs == 0)
+    """The row needs nothing the batched operations leave out (sampling_params.SAMPLING_FIELDS)."""
+    return seq.matcher is None and not host_only(seq.sampling, seq.num_generated)
 
 
 def _padded_ids(lists: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -37,6 +37,7 @@ from protoserve.engine.sampling.penalties import (
     apply_repetition_penalty,
     mask_tokens,
 )
+from protoserve.engine.sampling.sampling_params import bare_argmax
 from protoserve.engine.scheduling.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -172,10 +173,7 @@ class Sampler:
     def plain_greedy(self, seq: Sequence) -> bool:
         """Greedy with nothing that changes the row (bias, held tokens, penalties) or reads it (logprobs);
         a grammar mask may apply."""
-        sp = seq.sampling
-        return (sp.greedy and not sp.logit_bias and seq.num_generated >= sp.min_tokens
-                and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
-                and not sp.logprobs and sp.top_logprobs == 0)
+        return bare_argmax(seq.sampling, seq.num_generated)
 
     def adjust(self, row: torch.Tensor, seq: Sequence, bits: torch.Tensor | None = None) -> torch.Tensor:
         """Bias, the grammar mask, min_tokens and penalties on a float32 copy of the row."""

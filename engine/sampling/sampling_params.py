@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -134,7 +135,7 @@ class SamplingParams:
             return bad
         if self.greedy:
             bad.append(("temperature", "must be above 0 with mirostat_mode (0 is greedy decoding)"))
-        for name, off in (("top_k", 0), ("top_p", 1.0), ("typical_p", 1.0), ("min_p", 0.0), ("top_n_sigma", 0.0)):
+        for name, off in MIROSTAT_REPLACES.items():
             if getattr(self, name) != off:
                 bad.append((name, f"must be {off} with mirostat_mode: Mirostat picks the candidates itself"))
         return bad
@@ -142,3 +143,79 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class Where(StrEnum):
+    """Where a sampling field takes effect: what decides whether a row can use the batched sampler."""
+
+    DEVICE = "device"  # the batched sampler applies it on the logits' device (engine/sampling/batched.py)
+    HOST = "host"  # only the host sampler does: a row that uses it is sampled on the host
+    NOT_SAMPLED = "not_sampled"  # stopping, output, request shape: no sampling step reads it
+
+
+@dataclass(frozen=True)
+class FieldUse:
+    """One SamplingParams field's place in sampling.
+
+    ``off``: the value at which the field changes nothing. ``candidates``: a filter over the candidate
+    tokens, which Mirostat replaces (it must be ``off`` with mirostat_mode). ``reshapes``: it changes the
+    logits before the pick or reads their distribution, so even a greedy row that uses it takes the
+    sampler's per-row path, not a bare argmax. ``in_use``, for a field whose use depends on the sequence:
+    whether a row uses it, given how many tokens it has generated.
+    """
+
+    where: Where
+    off: object = None
+    candidates: bool = False
+    reshapes: bool = False
+    in_use: Callable[[SamplingParams, int], bool] | None = None
+
+    def used(self, name: str, params: SamplingParams, num_generated: int) -> bool:
+        if self.in_use is not None:
+            return self.in_use(params, num_generated)
+        return getattr(params, name) != self.off
+
+
+# Every field, once: a new one missing here fails tests/engine/test_sampling_fields.py, so none is
+# silently dropped on the GPU path (the batched sampler serves only rows whose HOST fields are unused).
+SAMPLING_FIELDS: dict[str, FieldUse] = {
+    "max_tokens": FieldUse(Where.NOT_SAMPLED),
+    # EOS is masked on the host until min_tokens are out; past that the row is batched again.
+    "min_tokens": FieldUse(Where.HOST, 0, reshapes=True, in_use=lambda p, generated: generated < p.min_tokens),
+    "temperature": FieldUse(Where.DEVICE, 1.0),
+    "top_k": FieldUse(Where.DEVICE, 0, candidates=True),
+    "top_p": FieldUse(Where.DEVICE, 1.0, candidates=True),
+    "min_p": FieldUse(Where.DEVICE, 0.0, candidates=True),
+    "typical_p": FieldUse(Where.HOST, 1.0, candidates=True),
+    "top_n_sigma": FieldUse(Where.HOST, 0.0, candidates=True),
+    "repetition_penalty": FieldUse(Where.DEVICE, 1.0, reshapes=True),
+    "frequency_penalty": FieldUse(Where.DEVICE, 0.0, reshapes=True),
+    "presence_penalty": FieldUse(Where.DEVICE, 0.0, reshapes=True),
+    "logit_bias": FieldUse(Where.HOST, {}, reshapes=True),
+    "seed": FieldUse(Where.DEVICE),  # the draw's uniform comes from the row's own generator either way
+    "stop": FieldUse(Where.NOT_SAMPLED),
+    "stop_token_ids": FieldUse(Where.NOT_SAMPLED),
+    "ignore_eos": FieldUse(Where.NOT_SAMPLED),
+    "n": FieldUse(Where.NOT_SAMPLED),
+    "logprobs": FieldUse(Where.HOST, False, reshapes=True),
+    "top_logprobs": FieldUse(Where.HOST, 0, reshapes=True),
+    "skip_special_tokens": FieldUse(Where.NOT_SAMPLED),
+    "constraint": FieldUse(Where.HOST, None),  # its grammar's mask is applied on the host
+    "mirostat_mode": FieldUse(Where.HOST, 0),
+    "mirostat_tau": FieldUse(Where.HOST, 5.0, in_use=lambda p, generated: p.mirostat_mode != 0),
+    "mirostat_eta": FieldUse(Where.HOST, 0.1, in_use=lambda p, generated: p.mirostat_mode != 0),
+    "speculative": FieldUse(Where.NOT_SAMPLED),  # how many tokens a step yields, never which
+}
+MIROSTAT_REPLACES = {name: use.off for name, use in SAMPLING_FIELDS.items() if use.candidates}
+
+
+def host_only(params: SamplingParams, num_generated: int) -> list[str]:
+    """The fields a row uses that only the host sampler applies (empty: the batched sampler can serve it)."""
+    return [name for name, use in SAMPLING_FIELDS.items()
+            if use.where == Where.HOST and use.used(name, params, num_generated)]
+
+
+def bare_argmax(params: SamplingParams, num_generated: int) -> bool:
+    """Greedy, and no field in use reshapes the row: its token is the logits' argmax (under any grammar mask)."""
+    return params.greedy and not any(use.reshapes and use.used(name, params, num_generated)
+                                     for name, use in SAMPLING_FIELDS.items())

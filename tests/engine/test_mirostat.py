@@ -140,7 +140,7 @@ def test_mirostat_in_the_engine_is_per_sequence_and_batch_invariant(make_engine)
         ({"mirostat_mode": 1, "mirostat_eta": 1.5}, ["mirostat_eta"]),
         ({"mirostat_mode": 2, "temperature": 0.0}, ["temperature"]),
         ({"mirostat_mode": 1, "top_p": 0.9, "top_k": 40}, ["top_k", "top_p"]),
-        ({"mirostat_mode": 2, "min_p": 0.1, "typical_p": 0.5}, ["typical_p", "min_p"]),
+        ({"mirostat_mode": 2, "min_p": 0.1, "typical_p": 0.5}, ["min_p", "typical_p"]),
         ({"mirostat_tau": 3.0}, ["mirostat_tau"]),  # set without a mode it would do nothing: refused
         ({"mirostat_eta": 0.5}, ["mirostat_eta"]),
     ],
