@@ -13,18 +13,21 @@ GEN ?= gen
 PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
+CONTRACT_BASELINE := proto/baseline/protoserve.binpb
 
-.PHONY: help install prometheus chromium kernels proto proto-check lint test test-gpu fuzz soak run bench bench-peers clean
+.PHONY: help install prometheus chromium kernels proto proto-check lint contract-baseline test test-fast test-gpu fuzz soak run bench bench-peers clean
 
 help:
 	@echo "make run      install, generate, start gRPC :50051 and HTTP :8000 with SmolLM2"
 	@echo "make test     install, check generated code, lint, run the test suite"
+	@echo "make test-fast the unit tests only: no live servers, nothing marked slow (the edit loop)"
 	@echo "make test-gpu the Triton kernels and the model on device cuda, on a CUDA device (skips without one)"
 	@echo "make fuzz     the fuzz suite (tests/fuzz) with $(FUZZ_EXAMPLES) examples per property"
 	@echo "make soak     $(SOAK_DURATION_S) s of mixed hostile load on a fresh server (bench/soak.py)"
 	@echo "make install  create .venv and node_modules, generate code from proto/"
 	@echo "make proto    regenerate gen/ from proto/"
-	@echo "make lint     buf lint, buf breaking against main's previous commit, ruff"
+	@echo "make lint     buf lint, buf breaking against the released contract (proto/baseline), ruff"
+	@echo "make contract-baseline  at a release: make the current protos the contract buf breaking keeps"
 	@echo "make bench    benchmarks (DEVICE=cuda: the GPU path's serving figures)"
 	@echo "make bench-peers build llama.cpp (llama-server, llama-bench) once for the bench to compare with"
 
@@ -94,13 +97,21 @@ proto-check: $(VENV)/.installed
 
 lint: install
 	$(BUF) lint
-	@if git cat-file -e HEAD~1:buf.yaml 2>/dev/null; then \
-	  $(BUF) breaking --against '.git#ref=HEAD~1' && echo "buf breaking: no breaking change since HEAD~1"; \
-	else echo "buf breaking: no previous commit with protos to compare against"; fi
+	@# Against the released contract, not the previous commit: a break spread over two commits is still one.
+	$(BUF) build -o $(GEN)/contract.binpb
+	$(BUF) breaking $(GEN)/contract.binpb --against $(CONTRACT_BASELINE) --config buf.yaml \
+	  && echo "buf breaking: no breaking change against $(CONTRACT_BASELINE)"
 	$(VENV)/bin/ruff check .
 
 test: install proto-check lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Markers: `live` is set by tests/conftest.py on every test that uses a server fixture.
+test-fast: install
+	$(VENV)/bin/pytest -m "not live and not slow" $(PYTEST_ARGS)
+
+contract-baseline: node_modules/.installed
+	$(BUF) build -o $(CONTRACT_BASELINE)
 
 # The Triton kernels' tests on a CUDA device (make test runs them under the CPU interpreter).
 test-gpu: install

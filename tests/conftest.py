@@ -335,3 +335,15 @@ def inproc_server():
         yield server
     finally:
         server.stop()
+
+
+# `make test-fast` leaves out the tests marked live: those in a *_live.py file and those that use one of
+# these fixtures (or a fixture built on one). Other files that start processes of their own (the CLI's)
+# say so with `pytestmark = pytest.mark.live`.
+LIVE_FIXTURES = frozenset({"live_server", "live_server_auth", "spawn_server", "inproc_server"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name.endswith("_live.py") or LIVE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)

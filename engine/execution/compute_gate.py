@@ -34,6 +34,11 @@ class ComputeGate:
         self._background_turn = False  # set when an engine forward ends with background work waiting
         self._engine_started = float("-inf")  # monotonic time of the last engine forward's start
 
+    def waiting(self) -> tuple[int, int]:
+        """How many engine forwards and background units wait for the cores now."""
+        with self._cond:
+            return self._engine_waiting, self._background_waiting
+
     def engine_active(self) -> bool:
         """Whether the engine is decoding now: background work then keeps its units small."""
         return time.monotonic() - self._engine_started < ENGINE_ACTIVE_S

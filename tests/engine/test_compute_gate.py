@@ -41,40 +41,54 @@ def test_engine_and_background_alternate_without_overlap():
 
 def test_background_runs_back_to_back_while_the_engine_idles():
     gate = ComputeGate()
-    started = time.perf_counter()
-    for _ in range(100):
-        with gate.background():
-            pass
-    assert time.perf_counter() - started < 0.5
+    done = threading.Event()
+
+    def units() -> None:
+        for _ in range(100):
+            with gate.background():
+                pass
+        done.set()
+
+    threading.Thread(target=units, daemon=True).start()
+    assert done.wait(30), "a background unit waited with the engine idle"
     assert not gate.engine_active()
     with gate.engine():
         pass
     assert gate.engine_active()
 
 
+def until(condition, timeout: float = 10.0) -> None:
+    """Wait for ``condition`` (another thread's progress), failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.001)
+
+
 def test_a_waiting_engine_goes_before_a_waiting_background_unit():
     gate = ComputeGate()
     order: list[str] = []
-    release = threading.Event()
+    held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
         with gate.background():
+            held.set()
             release.wait()
 
     def enter(kind: str, context) -> None:
         with context():
             order.append(kind)
-            time.sleep(0.05)
 
-    threads = [
-        threading.Thread(target=hold, daemon=True),
-        threading.Thread(target=enter, args=("B", gate.background), daemon=True),
-        threading.Thread(target=enter, args=("E", gate.engine), daemon=True),
-    ]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.05)  # the holder first, then the background unit waits, then the engine
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    background = threading.Thread(target=enter, args=("B", gate.background), daemon=True)
+    background.start()
+    until(lambda: gate.waiting() == (0, 1))
+    engine = threading.Thread(target=enter, args=("E", gate.engine), daemon=True)
+    engine.start()
+    until(lambda: gate.waiting() == (1, 1))
     release.set()  # the holder leaves: the engine, though it came last, goes first
-    for thread in threads:
-        thread.join(2)
+    for thread in (holder, background, engine):
+        thread.join(10)
     assert order == ["E", "B"]

@@ -11,10 +11,6 @@ The cost of the mode is measured and printed (tokens/s).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,12 +25,8 @@ from decoder_test_helpers import (
     random_mix,
     token_by_token,
 )
-from forward_batches import forward_batch, scheduled
 
 from protoserve.engine.loader.load import load_model
-from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.decoder import Decoder
-from protoserve.engine.models.kv_cache import PagedKVCache
 from protoserve.engine.models.linear import ROW_TILE, Int4Linear, Int8Linear, Linear, tiled_linear
 
 SHAPES = [(64, 256), (576, 1536), (1536, 576), (576, 8192)]  # (in, out): tiny, SmolLM2 MLP, down, a wide head
@@ -64,17 +56,6 @@ def test_tiled_linear_rows_are_batch_invariant(shape, dtype) -> None:
     assert _rows_alone_vs_batched(lambda a: tiled_linear(a, w, None), x)
     assert _rows_alone_vs_batched(lambda a: tiled_linear(a, w, b), x, seed=1)
     torch.testing.assert_close(tiled_linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
-
-
-def test_plain_gemm_is_not_batch_invariant_here() -> None:
-    """Why the tiles exist: on this CPU plain F.linear rows change with the batch (skip where they do not)."""
-    variants = 0
-    for k, n in SHAPES[1:3]:
-        w = torch.randn(n, k)
-        x = torch.randn(40, k)
-        variants += not _rows_alone_vs_batched(lambda a, w=w: F.linear(a, w), x)
-    if variants == 0:
-        pytest.skip("F.linear happens to be batch invariant on this CPU")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -165,64 +146,3 @@ def test_32_sequences_batched_equal_each_alone(tiny_model) -> None:
     )
     each = Driver(tiny_model, paged_cache(tiny_model, num_blocks=600)).run(seqs, each_alone)
     assert all(torch.equal(a, b) for a, b in zip(together, each, strict=True))
-
-
-# -- cost --------------------------------------------------------------------------------------
-
-TINY_CONFIG = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16)
-SMOLLM2_CONFIG = ModelConfig(
-    "llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, tie_word_embeddings=True
-)
-
-
-def measure_throughput(config: ModelConfig, num_tokens: int, deterministic: bool, reps: int = 2) -> float:
-    """Tokens/s of one forward with ``num_tokens`` new tokens: T<=32 as T decoding sequences
-    at context 128, larger T as one prefill chunk."""
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Decoder(config)
-    state = {k: torch.randn(v.shape) * 0.05 for k, v in model.state_dict().items()}
-    model.load_state_dict(state, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rope = dataclasses.replace(model.rope, inv_freq=torch.ones(config.head_dim // 2))
-    model.set_deterministic(deterministic)
-    bs = 16
-    if num_tokens <= 32:
-        seqs = [scheduled([3] * 129, 128, list(range(9 * i, 9 * i + 9))) for i in range(num_tokens)]
-    else:
-        seqs = [scheduled(list(range(num_tokens)), 0, list(range(-(-num_tokens // bs))))]
-    cache = PagedKVCache(config.num_layers, 9 * 32 + 32, bs, config.num_kv_heads, config.head_dim)
-    batch = forward_batch(seqs, bs)
-    model(batch, cache)  # warm-up
-    start = time.perf_counter()
-    for _ in range(reps):
-        model(batch, cache)
-    return num_tokens * reps / (time.perf_counter() - start)
-
-
-def _report(name: str, config: ModelConfig) -> None:
-    default_threads = torch.get_num_threads()
-    try:
-        for threads in sorted({1, default_threads}):
-            torch.set_num_threads(threads)
-            for t in (1, 16, 256):
-                det = measure_throughput(config, t, True)
-                fast = measure_throughput(config, t, False)
-                print(
-                    f"{name} threads={threads} T={t:3d}: deterministic {det:9.1f} tok/s, "
-                    f"fast {fast:9.1f} tok/s, cost x{fast / det:.2f}"
-                )
-    finally:
-        torch.set_num_threads(default_threads)
-
-
-def test_deterministic_cost_tiny() -> None:
-    _report("tiny", TINY_CONFIG)
-
-
-@pytest.mark.skipif(
-    not os.environ.get("PROTOSERVE_MODEL_BENCH"), reason="set PROTOSERVE_MODEL_BENCH=1 (about a minute)"
-)
-def test_deterministic_cost_smollm2_size() -> None:
-    _report("SmolLM2-135M size", SMOLLM2_CONFIG)

@@ -32,6 +32,8 @@ from protoserve.server.observability.tracing_setup import (
     span_exporter,
 )
 
+pytestmark = pytest.mark.live  # each test runs the CLI in a process of its own
+
 REPO = Path(__file__).resolve().parents[2]
 TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 PARENT_ID = 0x00F067AA0BA902B7

@@ -20,6 +20,8 @@ import pytest
 
 from protoserve.server import exit_codes
 
+pytestmark = pytest.mark.live  # each test runs the CLI in a process of its own
+
 REPO = Path(__file__).resolve().parents[2]
 PROTOSERVE = Path(sys.executable).with_name("protoserve")
 TIMEOUT_S = 180

@@ -10,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
+
+pytestmark = pytest.mark.live  # each test runs the CLI in a process of its own
 
 REPO = Path(__file__).resolve().parents[2]
 

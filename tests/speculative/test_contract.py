@@ -12,9 +12,6 @@ from protoserve.server.models.sampling_mapping import speculative_from_proto
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 
-if not hasattr(pb, "SpeculativeOptions"):
-    pytest.skip("gen/ predates GenerateRequest.speculative: run 'make proto'", allow_module_level=True)
-
 COPY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork and "
         "polished the great lens until it shone.\nRepeat the passage exactly.")
 
