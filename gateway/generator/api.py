@@ -11,12 +11,16 @@ reported here, at generation time, rather than as a failing request later.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
+from typing import Any
 
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message_factory
 
+from protoserve.gateway.runtime.json_codec import InvalidJson, parse_message
 from protoserve.gateway.runtime.path_template import PathTemplate
 from protoserve.gateway.runtime.route import ErrorStyle, Framing
 
@@ -31,6 +35,21 @@ _FRAMINGS = {
 _ERROR_STYLES = {
     "ERROR_STYLE_UNSPECIFIED": ErrorStyle.GOOGLE_RPC_STATUS,
     "ERROR_STYLE_OPENAI": ErrorStyle.OPENAI,
+}
+
+
+class Access(StrEnum):
+    """Who may call a method (GatewayRule.access): what the OpenAPI document's ``security`` says."""
+
+    API_KEY = "api_key"
+    PUBLIC = "public"
+    ADMIN = "admin"
+
+
+_ACCESS = {
+    "ACCESS_UNSPECIFIED": Access.API_KEY,
+    "ACCESS_PUBLIC": Access.PUBLIC,
+    "ACCESS_ADMIN": Access.ADMIN,
 }
 _SCALAR_TYPES = frozenset(
     t
@@ -52,6 +71,9 @@ class GatewayOptions:
     error_style: ErrorStyle = ErrorStyle.GOOGLE_RPC_STATUS
     reject_unknown_fields: bool = False
     ignored_fields: tuple[str, ...] = ()
+    access: Access = Access.API_KEY
+    # GatewayRule.example decoded: the request message as JSON, checked valid; None when absent.
+    example: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,15 +281,23 @@ class Api:
         if self._gateway_ext is not None and options.HasExtension(self._gateway_ext):
             rule = options.Extensions[self._gateway_ext]
             framing, style = _enum_name(rule, "framing"), _enum_name(rule, "error_style")
-            if framing not in _FRAMINGS or style not in _ERROR_STYLES:
-                # A newer options proto than this generator: refuse rather than guess.
-                raise GeneratorError(f"{method.full_name}: unknown gateway option value {framing or style}")
+            access = _enum_name(rule, "access")
+            for name, value, known in (
+                ("framing", framing, _FRAMINGS),
+                ("error_style", style, _ERROR_STYLES),
+                ("access", access, _ACCESS),
+            ):
+                if value not in known:
+                    # A newer options proto than this generator: refuse rather than guess.
+                    raise GeneratorError(f"{method.full_name}: unknown gateway option value in {name}")
             gateway = GatewayOptions(
                 stream_method=rule.stream_method,
                 framing=_FRAMINGS[framing],
                 error_style=_ERROR_STYLES[style],
                 reject_unknown_fields=rule.reject_unknown_fields,
                 ignored_fields=tuple(rule.ignored_fields),
+                access=_ACCESS[access],
+                example=_decode_example(method, rule.example) if rule.example else None,
             )
         return ApiMethod(method, tuple(bindings), gateway)
 
@@ -375,6 +405,26 @@ class Api:
             )
         response_bodies = {b.response_body for b in target.bindings}
         return StreamSpec(target, wrap_field, response_bodies.pop() if len(response_bodies) == 1 else "")
+
+
+def _decode_example(method: descriptor.MethodDescriptor, text: str) -> dict[str, Any]:
+    """GatewayRule.example as JSON, refused unless it is a request the gateway would accept."""
+    where = method.full_name
+    try:
+        example = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GeneratorError(f"{where}: example is not JSON: {exc}") from None
+    if not isinstance(example, dict):
+        raise GeneratorError(f"{where}: example must be a JSON object (the request message)")
+    request_class = message_factory.GetMessageClass(method.input_type)
+    try:
+        # Unknown fields refused whatever the route says: an example shows only real fields.
+        parse_message(example, request_class, reject_unknown_fields=True)
+    except InvalidJson as exc:
+        raise GeneratorError(
+            f"{where}: example is not a valid {method.input_type.full_name}: {exc}"
+        ) from None
+    return example
 
 
 def _enum_name(message, field_name: str) -> str:

@@ -4,7 +4,9 @@ Schemas follow the JSON the runtime reads and writes: proto field names,
 proto3 JSON mapping of scalar and well-known types, and ``null`` for unset
 fields with presence. 3.1 is used because its JSON Schema dialect can say
 "integer or string" (64-bit ints) and "or null" without extensions. Every
-description is the element's proto comment.
+description is the element's proto comment. ``GatewayRule.access`` becomes the
+operation's ``security`` (the API key as HTTP bearer auth, ``x-user-id`` as an
+optional header key) and ``GatewayRule.example`` its parameter and body examples.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Any
 
 from google.protobuf import descriptor
 
-from protoserve.gateway.generator.api import Api, RouteSpec, proto3_optional_fields, resolve_field_path
+from protoserve.gateway.generator.api import (
+    Access,
+    Api,
+    RouteSpec,
+    proto3_optional_fields,
+    resolve_field_path,
+)
 from protoserve.gateway.runtime.route import ErrorStyle, Framing
 
 FD = descriptor.FieldDescriptor
@@ -93,6 +101,34 @@ _OPENAI_ERROR = {
     },
     "required": ["error"],
 }
+
+
+API_KEY_SCHEME = "ApiKey"
+USER_ID_SCHEME = "UserId"
+SECURITY_SCHEMES = {
+    API_KEY_SCHEME: {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API key (`--api-keys-file`, `$PROTOSERVE_API_KEYS`; admin keys too) as "
+        "`authorization: Bearer <key>`. Needed only when the server runs with keys: without them "
+        "every call is accepted and the header is ignored.",
+    },
+    USER_ID_SCHEME: {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-user-id",
+        "description": "Optional: the end user (at most 256 characters). The key and the user id "
+        "together are the caller's identity, which owns its requests, usage, RAG documents and "
+        "cached prompts, so a shared key is split by user; without keys the user id alone is.",
+    },
+}
+# The key, with or without a user id: x-user-id is never required.
+KEY_SECURITY = ({API_KEY_SCHEME: [], USER_ID_SCHEME: []}, {API_KEY_SCHEME: []})
+_ADMIN_NOTE = "Needs an admin key (`--admin-keys-file`) when the server runs with keys: 403 for other keys."
+_WATCH_NOTE = (
+    "Read it as it arrives with `curl -N`, an SSE client or an OpenAI client's streaming mode; "
+    "/docs shows the whole stream once it has ended."
+)
 
 
 def _ref(full_name: str) -> dict[str, str]:
@@ -222,20 +258,55 @@ def _query_parameters(
     return parameters
 
 
-def _stream_content(schema: dict[str, Any], framing: Framing) -> tuple[dict[str, Any], str]:
-    """The media type of a stream with this framing, and a sentence describing its frames."""
+def _stream_note(framing: Framing) -> str:
+    """Sentences describing the frames of a stream with this framing."""
     if framing is Framing.NDJSON:
         return (
-            {"application/x-ndjson": {"schema": {"type": "object", "properties": {"result": schema}}}},
             'The stream is newline-delimited JSON, one `{"result": <message>}` per line; an error '
-            'after the stream started ends it with an `{"error": ...}` line.',
+            'after the stream started ends it with an `{"error": ...}` line.'
         )
     done = " It ends with `data: [DONE]`." if framing is Framing.SSE_OPENAI else ""
     return (
-        {"text/event-stream": {"schema": schema}},
         "The stream is Server-Sent Events, each `data:` field one message as JSON." + done + " An error "
-        'after the stream started arrives as a last `data: {"error": ...}` event instead.',
+        'after the stream started arrives as a last `data: {"error": ...}` event instead.'
     )
+
+
+def _stream_content(schema: dict[str, Any], framing: Framing) -> tuple[dict[str, Any], str]:
+    """The media type of a stream with this framing, and a sentence describing its frames."""
+    if framing is Framing.NDJSON:
+        media = {"application/x-ndjson": {"schema": {"type": "object", "properties": {"result": schema}}}}
+    else:
+        media = {"text/event-stream": {"schema": schema}}
+    return media, _stream_note(framing)
+
+
+def _value_at(example: dict[str, Any], field_path: str) -> tuple[bool, Any]:
+    """Whether the example sets the dotted field path, and its value there."""
+    value: Any = example
+    for name in field_path.split("."):
+        if not isinstance(value, dict) or name not in value:
+            return False, None
+        value = value[name]
+    return True, value
+
+
+def _body_examples(route: RouteSpec, example: dict[str, Any], path_bound: set[str]) -> dict[str, Any]:
+    """The body part of the method's example request, and with a stream method the same streamed."""
+    body = route.binding.body
+    if body == "*":
+        value: Any = {key: item for key, item in example.items() if key not in path_bound}
+    elif body in example:
+        value = example[body]
+    else:
+        return {}
+    examples = {"request": {"summary": "A request", "value": value}}
+    if route.stream is not None and isinstance(value, dict):
+        examples["stream"] = {
+            "summary": 'The same request, streamed ("stream": true)',
+            "value": {**value, "stream": True},
+        }
+    return examples
 
 
 def _response_schema(builder: _SchemaBuilder, message: descriptor.Descriptor, response_body: str) -> dict:
@@ -262,8 +333,22 @@ def _operation(builder: _SchemaBuilder, route: RouteSpec) -> dict[str, Any]:
             names = ", ".join(f"`{name}`" for name in route.ignored_fields)
             note += f", except {names}, which change nothing here and are accepted and ignored"
         notes.append(note + ".")
+    if route.method.options.access is Access.ADMIN:
+        notes.append(_ADMIN_NOTE)
+    if method.server_streaming:
+        notes.append(f"**Streaming.** {_stream_note(route.framing)} {_WATCH_NOTE}")
+    elif route.stream is not None:
+        notes.append(
+            f'**Streaming.** With `"stream": true` in the body the answer streams. '
+            f"{_stream_note(route.framing)} {_WATCH_NOTE}"
+        )
     if notes:
         operation["description"] = "\n\n".join(notes)
+    if route.method.options.access is Access.PUBLIC:
+        operation["security"] = []
+    else:
+        operation["security"] = [dict(requirement) for requirement in KEY_SECURITY]
+    example = route.method.options.example
     parameters = []
     bound = set()
     for variable in binding.path.variables:
@@ -283,6 +368,11 @@ def _operation(builder: _SchemaBuilder, route: RouteSpec) -> dict[str, Any]:
         if binding.body:
             bound.add(binding.body)
         parameters += _query_parameters(builder, request, bound)
+    if example is not None:
+        for parameter in parameters:
+            found, value = _value_at(example, parameter["name"])
+            if found:
+                parameter["example"] = value
     if parameters:
         operation["parameters"] = parameters
 
@@ -305,10 +395,12 @@ def _operation(builder: _SchemaBuilder, route: RouteSpec) -> dict[str, Any]:
                 body_schema = builder.message_ref(request)
         else:
             body_schema = builder.field_schema(request.fields_by_name[binding.body], frozenset())
-        operation["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": body_schema}},
-        }
+        media: dict[str, Any] = {"schema": body_schema}
+        if example is not None:
+            examples = _body_examples(route, example, {path.split(".")[0] for path in bound})
+            if examples:
+                media["examples"] = examples
+        operation["requestBody"] = {"required": True, "content": {"application/json": media}}
 
     response_schema = _response_schema(builder, method.output_type, binding.response_body)
     ok_description = builder.api.comments.get(method.output_type.full_name) or "OK"
@@ -372,16 +464,24 @@ def build_openapi(api: Api, title: str, version: str) -> dict[str, Any]:
             tag["description"] = api.comments.get(service.full_name)
         tags.append(tag)
     sources = ", ".join(f"`{file.name}`" for file in api.files if file.services_by_name)
+    description = (
+        f"REST/JSON routes generated from the google.api.http annotations of {sources}.\n\n"
+        f"**Auth.** When the server runs with API keys, every operation with a lock needs "
+        f"`authorization: Bearer <key>` (`{API_KEY_SCHEME}`) and may name the end user with "
+        f"`x-user-id` (`{USER_ID_SCHEME}`); the others, such as `/health`, need nothing. "
+        f"A missing or unknown key is 401.\n\n"
+        f"**Streaming.** Operations that stream say so in their description: Server-Sent Events, "
+        f"each `data:` field one JSON message, the OpenAI routes ending with `data: [DONE]`."
+    )
     return {
         "openapi": "3.1.0",
-        "info": {
-            "title": title,
-            "version": version,
-            "description": f"REST/JSON routes generated from the google.api.http annotations of {sources}.",
-        },
+        "info": {"title": title, "version": version, "description": description},
         "tags": tags,
         "paths": paths,
-        "components": {"schemas": dict(sorted(builder.components.items()))},
+        "components": {
+            "schemas": dict(sorted(builder.components.items())),
+            "securitySchemes": SECURITY_SCHEMES,
+        },
     }
 
 

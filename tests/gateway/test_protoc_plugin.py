@@ -20,6 +20,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 from grpc_tools import protoc
 
+from protoserve.gateway.generator.openapi import API_KEY_SCHEME, KEY_SECURITY, USER_ID_SCHEME
 from protoserve.gateway.protoc_gen_gateway import generate
 from protoserve.gateway.runtime.binding import bind_request
 from protoserve.gateway.runtime.errors import HttpError
@@ -156,6 +157,7 @@ def test_real_openapi_document():
         "required": True,
         "schema": {"type": "string"},
         "description": "Id of the request to cancel.",
+        "example": "my-request-1",
     }
     # GET with an unbound field: a query parameter; path-bound fields are not.
     watch = doc["paths"]["/v1/metrics:watch"]["get"]
@@ -461,6 +463,26 @@ def test_codegen_runs_protoc_with_the_plugin_as_make_proto_does(tmp_path):
             ' option (protoserve.options.v1.gateway) = {reject_unknown_fields: true ignored_fields: ["s"]}; }',
             "this route has no body",
         ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            " option (protoserve.options.v1.gateway) = {example: '{\"x\": '}; }",
+            "gwtest.v1.S.A: example is not JSON",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            " option (protoserve.options.v1.gateway) = {example: '[1]'}; }",
+            "example must be a JSON object",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            " option (protoserve.options.v1.gateway) = {example: '{\"x\": \"a\", \"nope\": 1}'}; }",
+            "example is not a valid gwtest.v1.Req: nope",
+        ),
+        (
+            'rpc A(Req) returns (Res) { option (google.api.http) = {post: "/a" body: "*"};'
+            " option (protoserve.options.v1.gateway) = {example: '{\"items\": \"a\"}'}; }",
+            "example is not a valid gwtest.v1.Req: items",
+        ),
     ],
 )
 def test_rejected_annotations(tmp_path, service, error):
@@ -475,3 +497,49 @@ def test_rejected_annotations(tmp_path, service, error):
     response = generate(_compile(tmp_path, source))
     assert error in response.error
     assert not response.file
+
+
+def test_access_and_examples_in_the_document(tmp_path):
+    """GatewayRule.access becomes each operation's security; its example fills path, query and body."""
+    source = """
+    service S {
+      rpc A(Req) returns (Res) {
+        option (google.api.http) = {post: "/a/{x}" body: "*"};
+        option (protoserve.options.v1.gateway) = {
+          stream_method: "gwtest.v1.S.B" access: ACCESS_ADMIN example: '{"x": "id-1", "items": ["a"]}'
+        };
+      }
+      rpc B(Wrap) returns (stream Res) {
+        option (google.api.http) = {post: "/b" body: "req"};
+        option (protoserve.options.v1.gateway) = {example: '{"req": {"x": "y"}}'};
+      }
+      rpc C(Req) returns (Res) {
+        option (google.api.http) = {get: "/c"};
+        option (protoserve.options.v1.gateway) = {access: ACCESS_PUBLIC example: '{"items": ["q"]}'};
+      }
+      rpc D(Req) returns (Res) { option (google.api.http) = {get: "/d"}; }
+    }
+    message Req { string x = 1; repeated string items = 2; bool stream = 3; }
+    message Res { string y = 1; }
+    message Wrap { Req req = 1; }
+    """
+    doc = json.loads(_files(generate(_compile(tmp_path, source)))["protoserve/generated/openapi.json"])
+    assert set(doc["components"]["securitySchemes"]) == {API_KEY_SCHEME, USER_ID_SCHEME}
+    with_key = [dict(requirement) for requirement in KEY_SECURITY]
+    a, b = doc["paths"]["/a/{x}"]["post"], doc["paths"]["/b"]["post"]
+    c, d = doc["paths"]["/c"]["get"], doc["paths"]["/d"]["get"]
+    assert a["security"] == b["security"] == d["security"] == with_key
+    assert c["security"] == []
+    assert "Needs an admin key" in a["description"] and "admin" not in b.get("description", "")
+    # Path fields leave the body for their parameter; a stream_method route offers a streamed body too.
+    assert a["parameters"][0]["example"] == "id-1"
+    examples = a["requestBody"]["content"]["application/json"]["examples"]
+    assert examples["request"]["value"] == {"items": ["a"]}
+    assert examples["stream"]["value"] == {"items": ["a"], "stream": True}
+    assert "**Streaming.**" in a["description"] and "**Streaming.**" in b["description"]
+    # A body field: its own part of the example; no streamed variant for a route that always streams.
+    assert b["requestBody"]["content"]["application/json"]["examples"] == {
+        "request": {"summary": "A request", "value": {"x": "y"}}
+    }
+    assert {p["name"]: p.get("example") for p in c["parameters"]}["items"] == ["q"]
+    assert all("example" not in p for p in d["parameters"])
