@@ -1,9 +1,10 @@
 """The REST/JSON gateway: ASGI app factory and ways to run it with uvicorn.
 
 ``create_app(grpc_target)`` builds the app from the generated route table
-(``protoserve.generated.routes``) and OpenAPI document (``gen/python/protoserve/generated/openapi.json``),
-plus ``GET /metrics`` in Prometheus text format and the WebSocket route ``GET /v1/ws/completions``
-(gateway.ws), all behind the Host and Origin checks of gateway.browser_safety. uvicorn serves it
+(``protoserve.generated.routes``) and OpenAPI document (``gen/python/protoserve/generated/openapi.json``,
+served with the WebSocket route added), plus ``GET /metrics`` in Prometheus text format, the
+WebSocket route ``GET /v1/ws/completions`` (gateway.ws) and the ``/docs`` pages
+(gateway.swagger_ui), all behind the Host and Origin checks of gateway.browser_safety. uvicorn serves it
 with protocols that drop clients that stop reading (gateway.slow_clients);
 ``start_gateway`` starts it in the running event loop and returns its stop
 function (the server CLI's hook, next to the gRPC server); ``serve_gateway``
@@ -28,20 +29,21 @@ from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
 
 from protoserve.gateway.browser_safety import BrowserPolicy, BrowserSafety, check_allowed_hosts
 from protoserve.gateway.cors import check_origins, cors_middleware
 from protoserve.gateway.runtime.channel import SharedChannel
-from protoserve.gateway.runtime.docs import render_docs
 from protoserve.gateway.runtime.handler import GatewayHandler, GatewaySettings
 from protoserve.gateway.runtime.metrics import GatewayMetrics
 from protoserve.gateway.runtime.route import Route
 from protoserve.gateway.runtime.tracing import HttpTracing, installed_tracer_provider
 from protoserve.gateway.slow_clients import watched_protocols
+from protoserve.gateway.swagger_ui import DocsPages
 from protoserve.gateway.ws.endpoint import WebSocketEndpoint, refuse_unknown_path, upgrade_required
+from protoserve.gateway.ws.openapi import with_websocket_route
 from protoserve.gateway.ws.session import WS_PATH
 
 if TYPE_CHECKING:
@@ -64,6 +66,12 @@ def generated_openapi_path() -> Path:
     return Path(routes.__file__).with_name("openapi.json")
 
 
+def served_openapi(openapi_path: Path | None = None) -> dict:
+    """The document ``GET /openapi.json`` serves: the generated one with the WebSocket route added."""
+    generated = json.loads((openapi_path or generated_openapi_path()).read_text(encoding="utf-8"))
+    return with_websocket_route(generated)
+
+
 def create_app(
     grpc_target: str,
     *,
@@ -78,8 +86,8 @@ def create_app(
 ) -> Starlette:
     """The gateway ASGI app calling the gRPC server at ``grpc_target`` (``host:port``).
 
-    Besides the generated routes it serves ``GET /openapi.json``, a
-    self-contained ``GET /docs`` page and ``GET /metrics``. The gRPC channel
+    Besides the generated routes it serves ``GET /openapi.json``, the interactive
+    ``GET /docs`` page (with the static ``/docs/reference``) and ``GET /metrics``. The gRPC channel
     opens on the first request and closes with the app's lifespan.
 
     ``/metrics`` serves ``metrics_registry`` (inside ``protoserve serve``, the
@@ -115,14 +123,12 @@ def create_app(
         tuple(origin.lower() for origin in check_origins(cors_origins)),
     )
     websockets = WebSocketEndpoint(handler)
-    openapi_text = (openapi_path or generated_openapi_path()).read_text(encoding="utf-8")
-    docs_page = render_docs(json.loads(openapi_text))
+    document = served_openapi(openapi_path)
+    openapi_text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    docs_pages = DocsPages.for_document(document)
 
     async def openapi(_: Request) -> Response:
         return Response(openapi_text, media_type="application/json")
-
-    async def docs(_: Request) -> Response:
-        return HTMLResponse(docs_page)
 
     async def metrics(request: Request) -> Response:
         # Prometheus text, or OpenMetrics when the scraper asks for it.
@@ -145,7 +151,7 @@ def create_app(
     app = Starlette(
         routes=[
             StarletteRoute("/openapi.json", openapi, methods=["GET"]),
-            StarletteRoute("/docs", docs, methods=["GET"]),
+            *docs_pages.routes(),
             StarletteRoute("/metrics", metrics, methods=["GET"]),
             WebSocketRoute(WS_PATH, websockets),
             StarletteRoute(WS_PATH, upgrade_required, methods=["GET"]),

@@ -1,8 +1,9 @@
-"""A readable, self-contained HTML page for an OpenAPI document (served at ``/docs``).
+"""A readable, self-contained HTML page for an OpenAPI document (served at ``/docs/reference``).
 
 Rendered on the server from the document itself, with inline CSS and no
-scripts, because the gateway must work without internet access (no Swagger
-UI from a CDN) and the page needs nothing interactive to be useful.
+scripts: every operation, message and field with its proto comment on one
+page that reads without JavaScript. The interactive page is ``/docs``
+(gateway.swagger_ui).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _operation(path: str, verb: str, operation: dict[str, Any]) -> str:
         f' <span class="muted">{html.escape(operation.get("summary", ""))}</span></p>',
         _text(operation.get("description")),
     ]
+    if "security" in operation:
+        needs = "an API key, when the server runs with keys" if operation["security"] else "none"
+        parts.append(f"<p><b>Auth</b>: {needs}</p>")
     parameters = operation.get("parameters", [])
     if parameters:
         rows = "".join(
@@ -116,8 +120,10 @@ def _schema(name: str, schema: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def render_docs(document: dict[str, Any], openapi_url: str = "/openapi.json") -> str:
-    """The whole page: operations grouped by tag, then every schema."""
+def render_docs(
+    document: dict[str, Any], openapi_url: str = "/openapi.json", interactive_url: str | None = None
+) -> str:
+    """The whole page: operations grouped by tag, then every schema (linking to the interactive page)."""
     info = document.get("info", {})
     title = html.escape(info.get("title", "API"))
     by_tag: dict[str, list[str]] = {}
@@ -132,6 +138,8 @@ def render_docs(document: dict[str, Any], openapi_url: str = "/openapi.json") ->
         sections.extend(operations)
     schemas = document.get("components", {}).get("schemas", {})
     nav = "".join(f'<a href="#tag-{html.escape(tag)}">{html.escape(tag)}</a>' for tag in by_tag)
+    if interactive_url:
+        nav += f'<a href="{html.escape(interactive_url)}">Try requests</a>'
     return (
         f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{title}</title>"
         f'<meta name=viewport content="width=device-width,initial-scale=1"><style>{_CSS}</style></head><body>'

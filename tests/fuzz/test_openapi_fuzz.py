@@ -38,7 +38,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from valid_requests import tightened
 
-from protoserve.gateway.app import generated_openapi_path
+from protoserve.gateway.app import served_openapi
 
 WATCH_PATH = "/v1/metrics:watch"
 REQUEST_TIMEOUT_S = 60.0
@@ -72,13 +72,13 @@ def gateway_url(fuzz_server) -> str:
 # what a valid request is (tests/fuzz/valid_requests.py), read when the module loads: schemathesis
 # names each operation's test from it. Requests name the default model ("").
 SCHEMA = schemathesis.openapi.from_dict(
-    tightened(json.loads(generated_openapi_path().read_text()), model=""), config=fuzz_config()
+    tightened(served_openapi(), model=""), config=fuzz_config()
 ).exclude(path=WATCH_PATH)
 
 
 def test_the_gateway_serves_the_fuzzed_document(gateway_url: str) -> None:
     served = httpx.get(f"{gateway_url}/openapi.json", timeout=30).raise_for_status().json()
-    assert served == json.loads(generated_openapi_path().read_text())
+    assert served == served_openapi()
 
 
 @SCHEMA.parametrize()
@@ -106,7 +106,7 @@ def test_watch_metrics_fuzz(gateway_url: str, interval_ms: int | str) -> None:
 
 
 POST_PATHS = sorted(
-    path for path, operations in json.loads(generated_openapi_path().read_text())["paths"].items() if "post" in operations
+    path for path, operations in served_openapi()["paths"].items() if "post" in operations
 )
 
 

@@ -1,5 +1,6 @@
-"""Gateway test fixtures: the fake gRPC backend and a gateway in front of it (see gateway_fakes), and
-``protoserve serve`` with the browser-safety and idle-timeout flags (see guarded_server)."""
+"""Gateway test fixtures: the fake gRPC backend and a gateway in front of it (see gateway_fakes),
+``protoserve serve`` with the browser-safety and idle-timeout flags (see guarded_server), and
+headless Chromium (see headless_chromium)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from gateway_fakes import FakeBackend, gateway_thread, start_fake_backend
 from guarded_server import ALLOWED_DOMAIN, ALLOWED_HOST, STREAM_IDLE_TIMEOUT_S, GuardedServer
+from headless_chromium import HeadlessChromium, chromium_path
 
 from protoserve.gateway.runtime.handler import GatewaySettings
 
@@ -41,3 +43,16 @@ def guarded_server(spawn_server) -> GuardedServer:
         "--allowed-host", ALLOWED_DOMAIN,
     )  # fmt: skip
     return GuardedServer(server, allowed_origin_port)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[HeadlessChromium]:
+    """Headless Chromium with one page, for the module; skips where Chromium is not installed."""
+    binary = chromium_path()
+    if binary is None:
+        pytest.skip(
+            "chromium is not installed (make install adds Debian's chromium where apt-get runs as root)"
+        )
+    chromium = HeadlessChromium(binary)
+    yield chromium
+    chromium.close()

@@ -6,11 +6,14 @@ internet, and Chromium would keep trying to reach Google) with a fresh profile, 
 ``--remote-debugging-port=0``: the port it picks is read from the profile's
 ``DevToolsActivePort``. ``run_page(url)`` loads a page and waits, in real time, until the
 page's script sets ``window.results``, which it returns: the page does its own cross-origin
-requests exactly as any web page could.
+requests exactly as any web page could. For driving a page as a user would: ``navigate``,
+``evaluate`` (a JavaScript expression's JSON value), ``wait_for`` (until an expression is
+truthy), ``type_text`` (real key input into the focused element) and ``screenshot``.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
@@ -34,6 +37,7 @@ FLAGS = (
     "--disable-component-update",
     "--disable-sync",
     "--remote-debugging-port=0",
+    "--window-size=1280,1024",  # room for a page's screenshot to show what went wrong
 )
 START_TIMEOUT_S = 60.0
 
@@ -100,6 +104,39 @@ class HeadlessChromium:
                 return json.loads(text)
             time.sleep(0.2)
         raise TimeoutError(f"{url} set no window.results in {timeout} s")
+
+    def navigate(self, url: str) -> None:
+        """Start loading ``url`` in the page (wait_for what should appear on it)."""
+        self._call("Page.navigate", url=url)
+
+    def evaluate(self, expression: str) -> Any:
+        """The JSON value of a JavaScript expression in the page (promises awaited)."""
+        reply = self._call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in reply:
+            raise RuntimeError(f"{expression}: {reply['exceptionDetails']}")
+        return reply["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float = 60.0) -> Any:
+        """Poll ``expression`` until it is truthy and return its value; TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            time.sleep(0.2)
+        raise TimeoutError(f"not true after {timeout} s: {expression}")
+
+    def type_text(self, text: str) -> None:
+        """Type ``text`` into the focused element, as keyboard input (frameworks see input events)."""
+        self._call("Input.insertText", text=text)
+
+    def screenshot(self, path: Path) -> Path:
+        """Save the whole page as it is now (not only the window's part of it) as a PNG at ``path``."""
+        size = self._call("Page.getLayoutMetrics")["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+        shot = self._call("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return path
 
     def close(self) -> None:
         self._connection.close()

@@ -15,11 +15,8 @@ from __future__ import annotations
 import http.server
 import json
 import threading
-from collections.abc import Iterator
 
 import httpx
-import pytest
-from headless_chromium import HeadlessChromium, chromium_path
 
 KEPT_DOCUMENT = "kept-by-the-test"
 ALLOWED_DOCUMENT = "from-the-allowed-page"
@@ -110,18 +107,6 @@ class _PageHandler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[HeadlessChromium]:
-    binary = chromium_path()
-    if binary is None:
-        pytest.skip(
-            "chromium is not installed (make install adds Debian's chromium where apt-get runs as root)"
-        )
-    chromium = HeadlessChromium(binary)
-    yield chromium
-    chromium.close()
 
 
 def serve_page(port: int, body: bytes) -> tuple[_Pages, str]:

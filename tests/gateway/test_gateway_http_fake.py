@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -410,14 +411,51 @@ def test_client_disconnect_during_unary_cancels_the_call(fake_gateway, fake_back
 def test_openapi_and_docs(http):
     served = http.get("/openapi.json")
     assert served.status_code == 200 and served.headers["content-type"] == "application/json"
-    assert served.text == (REPO / "gen" / "python" / "protoserve" / "generated" / "openapi.json").read_text()
-    docs = http.get("/docs")
-    assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html")
-    page = docs.text
-    for path in ("/v1/chat/completions", "/v1/cancel/{request_id}", "/v1/generate:stream", "/health"):
+    generated = json.loads(
+        (REPO / "gen" / "python" / "protoserve" / "generated" / "openapi.json").read_text()
+    )
+    document = served.json()
+    # The generated document, with the WebSocket route the gateway serves itself.
+    assert {path: document["paths"][path] for path in generated["paths"]} == generated["paths"]
+    assert set(document["paths"]) - set(generated["paths"]) == {"/v1/ws/completions"}
+    assert document["components"] == generated["components"]
+    # The reference: every route and the protos' comments, readable without scripts or the internet.
+    reference = http.get("/docs/reference")
+    assert reference.status_code == 200 and reference.headers["content-type"].startswith("text/html")
+    page = reference.text
+    for path in (
+        "/v1/chat/completions",
+        "/v1/cancel/{request_id}",
+        "/v1/generate:stream",
+        "/health",
+        "/v1/ws/completions",
+    ):
         assert path in page
     assert "SamplingParams controls how tokens are chosen" in page
     assert "<script" not in page and "https://" not in page and "http://" not in page
+    assert 'href="/docs"' in page
+
+
+def test_the_interactive_docs_load_nothing_from_elsewhere(http):
+    """/docs is Swagger UI from files on this server: its page, start script and the assets they name."""
+    page = http.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sources and all(source.startswith("/") for source in sources), sources
+    assert {
+        "/docs/swagger-ui/swagger-ui-bundle.js",
+        "/docs/start.js",
+        "/docs/reference",
+        "/openapi.json",
+    } <= set(sources)
+    for source in sources:
+        assert http.get(source).status_code == 200, source
+    start = http.get("/docs/start.js")
+    assert start.headers["content-type"].startswith("text/javascript")
+    config = json.loads(start.text.removeprefix("window.ui = SwaggerUIBundle(").removesuffix(");\n"))
+    assert config["url"] == "/openapi.json" and config["persistAuthorization"] is True
+    assert config["validatorUrl"] is None
+    assert http.get("/docs/swagger-ui/index.html").status_code == 404  # only the files the page needs
 
 
 async def test_gateway_bug_is_a_logged_500_in_the_route_style(monkeypatch, caplog):
