@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from protoserve.engine.speculative.params import SpeculativeParams
 
+# The dtypes a model's activations (and float weights) run in; engine/loader/load.py maps each to torch's.
+DTYPES = ("float32", "bfloat16")
+# How the linear layers' weights are stored (engine/models/linear.py); fp8 only on a device's kernels.
+QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # How int8/int4 layers on the integer-dot kernels quantize their activations: "exact", int8 codes plus
 # int8 codes of their rounding error; "fast", the codes alone (llama.cpp's Q8 activations), half the

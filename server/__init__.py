@@ -1,5 +1,1 @@
-"""The gRPC server. Importing it sets the engine's OpenMP wait policy (see engine/execution/omp_policy.py)."""
-
-from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
-
-prefer_passive_omp_wait()
+"""The gRPC server: services over the engine (server/app.py), started by server/cli.py."""

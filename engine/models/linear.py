@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protoserve.engine.config import QUANTIZATION_MODES
 from protoserve.engine.models.device_ops import ops_for
 from protoserve.kernels.cpu import packed_linear as kernel
 
@@ -45,7 +46,6 @@ from protoserve.kernels.cpu import packed_linear as kernel
 # (MKL's small-M path) and much dearer for prefill, larger ones dearer for decode.
 ROW_TILE = 16
 
-QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")
 # Formats only a device's kernels multiply (engine/models/device_ops.py: DeviceOps.fp8_linear).
 DEVICE_ONLY_MODES = ("fp8",)
 INT4_GROUP_SIZES = (32, 64, 128, 256)

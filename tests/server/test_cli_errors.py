@@ -199,6 +199,6 @@ def test_an_unreadable_api_keys_file_is_one_line_and_exit_2(tmp_path: Path, kind
 
 def test_the_cli_offers_exactly_the_dtypes_the_loader_takes() -> None:
     from protoserve.engine.loader.load import DTYPES as LOADER_DTYPES
-    from protoserve.server.cli import DTYPES
+    from protoserve.server.cli_flags import DTYPES
 
     assert set(DTYPES) == set(LOADER_DTYPES)
