@@ -23,11 +23,7 @@ from gguf.gguf_reader import ReaderTensor
 
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.gguf_dequant import dequantize
-from protoserve.engine.loader.progress import tensor_progress
-from protoserve.engine.models import families
-from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.families.family import GGUF_GLOBAL_NAMES, Family
-from protoserve.engine.models.families.gguf_fields import (
+from protoserve.engine.loader.gguf_fields import (
     ROPE_FREQS,
     GGUFFields,
     eog_token_ids,
@@ -35,6 +31,10 @@ from protoserve.engine.models.families.gguf_fields import (
     metadata_value,
     torch_shape,
 )
+from protoserve.engine.loader.progress import tensor_progress
+from protoserve.engine.models import families
+from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.families.family import GGUF_GLOBAL_NAMES, Family
 from protoserve.engine.models.families.llama import unpermute_qk
 from protoserve.engine.models.families.weights import gguf_to_hf_name
 

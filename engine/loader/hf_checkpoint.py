@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 
 from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.hf_fields import HFFields
 from protoserve.engine.loader.progress import tensor_progress
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.families.hf_fields import HFFields
 from protoserve.engine.models.rope import RopeConfigError, rope_spec
 
 CONFIG_FILE = "config.json"

@@ -24,14 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
 from protoserve.engine.models.families.moe_family import MoeNames
 from protoserve.engine.models.families.weights import expected_hf_shapes
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 # llama.cpp's per-layer tensor parts -> Hugging Face suffixes, as its converter names them for
 # Llama-like families. A family with other parts (Gemma's sandwich norms) declares its own map.

@@ -19,16 +19,19 @@ HF tensors shifted on load, GGUF as stored), so the shared RMSNorm runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from protoserve.engine.models.config import FULL, SLIDING, ModelConfig
 from protoserve.engine.models.families.family import Family
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 # transformers' and llama.cpp's defaults where a file does not say.
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global
@@ -129,7 +132,7 @@ def from_hf(hf: HFFields) -> ModelConfig:
     if hf.get("use_bidirectional_attention"):
         raise hf.error("use_bidirectional_attention=true is not supported (a decoder attends causally)")
     raw = {**hf.raw, "rope_parameters": None, "rope_scaling": None}  # read by _rope below
-    common = HFFields(raw, hf.generation, hf.path).common()
+    common = dataclasses.replace(hf, raw=raw).common()
     common["head_dim"] = int(hf.get("head_dim", DEFAULT_HEAD_DIM))
     common["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
     common["rope_theta"], common["rope_scaling"], local_theta = _rope(hf)

@@ -6,12 +6,16 @@ rotates adjacent pairs); loading a GGUF undoes that.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

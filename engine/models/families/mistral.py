@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
 from protoserve.engine.models.families.llama import unpermute_gguf_qk
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 
 def from_hf(hf: HFFields) -> ModelConfig:

@@ -3,13 +3,17 @@ the two weights renormalised), experts named ``block_sparse_moe.experts.{e}.w1/w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families import moe_family
 from protoserve.engine.models.families.family import LLAMA_GGUF_LAYER_NAMES, Family
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
 from protoserve.engine.models.families.llama import unpermute_gguf_qk
 from protoserve.engine.models.moe import MIXTRAL_EXPERT_NAMES
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 NAMES = moe_family.MoeNames("block_sparse_moe.", MIXTRAL_EXPERT_NAMES)
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 # transformers' Qwen3Config default when config.json omits head_dim.
 DEFAULT_HEAD_DIM = 128

@@ -5,13 +5,16 @@ the others keep a dense MLP of ``intermediate_size``."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families import moe_family, qwen3
 from protoserve.engine.models.families.family import LLAMA_GGUF_LAYER_NAMES, Family
-from protoserve.engine.models.families.gguf_fields import GGUFFields
-from protoserve.engine.models.families.hf_fields import HFFields
 from protoserve.engine.models.moe import QWEN_EXPERT_NAMES
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.gguf_fields import GGUFFields
+    from protoserve.engine.loader.hf_fields import HFFields
 
 NAMES = moe_family.MoeNames("mlp.", QWEN_EXPERT_NAMES)
 

@@ -10,11 +10,15 @@ Qwen-MoE names its experts: ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_pr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families import moe_family
 from protoserve.engine.models.families.family import Family, no_gguf
-from protoserve.engine.models.families.hf_fields import HFFields
 from protoserve.engine.models.moe import QWEN_EXPERT_NAMES
+
+if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
+    from protoserve.engine.loader.hf_fields import HFFields
 
 NAMES = moe_family.MoeNames("mlp.", QWEN_EXPERT_NAMES)
 
