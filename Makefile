@@ -98,9 +98,10 @@ proto-check: $(VENV)/.installed
 lint: install
 	$(BUF) lint
 	@# Against the released contract, not the previous commit: a break spread over two commits is still one.
-	$(BUF) build -o $(GEN)/contract.binpb
-	$(BUF) breaking $(GEN)/contract.binpb --against $(CONTRACT_BASELINE) --config buf.yaml \
-	  && echo "buf breaking: no breaking change against $(CONTRACT_BASELINE)"
+	@image=$$(mktemp --suffix=.binpb) && $(BUF) build -o $$image \
+	  && $(BUF) breaking $$image --against $(CONTRACT_BASELINE) --config buf.yaml; status=$$?; rm -f $$image; \
+	  if [ $$status -eq 0 ]; then echo "buf breaking: no breaking change against $(CONTRACT_BASELINE)"; fi; \
+	  exit $$status
 	$(VENV)/bin/ruff check .
 
 test: install proto-check lint
