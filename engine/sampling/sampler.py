@@ -9,7 +9,7 @@ be without it.
 
 Order, per row: logit bias -> grammar mask -> min_tokens masking -> repetition /
 frequency / presence penalties -> (greedy: argmax) temperature -> top-n-sigma ->
-top-k -> top-p -> typical-p -> min-p -> draw (llama.cpp's chain puts top-n-sigma
+top-k -> top-p -> typical-p -> min-p -> XTC -> draw (llama.cpp's chain puts top-n-sigma
 first among the filters too); with Mirostat, temperature -> Mirostat's own cut
 -> draw. min_tokens never holds back the only tokens a grammar allows.
 
@@ -38,6 +38,7 @@ from protoserve.engine.sampling.penalties import (
     mask_tokens,
 )
 from protoserve.engine.sampling.sampling_params import bare_argmax
+from protoserve.engine.sampling.xtc import apply_xtc
 from protoserve.engine.scheduling.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -214,6 +215,7 @@ class Sampler:
             cut = apply_top_p(cut, sp.top_p)
             cut = apply_typical_p(cut, sp.typical_p)
             cut = apply_min_p(cut, sp.min_p)
+            cut = apply_xtc(cut, sp.xtc_probability, sp.xtc_threshold, seq.generator)
             token_id = draw(torch.softmax(cut, dim=0), seq.generator)
         logprobs = None
         if sp.logprobs or sp.top_logprobs > 0:

@@ -30,8 +30,9 @@ class SamplingParams:
 
     ``constraint`` holds the output to a JSON Schema, regex, GBNF grammar or
     choice (whether it compiles is checked by ``LLMEngine.prepare``).
-    ``mirostat_mode`` 1 or 2 replaces top-n-sigma/top-k/top-p/typical-p/min-p with llama.cpp's
+    ``mirostat_mode`` 1 or 2 replaces top-n-sigma/top-k/top-p/typical-p/min-p/XTC with llama.cpp's
     Mirostat v1/v2 (target surprise ``mirostat_tau`` bits, learning rate ``mirostat_eta``).
+    ``xtc_probability`` turns on llama.cpp's XTC (engine/sampling/xtc.py) with ``xtc_threshold``.
     ``speculative`` opts the request in to speculative decoding (None: the engine's default, off);
     it changes how many tokens a step yields, never which: every feature but a constraint combines
     with it exactly (see LLMEngine._verify).
@@ -61,6 +62,8 @@ class SamplingParams:
     mirostat_mode: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    xtc_probability: float = 0.0  # llama.cpp's XTC: how often to drop the likeliest candidates; 0 disables
+    xtc_threshold: float = 0.1
     speculative: SpeculativeParams | None = None
 
     def validate(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
@@ -106,6 +109,7 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= 20:
             bad.append(("top_logprobs", "must be in [0, 20]"))
         bad += self._mirostat_problems()
+        bad += self._xtc_problems()
         if self.speculative is not None:
             bad += self.speculative.validate()
             if self.speculative.enabled and self.constraint is not None:
@@ -138,6 +142,20 @@ class SamplingParams:
         for name, off in MIROSTAT_REPLACES.items():
             if getattr(self, name) != off:
                 bad.append((name, f"must be {off} with mirostat_mode: Mirostat picks the candidates itself"))
+        return bad
+
+    def _xtc_problems(self) -> list[tuple[str, str]]:
+        bad: list[tuple[str, str]] = []
+        if not 0.0 <= self.xtc_probability <= 1.0:
+            bad.append(("xtc_probability", "must be in [0, 1] (0 disables)"))
+        if not 0.0 <= self.xtc_threshold <= 0.5:
+            bad.append(("xtc_threshold", "must be in [0, 0.5]: above 0.5 at most one candidate qualifies, "
+                                         "and XTC drops none"))
+        if self.xtc_probability == 0.0:
+            if self.xtc_threshold != 0.1:
+                bad.append(("xtc_threshold", "has no effect unless xtc_probability is above 0"))
+        elif self.greedy:
+            bad.append(("temperature", "must be above 0 with xtc_probability (0 is greedy decoding)"))
         return bad
 
     @property
@@ -204,6 +222,8 @@ SAMPLING_FIELDS: dict[str, FieldUse] = {
     "mirostat_mode": FieldUse(Where.HOST, 0),
     "mirostat_tau": FieldUse(Where.HOST, 5.0, in_use=lambda p, generated: p.mirostat_mode != 0),
     "mirostat_eta": FieldUse(Where.HOST, 0.1, in_use=lambda p, generated: p.mirostat_mode != 0),
+    "xtc_probability": FieldUse(Where.HOST, 0.0, candidates=True),
+    "xtc_threshold": FieldUse(Where.HOST, 0.1, in_use=lambda p, generated: p.xtc_probability != 0.0),
     "speculative": FieldUse(Where.NOT_SAMPLED),  # how many tokens a step yields, never which
 }
 MIROSTAT_REPLACES = {name: use.off for name, use in SAMPLING_FIELDS.items() if use.candidates}

@@ -36,14 +36,15 @@ USED = {
     "presence_penalty": 0.5, "logit_bias": {5: 10.0}, "seed": 7, "stop": ["x"], "stop_token_ids": [3],
     "ignore_eos": True, "n": 2, "logprobs": True, "top_logprobs": 2, "skip_special_tokens": False,
     "constraint": Constraint.regex("a+"), "mirostat_mode": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2,
-    "speculative": SpeculativeParams(method="ngram"),
+    "xtc_probability": 0.5, "xtc_threshold": 0.2, "speculative": SpeculativeParams(method="ngram"),
 }
-# Those only Mirostat reads: in use with it on.
+# Those only Mirostat reads: in use with it on; XTC's threshold likewise with XTC.
 WITH_MIROSTAT = {"mirostat_tau", "mirostat_eta"}
+WITH_XTC = {"xtc_threshold"}
 
 
 def params_using(name: str, **base) -> SamplingParams:
-    extra = {"mirostat_mode": 2} if name in WITH_MIROSTAT else {}
+    extra = {"mirostat_mode": 2} if name in WITH_MIROSTAT else {"xtc_probability": 0.5} if name in WITH_XTC else {}
     return SamplingParams(**{**base, **extra, name: USED[name]})
 
 
@@ -94,7 +95,7 @@ def test_the_batched_sampler_applies_every_device_field_as_the_host_does(name: s
 
 @pytest.mark.parametrize("name", sorted(SAMPLING_FIELDS))
 def test_a_greedy_row_is_a_bare_argmax_unless_a_field_reshapes_it(name: str) -> None:
-    if name in ("temperature", "mirostat_mode", *WITH_MIROSTAT):
+    if name in ("temperature", "mirostat_mode", "xtc_probability", *WITH_MIROSTAT, *WITH_XTC):
         return  # not greedy by definition
     sp = params_using(name, temperature=0.0)
     assert bare_argmax(sp, 0) is not SAMPLING_FIELDS[name].reshapes
@@ -104,4 +105,4 @@ def test_a_greedy_row_is_a_bare_argmax_unless_a_field_reshapes_it(name: str) -> 
 def test_mirostat_refuses_the_candidate_filters_it_replaces(name: str) -> None:
     problems = dict(SamplingParams(temperature=1.0, mirostat_mode=2, **{name: USED[name]}).validate())
     assert "Mirostat picks the candidates itself" in problems[name]
-    assert set(MIROSTAT_REPLACES) == {"top_k", "top_p", "min_p", "typical_p", "top_n_sigma"}
+    assert set(MIROSTAT_REPLACES) == {"top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability"}

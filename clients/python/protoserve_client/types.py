@@ -78,6 +78,8 @@ class AnswerSamplingKwargs(TypedDict, total=False):
     mirostat_mode: int
     mirostat_tau: float
     mirostat_eta: float
+    xtc_probability: float
+    xtc_threshold: float
 
 
 class SamplingKwargs(AnswerSamplingKwargs, total=False):
