@@ -2,7 +2,7 @@
 
     python -m bench.run                    # default run: a few minutes on 2 cores
     python -m bench.run --full             # the thorough run
-    python -m bench.run --only decode      # one section (offline, prefill, decode, serving, isolation, fairness, constrained, rag, speculative, lora, moe, activation)
+    python -m bench.run --only decode      # one section (SECTIONS below; --help lists them)
     python -m bench.run --json-out r.json  # also write every figure (and the run's metadata) here
 
 Prints a table, then one JSON line per figure, on stdout; progress goes to

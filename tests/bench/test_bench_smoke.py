@@ -538,3 +538,13 @@ def test_a_server_gets_its_own_data_dir_and_flags_without_touching_this_environm
                                            speculative=True)
     assert "--speculative-ngram" not in seen["args"] and "PROTOSERVE_DATA_DIR" not in seen["env"]
     assert seen["args"][seen["args"].index("--activation-precision") + 1] == "fast"
+
+
+def test_every_section_module_is_registered_once() -> None:
+    # One registry (bench/run.py's SECTIONS): the docs point at it instead of listing sections.
+    from bench.run import SECTIONS
+
+    sections = Path(__file__).resolve().parents[2] / "bench" / "sections"
+    modules = {p.stem for p in sections.glob("*.py") if p.stem != "__init__"}
+    registered = {fn.__module__.rsplit(".", 1)[1] for fn in SECTIONS.values()}
+    assert registered == modules and len(set(SECTIONS.values())) == len(SECTIONS)
