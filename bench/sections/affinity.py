@@ -147,7 +147,8 @@ def replicas(variant: Variant, threads: int) -> Iterator[list[ServerProcess]]:
 
 
 def measure(ctx: BenchContext, sizes: Sizes, variant: Variant, threads: int) -> list[Figure]:
-    from protoserve.gateway.envoy.launcher import Balancing, Replica, running_envoy
+    from protoserve.gateway.envoy.config import Balancing, Replica
+    from protoserve.gateway.envoy.launcher import running_envoy
 
     rates: dict[str, float] = {}
     details: dict[str, dict] = {}

@@ -19,7 +19,8 @@ import pytest
 from mesh_load import HEALTH_CHECK_INTERVAL_S
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from protoserve.gateway.envoy.launcher import Balancing, EnvoyGateway, Replica, running_envoy
+from protoserve.gateway.envoy.config import Balancing, Replica
+from protoserve.gateway.envoy.launcher import EnvoyGateway, running_envoy
 from protoserve.v1 import metrics_pb2, metrics_pb2_grpc
 
 GRACE_PERIOD_S = 8

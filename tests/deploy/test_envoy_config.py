@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from protoserve.gateway.envoy import launcher
-from protoserve.gateway.envoy.launcher import (
+from protoserve.gateway.envoy.config import (
     AFFINITY_HEADERS,
     DEFAULT_SERVICES,
     Balancing,
     Replica,
     render_config,
-    validate_config,
 )
+from protoserve.gateway.envoy.launcher import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATED = {

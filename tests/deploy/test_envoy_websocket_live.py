@@ -20,7 +20,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 from websockets.sync.server import serve
 
-from protoserve.gateway.envoy.launcher import Balancing, EnvoyGateway, Replica, running_envoy
+from protoserve.gateway.envoy.config import Balancing, Replica
+from protoserve.gateway.envoy.launcher import EnvoyGateway, running_envoy
 
 
 def _closed_port() -> int:

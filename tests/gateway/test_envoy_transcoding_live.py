@@ -12,7 +12,8 @@ import json
 import httpx
 import pytest
 
-from protoserve.gateway.envoy.launcher import DEFAULT_SERVICES, render_config, running_envoy
+from protoserve.gateway.envoy.config import DEFAULT_SERVICES, render_config
+from protoserve.gateway.envoy.launcher import running_envoy
 
 ALLOWED_ORIGIN = "https://app.example"
 
