@@ -14,6 +14,8 @@ PROTO_FILES := $(shell find proto -name '*.proto' | sort)
 # Where pytest may run in parallel later; keep the knob in one place.
 PYTEST_ARGS ?=
 CONTRACT_BASELINE := proto/baseline/protoserve.binpb
+CLIENT_PKG := clients/python/protoserve_client
+SYNC_CLIENT := $(CLIENT_PKG)/client.py
 
 .PHONY: help install prometheus chromium kernels proto proto-check lint contract-baseline test test-fast test-gpu fuzz soak run bench bench-peers clean
 
@@ -24,7 +26,7 @@ help:
 	@echo "make test-gpu the Triton kernels and the model on device cuda, on a CUDA device (skips without one)"
 	@echo "make fuzz     the fuzz suite (tests/fuzz) with $(FUZZ_EXAMPLES) examples per property"
 	@echo "make soak     $(SOAK_DURATION_S) s of mixed hostile load on a fresh server (bench/soak.py)"
-	@echo "make install  create .venv and node_modules, generate code from proto/"
+	@echo "make install  create .venv and node_modules, generate code from proto/ and the blocking Python client"
 	@echo "make proto    regenerate gen/ from proto/"
 	@echo "make lint     buf lint, buf breaking against the released contract (proto/baseline), ruff"
 	@echo "make contract-baseline  at a release: make the current protos the contract buf breaking keeps"
@@ -50,7 +52,7 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed node_modules/.installed proto kernels prometheus chromium
+install: $(VENV)/.installed node_modules/.installed proto $(SYNC_CLIENT) kernels prometheus chromium
 
 # Prometheus and promtool (Debian's `prometheus` package), which the metrics
 # tests run for real. Installed only where apt-get works as root and promtool is
@@ -73,6 +75,11 @@ chromium:
 # first request; a no-op when the cached build is current.
 kernels: $(VENV)/.installed
 	$(PY) -m protoserve.kernels.cpu.extension
+
+# The blocking Python client (not committed), generated from the asyncio one by
+# unasync; wheel builds of clients/python run the same step.
+$(SYNC_CLIENT): $(CLIENT_PKG)/aio.py clients/python/build_backend/protoserve_client_build.py | $(VENV)/.installed
+	$(PY) clients/python/build_backend/protoserve_client_build.py
 
 # Generated code lives in gen/ (not committed): Python messages, .pyi stubs and
 # gRPC stubs under gen/python/protoserve/, and in gen/python/protoserve/generated/
@@ -155,4 +162,4 @@ bench-peers: $(VENV)/.installed
 	$(PY) -m bench.peers.llamacpp build
 
 clean:
-	rm -rf $(GEN) $(GEN).tmp .pytest_cache .ruff_cache
+	rm -rf $(GEN) $(GEN).tmp $(SYNC_CLIENT) .pytest_cache .ruff_cache

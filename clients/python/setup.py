@@ -1,4 +1,4 @@
-"""setuptools hooks that put generated gRPC stubs into wheels and protos into sdists.
+"""setuptools hooks that generate code (gRPC stubs, the blocking client) into wheels and put protos into sdists.
 
 Metadata lives in pyproject.toml; the generation itself is in
 build_backend/protoserve_client_build.py.
@@ -19,18 +19,22 @@ sys.path.insert(0, str(HERE / "build_backend"))
 import protoserve_client_build  # noqa: E402 - found through the path set just above
 
 
-class BuildPyWithStubs(build_py):
-    """build_py that also generates ``protoserve_client/_pb`` from the protos (not for editable installs)."""
+class BuildPyWithGenerated(build_py):
+    """build_py that also generates ``_pb`` from the protos and ``client.py`` from ``aio.py``.
+
+    Not for editable installs.
+    """
 
     def run(self) -> None:
         super().run()
         # Editable installs live in the repo, whose gen/python (make proto)
-        # provides the stubs; generating here would shadow it with a copy
-        # that goes stale on the next proto change.
+        # provides the stubs and `make install` the client; generating here
+        # would leave copies that go stale on the next change.
         if self.editable_mode:
             return
-        out_dir = Path(self.build_lib) / "protoserve_client" / "_pb"
-        protoserve_client_build.generate_stubs(out_dir, HERE)
+        package_dir = Path(self.build_lib) / "protoserve_client"
+        protoserve_client_build.generate_stubs(package_dir / "_pb", HERE)
+        protoserve_client_build.generate_sync_client(package_dir)
 
 
 class SdistWithProtos(sdist):
@@ -41,4 +45,4 @@ class SdistWithProtos(sdist):
         protoserve_client_build.copy_protos(HERE, Path(base_dir))
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtos})
+setup(cmdclass={"build_py": BuildPyWithGenerated, "sdist": SdistWithProtos})

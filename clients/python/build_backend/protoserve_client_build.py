@@ -1,4 +1,4 @@
-"""Build backend of protoserve-client: setuptools plus one protoc step for wheels.
+"""Build backend of protoserve-client: setuptools plus two generation steps for wheels.
 
 The gRPC stubs are generated from the repo's ``proto/`` tree whenever a wheel
 is built, never committed. ``setup.py``'s ``build_py`` calls
@@ -14,6 +14,11 @@ the runtime floors in ``pyproject.toml`` stay true). Editable installs in the
 repo skip generation and use ``gen/python`` from ``make proto``, so they need
 nothing beyond setuptools. An sdist carries a copy of the protos under
 ``protos/`` so a wheel can be built from it away from the repo.
+
+The blocking client ``protoserve_client/client.py`` is generated too, from the
+asyncio one in ``aio.py``, by :func:`generate_sync_client` (unasync, also a
+pinned wheel build requirement). Inside the repo ``make install`` runs the same
+step through this file's ``__main__``; the generated file is never committed.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from setuptools.build_meta import *  # noqa: F403 - re-export every PEP 517/660 
 # modules refuse older runtimes, hence grpcio>=1.81.1 and protobuf>=6.33.5 in
 # pyproject.toml. Change all three together.
 GRPC_TOOLS_REQUIREMENT = "grpcio-tools==1.81.1"
+# Pinned like protoc: the same aio.py always gives the same client.py.
+UNASYNC_REQUIREMENT = "unasync==0.6.0"
 
 # Directory of the sdist's proto copy, relative to the project root.
 SDIST_PROTO_DIR = "protos"
@@ -42,8 +49,12 @@ _BUILDER_MODULE = re.compile(r"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')pr
 
 
 def get_requires_for_build_wheel(config_settings: dict[str, str | list[str]] | None = None) -> list[str]:
-    """Setuptools' requirements plus the pinned protoc that generates the stubs."""
-    return [*_setuptools.get_requires_for_build_wheel(config_settings), GRPC_TOOLS_REQUIREMENT]
+    """Setuptools' requirements plus the pinned generators of the stubs and the blocking client."""
+    return [
+        *_setuptools.get_requires_for_build_wheel(config_settings),
+        GRPC_TOOLS_REQUIREMENT,
+        UNASYNC_REQUIREMENT,
+    ]
 
 
 def find_proto_roots(project_dir: Path) -> tuple[Path, Path]:
@@ -126,3 +137,33 @@ def generate_stubs(out_dir: Path, project_dir: Path) -> list[Path]:
         init.write_text('"""Generated from protoserve protos at build time; do not edit."""\n')
         written.append(init)
     return written
+
+
+SYNC_CLIENT_HEADER = (
+    "# Generated from aio.py by build_backend/protoserve_client_build.py (unasync); do not edit.\n"
+)
+
+
+def generate_sync_client(package_dir: Path) -> Path:
+    """Write ``package_dir/client.py``, the blocking client, from ``package_dir/aio.py``.
+
+    unasync drops every ``async`` and ``await``, turns ``__aenter__``,
+    ``__anext__``, ``StopAsyncIteration`` and the like into their blocking
+    twins, and here also every ``AsyncX`` name into ``X`` and the I/O module
+    ``_aio_io`` into ``_sync_io``.
+    """
+    import unasync
+
+    source = package_dir / "aio.py"
+    async_names = re.findall(r"\bAsync[A-Z]\w*", source.read_text(encoding="utf-8"))
+    replacements = {name: name.removeprefix("Async") for name in async_names} | {"_aio_io": "_sync_io"}
+    rule = unasync.Rule(f"{os.sep}aio.py", f"{os.sep}client.py", additional_replacements=replacements)
+    unasync.unasync_files([str(source.absolute())], [rule])
+    out = package_dir / "client.py"
+    out.write_text(SYNC_CLIENT_HEADER + out.read_text(encoding="utf-8"), encoding="utf-8")
+    return out
+
+
+if __name__ == "__main__":
+    # `make install` in the repo: generate the editable package's client.py.
+    generate_sync_client(Path(__file__).resolve().parent.parent / "protoserve_client")

@@ -1,15 +1,29 @@
-"""Asynchronous protoserve client on ``grpc.aio``."""
+"""protoserve's clients, written once: ``AsyncClient`` on asyncio and ``Client``, which blocks.
+
+``aio.py`` is the source of both: ``client.py`` is generated from it by
+unasync (``build_backend/protoserve_client_build.py``, run by wheel builds and
+by ``make install``), which drops every ``async`` and ``await`` and the
+``Async`` of every name. The I/O modules ``_aio_io`` and ``_sync_io`` hold what
+each does its own way. Edit ``aio.py``, never ``client.py``.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from time import monotonic
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, Unpack
 
 import grpc
-import grpc.aio
 
+from protoserve_client._aio_io import (
+    Channel,
+    StreamCall,
+    insecure_channel,
+    next_message,
+    secure_channel,
+    sleep,
+)
 from protoserve_client._common import (
     DEFAULT_TARGET,
     NOT_READY_CODES,
@@ -72,18 +86,18 @@ from protoserve_client.types import (
     stream_event_from_proto,
 )
 
-_Resp = TypeVar("_Resp")
 _Event = TypeVar("_Event")
 
 
 class AsyncServerStream(Generic[_Event]):
-    """Events of one server-streaming call as an async iterator, converted as they arrive.
+    """Events of one server-streaming call, converted as they arrive; iterate it once.
 
-    ``cancel()`` (or leaving an ``async with`` block before the last event)
-    abandons the call from this side; iteration then ends without an error.
+    ``cancel()`` (or leaving its ``with`` block before the last event) abandons
+    the call from this side; the server then stops the work as it does for any
+    client that goes away, and iteration ends without an error.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall[Any, Any], convert: Callable[[Any], _Event]) -> None:
+    def __init__(self, call: StreamCall, convert: Callable[[Any], _Event]) -> None:
         self._call = call
         self._convert = convert
         self._cancelled = False
@@ -92,20 +106,8 @@ class AsyncServerStream(Generic[_Event]):
         return self
 
     async def __anext__(self) -> _Event:
-        if self._cancelled:
-            raise StopAsyncIteration
-        try:
-            msg = await self._call.read()
-        except grpc.aio.AioRpcError as e:
-            raise ProtoserveError.from_rpc_error(e) from e
-        except asyncio.CancelledError:
-            # grpc.aio reports a call we cancelled ourselves as CancelledError
-            # from read(); only that case is a normal end. A cancelled task
-            # must still see its CancelledError.
-            if self._cancelled:
-                raise StopAsyncIteration from None
-            raise
-        if msg is grpc.aio.EOF:
+        msg = await next_message(self._call, lambda: self._cancelled)
+        if msg is None:
             raise StopAsyncIteration
         event = self._convert(msg)
         self._seen(event)
@@ -132,23 +134,21 @@ class AsyncServerStream(Generic[_Event]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Leaving early must not leave the server working for nobody.
         if not self._ended() and not self._call.done():
             self.cancel()
 
 
 class AsyncGenerateStream(AsyncServerStream[StreamEvent]):
-    """Events of one ``GenerateStream`` call as an async iterator: deltas, then one final.
+    """Events of one ``GenerateStream`` call: deltas, then one final; iterate it once.
 
-    ``request_id`` is known before the first event, so another task can pass
-    it to ``AsyncClient.cancel``. ``cancel()`` (or leaving an ``async with``
-    block early) abandons the call from this side instead.
+    ``request_id`` is known before the first event, so another thread or task
+    can pass it to the client's ``cancel``. ``cancel()`` (or leaving its
+    ``with`` block early) abandons the call from this side instead; the server
+    then stops the request as it does for any client that goes away.
     """
 
-    def __init__(
-        self,
-        call: grpc.aio.UnaryStreamCall[pb.GenerateStreamRequest, pb.GenerateStreamResponse],
-        request_id: str,
-    ) -> None:
+    def __init__(self, call: StreamCall, request_id: str) -> None:
         super().__init__(call, stream_event_from_proto)
         self.request_id = request_id
         self.final: StreamFinal | None = None
@@ -168,7 +168,7 @@ class AsyncRagAnswerStream(AsyncServerStream[RagStreamEvent]):
     ``answer`` the text of every delta.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall[Any, Any]) -> None:
+    def __init__(self, call: StreamCall) -> None:
         super().__init__(call, rag_stream_event_from_proto)
         self.citations: RagCitations | None = None
         self.final: RagFinal | None = None
@@ -192,9 +192,12 @@ class AsyncRagAnswerStream(AsyncServerStream[RagStreamEvent]):
 
 
 class AsyncAgentRun(AsyncServerStream[AgentEvent]):
-    """Events of one ``RunAgent`` call: thoughts, tool calls and results, then one ``AgentAnswer``."""
+    """Events of one ``RunAgent`` call: thoughts, tool calls and results, then one ``AgentAnswer``.
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall[Any, Any]) -> None:
+    ``run_id`` and ``answer`` are known once their events have been read.
+    """
+
+    def __init__(self, call: StreamCall) -> None:
         super().__init__(call, agent_event_from_proto)
         self.run_id = ""
         self.answer: AgentAnswer | None = None
@@ -209,11 +212,27 @@ class AsyncAgentRun(AsyncServerStream[AgentEvent]):
 
 
 class AsyncClient:
-    """Asyncio client for protoserve's gRPC services; same arguments and methods as ``Client``.
+    """Client for protoserve's gRPC services: inference, embeddings, RAG and agent runs.
 
-    Create it inside a running event loop (the channel binds to it) and close
-    it with ``await client.close()`` or ``async with``. Every method raises
-    ``ProtoserveError`` when the call fails.
+    ``Client`` blocks; ``AsyncClient`` takes the same arguments and has the same
+    methods as coroutines (and async iterators where ``Client``'s iterate).
+    Create an ``AsyncClient`` inside a running event loop (its channel binds to
+    it) and close it with ``await client.close()`` or ``async with``.
+
+    Args:
+        target: ``host:port`` of the gRPC server.
+        api_key: sent as ``authorization: Bearer <key>`` on every call.
+        user_id: sent as ``x-user-id`` on every call; the server scopes Cancel by it.
+        timeout: default deadline in seconds for every call (None: no deadline);
+            each method's ``timeout`` overrides it.
+        metadata: extra metadata for every call.
+        credentials: TLS channel credentials; plaintext when None.
+        options: gRPC channel options.
+        wait_for_ready: queue calls while the channel connects instead of failing fast.
+        channel: an existing channel to use instead of opening one; the
+            client does not close a channel it did not open.
+
+    Every method raises ``ProtoserveError`` when the call fails.
     """
 
     def __init__(
@@ -227,14 +246,14 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] | None = None,
         wait_for_ready: bool = False,
-        channel: grpc.aio.Channel | None = None,
+        channel: Channel | None = None,
     ) -> None:
         self._owns_channel = channel is None
         if channel is None:
             channel = (
-                grpc.aio.secure_channel(target, credentials, options=options)
+                secure_channel(target, credentials, options=options)
                 if credentials is not None
-                else grpc.aio.insecure_channel(target, options=options)
+                else insecure_channel(target, options=options)
             )
         self._channel = channel
         # The grpc plugin generates untyped code; the methods below type each response.
@@ -262,12 +281,8 @@ class AsyncClient:
         await self.close()
 
     async def _unary(
-        self,
-        method: Callable[..., Awaitable[_Resp]],
-        request: Any,
-        timeout: float | None,
-        metadata: Metadata | None,
-    ) -> _Resp:
+        self, method: Callable[..., Any], request: Any, timeout: float | None, metadata: Metadata | None
+    ) -> Any:
         try:
             return await method(
                 request,
@@ -275,7 +290,7 @@ class AsyncClient:
                 metadata=self._opts.call_metadata(metadata),
                 wait_for_ready=self._wait_for_ready,
             )
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             raise ProtoserveError.from_rpc_error(e) from e
 
     def _server_stream(
@@ -296,7 +311,13 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **kwargs: Unpack[GenerateKwargs],
     ) -> GenerateResult:
-        """Run one request to completion; arguments as ``Client.generate``."""
+        """Run one request to completion.
+
+        Give the input as ``prompt`` text, ``token_ids=[...]`` or
+        ``messages=[{"role": "user", "content": "..."}]``; the other keywords
+        are sampling parameters (``max_tokens``, ``temperature``, ``stop``, ...),
+        ``model``, ``request_id``, ``context_policy`` and ``priority``.
+        """
         req = generate_request(prompt, **kwargs)
         return GenerateResult.from_proto(await self._unary(self.stub.Generate, req, timeout, metadata))
 
@@ -308,10 +329,11 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **kwargs: Unpack[GenerateKwargs],
     ) -> AsyncGenerateStream:
-        """Start a streaming generation; ``async for`` over the result yields deltas, then the final.
+        """Start a streaming generation; iterate the result for deltas and then the final.
 
-        Not a coroutine: the call starts at once and events arrive as they are
-        read. ``timeout`` bounds the whole stream.
+        Takes the same arguments as ``generate``. Not a coroutine in
+        ``AsyncClient`` either: the call starts at once and events arrive as
+        they are read. ``timeout`` bounds the whole stream.
         """
         req = generate_request(prompt, **kwargs)
         call = self._server_stream(
@@ -335,7 +357,13 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> list[GenerateResult | ProtoserveError]:
-        """Run many requests concurrently on the server; one result or error per request, in order."""
+        """Run many requests concurrently on the server; one result or error per request, in order.
+
+        Each request is a ``GenerateRequest`` (see ``builders.generate_request``)
+        or a dict of ``generate`` keywords such as ``{"prompt": "Hi", "max_tokens": 8}``.
+        A failed request comes back as a ``ProtoserveError`` in its slot; only a
+        failure of the whole call raises.
+        """
         resp = await self._unary(self.stub.Batch, batch_request(requests), timeout, metadata)
         return batch_results(resp)
 
@@ -405,7 +433,10 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> EmbedResult:
-        """Unit-length vectors of ``texts`` or ``token_ids``, in input order; as ``Client.embed``."""
+        """Unit-length vectors of ``texts`` (or of ``token_ids`` of the embedding model), in input order.
+
+        FAILED_PRECONDITION when the server runs without an embedding model.
+        """
         req = embed_request(texts, token_ids=token_ids, model=model)
         return EmbedResult.from_proto(await self._unary(self.embedding_stub.Embed, req, timeout, metadata))
 
@@ -420,7 +451,11 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> list[IndexedDocument]:
-        """Chunk, embed and store documents; as ``Client.index_documents``."""
+        """Chunk, embed and store documents (an id indexed again is replaced); returns once they are durable.
+
+        Each document is a ``Document``, a ``{"document_id", "text"[, "metadata"]}``
+        dict or the proto. Documents belong to the caller (API key and ``user_id``).
+        """
         req = index_documents_request(documents, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
         resp: rpb.IndexDocumentsResponse = await self._unary(
             self.rag_stub.IndexDocuments, req, timeout, metadata
@@ -437,7 +472,11 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> list[ChunkHit]:
-        """The caller's chunks most similar to ``query``, best first; as ``Client.search_documents``."""
+        """The caller's chunks most similar to ``query``, best first.
+
+        ``filter`` keeps documents whose metadata has all its pairs; ``min_score``
+        drops chunks less similar (cosine) than it.
+        """
         req = search_documents_request(query, top_k=top_k, filter=filter, min_score=min_score)
         resp: rpb.SearchDocumentsResponse = await self._unary(
             self.rag_stub.SearchDocuments, req, timeout, metadata
@@ -452,7 +491,7 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> DocumentPage:
-        """One page of the caller's documents, oldest first."""
+        """One page of the caller's documents, oldest first; pass ``next_page_token`` back for the next."""
         req = list_documents_request(page_size, page_token)
         return DocumentPage.from_proto(await self._unary(self.rag_stub.ListDocuments, req, timeout, metadata))
 
@@ -463,7 +502,7 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> AsyncIterator[DocumentInfo]:
-        """Every document of the caller, oldest first, fetching pages as it goes (``async for``)."""
+        """Every document of the caller, oldest first, fetching pages as it goes (``timeout`` is per page)."""
         token = ""
         while True:
             page = await self.list_documents(page_size, token, timeout=timeout, metadata=metadata)
@@ -506,7 +545,13 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **sampling: Unpack[AnswerSamplingKwargs],
     ) -> RagAnswer:
-        """Answer ``query`` from the caller's documents; as ``Client.retrieve_and_generate``."""
+        """Answer ``query`` from the caller's documents, with the chunks the model was given as citations.
+
+        ``top_k`` is how many chunks go into the prompt; ``system_prompt`` must
+        contain ``{context}``, where the numbered chunks go. The other keywords
+        are sampling parameters (``max_tokens``, ``temperature``, ...), with
+        sampling's own top-k as ``sampling_top_k``.
+        """
         req = retrieve_and_generate_request(
             query,
             top_k=top_k,
@@ -535,9 +580,10 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **sampling: Unpack[AnswerSamplingKwargs],
     ) -> AsyncRagAnswerStream:
-        """Stream an answer (``async for``): ``RagCitations``, then ``RagDelta`` texts, then one ``RagFinal``.
+        """Stream an answer: iterate for ``RagCitations``, then ``RagDelta`` texts, then one ``RagFinal``.
 
-        Not a coroutine: the call starts at once.
+        Takes the same arguments as ``retrieve_and_generate``; ``timeout`` bounds
+        the whole stream. Not a coroutine in ``AsyncClient`` either: the call starts at once.
         """
         req = retrieve_and_generate_request(
             query,
@@ -571,9 +617,14 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> AsyncAgentRun:
-        """Run the server's ReAct loop; ``async for`` over the result, ending with an ``AgentAnswer``.
+        """Run the server's ReAct loop; iterate the result for its events, ending with an ``AgentAnswer``.
 
-        Not a coroutine: the call starts at once. Arguments as ``Client.run_agent``.
+        ``messages`` are the conversation ending with the task (roles "system"
+        and "user"); ``tools`` names the registry's tools the run may use
+        (default: all); ``tool_choice="required"`` makes the first step call
+        one. ``timeout_seconds`` bounds the run on the server, ``timeout`` the
+        call. The other keywords sample each model step. Not a coroutine in
+        ``AsyncClient`` either: the call starts at once.
         """
         req = run_agent_request(
             messages,
@@ -598,19 +649,23 @@ class AsyncClient:
         return [ToolInfo.from_proto(t) for t in resp.tools]
 
     async def wait_until_ready(self, timeout: float = 120.0, *, interval: float = 0.25) -> Health:
-        """Poll ``health()`` until the server is serving; as ``Client.wait_until_ready``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        """Poll ``health()`` until the server is serving, for at most ``timeout`` seconds.
+
+        A server that is starting, loading its model or unreachable counts as
+        "not yet"; after ``timeout`` the last such failure is raised. Other
+        errors (say UNAUTHENTICATED from a proxy) are raised at once.
+        """
+        deadline = monotonic() + timeout
         last: ProtoserveError | None = None
         while True:
             try:
-                health = await self.health(timeout=probe_timeout(deadline - loop.time()))
+                health = await self.health(timeout=probe_timeout(deadline - monotonic()))
                 if health.serving:
                     return health
             except ProtoserveError as e:
                 if e.code not in NOT_READY_CODES:
                     raise
                 last = e
-            if loop.time() + interval >= deadline:
+            if monotonic() + interval >= deadline:
                 raise not_ready(timeout, last)
-            await asyncio.sleep(interval)
+            await sleep(interval)
