@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.client_process import start_client_process
 from bench.context import BenchContext
 from bench.figures import Figure
 from bench.load_generator import run_clients
 from bench.resources import Server
 from bench.runner import Step
-from bench.server_process import REPO
 from bench.stats import significant
 
 SECTION = "fairness"
@@ -125,17 +124,8 @@ class ShortRequests:
 
     @classmethod
     async def start(cls, target: str, key: str, seconds: float) -> ShortRequests:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.short_requests", target, key, str(seconds),
-            cwd=REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        assert process.stdout is not None
-        line = await process.stdout.readline()
-        if line.strip() != b"ready":
-            process.kill()
-            await process.wait()
-            raise RuntimeError(f"the short-request client did not start (said {line[:200]!r})")
-        return cls(process)
+        return cls(await start_client_process("bench.short_requests", target, key, str(seconds),
+                                              what="the short-request client"))
 
     async def run(self) -> list[tuple[float, float]]:
         """Send now; each request's send time (seconds after the first) and TTFT, a failed one (or one with

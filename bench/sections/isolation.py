@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.client_process import start_client_process
 from bench.context import BenchContext
 from bench.figures import Figure
 from bench.load_generator import run_clients
 from bench.load_result import LoadResult
 from bench.resources import Server
 from bench.runner import Step
-from bench.server_process import REPO
 from bench.stats import significant
 from bench.timeline import RequestTimeline
 from bench.transports import GrpcTransport
@@ -79,17 +78,7 @@ class HugePromptSender:
 
     @classmethod
     async def start(cls, target: str, size: int) -> HugePromptSender:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.huge_prompt", target, str(size),
-            cwd=REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        assert process.stdout is not None
-        line = await process.stdout.readline()
-        if line.strip() != b"ready":
-            process.kill()
-            await process.wait()
-            raise RuntimeError(f"the huge-prompt sender did not start (said {line[:200]!r})")
-        return cls(process)
+        return cls(await start_client_process("bench.huge_prompt", target, str(size), what="the huge-prompt sender"))
 
     async def send(self) -> tuple[str, float, float]:
         """Send now; returns the status code, the call's seconds, and when (perf_counter) the answer came."""
