@@ -12,6 +12,7 @@ a request with a constraint, whose grammar may compile there).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -110,10 +111,12 @@ class AsyncEngine:
         """Stream a request's outputs; the last has ``finished=True`` and stats.
 
         Refusals (invalid, too long, queue full, stopped) raise at the first
-        ``__anext__``. Leaving the iteration early (aclose, task cancelled) aborts
-        the request, which frees its KV blocks within one step. The abort's own final
-        output (its stats: time to first token, decode time, tokens) then goes to
-        ``on_abandoned`` when given, which the cleanup waits for (one step at most).
+        ``__anext__``; a request that fails while generating (ConstraintFailedError)
+        raises after the outputs it produced up to the failure. Leaving the
+        iteration early (aclose, task cancelled) aborts the request, which frees its
+        KV blocks within one step. The abort's own final output (its stats: time to
+        first token, decode time, tokens) then goes to ``on_abandoned`` when given,
+        which the cleanup waits for (one step at most).
         """
         self.start()
         if request.sampling.constraint is not None:
@@ -215,7 +218,7 @@ class AsyncEngine:
             _put(self._streams.pop(shed_id), QueueFullError(self.engine.config.max_queue))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -224,7 +227,7 @@ class AsyncEngine:
                 del self._streams[out.request_id]
                 with self._lock:
                     self._live.discard(out.request_id)
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            by_loop.setdefault(stream.loop, []).extend((stream.queue, item) for item in _stream_items(out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -253,7 +256,16 @@ async def _final_output(queue: asyncio.Queue[RequestOutput | BaseException]) -> 
             return item
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _stream_items(out: RequestOutput) -> list[RequestOutput | BaseException]:
+    """What a caller's stream gets for one output: a failed request's output up to the failure, as
+    an unfinished update, then its error (raised to the caller after those tokens)."""
+    if out.error is None:
+        return [out]
+    partial = dataclasses.replace(out, finished=False, stats=None, error=None)
+    return [partial, out.error] if partial.deltas else [out.error]
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
 

@@ -18,6 +18,11 @@ class InvalidRequestError(EngineError):
         super().__init__("; ".join(f"{f}: {p}" for f, p in violations))
 
 
+class ConstraintFailedError(InvalidRequestError):
+    """The grammar engine failed partway through a choice's output (one of its limits hit): the request
+    ends with this error after the tokens already reported; ``violations`` names the constraint."""
+
+
 class ContextLengthError(EngineError):
     """The prompt (plus max_tokens under the reject policy) does not fit the context window."""
 

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from protoserve.engine.config import EngineConfig
+from protoserve.engine.errors import EngineError
 from protoserve.engine.llm_engine import LLMEngine
 from protoserve.engine.request import Choice, RequestStats, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import SamplingParams
@@ -18,12 +19,17 @@ from protoserve.engine.sampling.sampling_params import SamplingParams
 
 @dataclass
 class Completion:
-    """A finished request: its (possibly truncated) prompt size, choices in index order, stats."""
+    """A finished request: its (possibly truncated) prompt size, choices in index order, stats.
+
+    ``error`` is set when the request failed while generating (the choices then hold the output up
+    to the failure, with no finish reason).
+    """
 
     request_id: str
     choices: list[Choice]
     num_prompt_tokens: int = 0
     stats: RequestStats | None = None
+    error: EngineError | None = None
 
 
 class LLM:
@@ -92,5 +98,6 @@ class LLM:
                     completion.choices[d.index].add(d)
                 if out.finished:
                     completion.stats = out.stats
+                    completion.error = out.error
                     pending.discard(out.request_id)
         return [done[r.request_id] for r in requests]

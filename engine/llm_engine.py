@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from protoserve.engine.config import EngineConfig, resolve_max_model_len
-from protoserve.engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from protoserve.engine.errors import (
+    ConstraintFailedError,
+    ContextLengthError,
+    InvalidRequestError,
+    QueueFullError,
+)
 from protoserve.engine.loader.load import LoadedModel, load_model
 from protoserve.engine.lora.stack import AdapterStack, adapter_problems
 from protoserve.engine.parallel.launch import join_tensor_parallel, serve_worker_rank
@@ -28,6 +33,7 @@ from protoserve.engine.sampling.constraints.compiler import (
     CompiledGrammar,
     ConstraintCompileError,
     GrammarCompiler,
+    matcher_error,
 )
 from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.engine.sampling.constraints.masks import MaskFiller
@@ -49,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # Most decoding steps a sequence skips drafting after verifications that accepted nothing.
 MAX_SPEC_COOLDOWN = 32
-GrammarState = Literal["open", "complete", "refused"]  # a constrained choice after its latest token
+GrammarState = Literal["open", "complete", "failed"]  # a constrained choice after its latest token
 
 
 @dataclass
@@ -453,40 +459,62 @@ class LLMEngine:
     def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for seq, sample in zip(seqs, samples, strict=True):
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
             state = self.requests[seq.request_id]
             choice = state.choices[seq.index]
             token = sample.token_id
+            token_stop = check_token_stop(token, seq.num_generated + 1, seq.sampling, self.eos_token_ids)
+            grammar: GrammarState = "open"
+            if seq.matcher is not None:
+                grammar = self._advance_grammar(seq, token, consume=token_stop is None)
+                if grammar == "failed":
+                    self._fail_grammar(seq)
+                    continue
             seq.append_token(token)
             state.note_token(now)
             self.counters.generation_tokens += 1
             self._touched.add(seq.request_id)
-            token_stop = check_token_stop(token, seq.num_generated, seq.sampling, self.eos_token_ids)
-            grammar: GrammarState = "open"
-            if token_stop is None and seq.matcher is not None:
-                grammar = self._advance_grammar(seq, token)
-            render = token_stop is None and grammar != "refused"
-            stop_string = choice.add_token(token, sample.logprobs, render=render)
+            stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
             if token_stop is not None:
                 self._finish(seq, *token_stop)
             elif stop_string is not None:
                 self._finish(seq, FinishReason.STOP, stop_string)
-            elif grammar != "open":
+            elif grammar == "complete":
                 self._finish(seq, FinishReason.STOP)
             elif seq.num_tokens >= seq.max_len:
                 self._finish(seq, FinishReason.LENGTH)
 
-    def _advance_grammar(self, seq: Sequence, token: int) -> GrammarState:
-        """Feed the sequence's matcher the token: "open", "complete" (only EOS may follow) or "refused"."""
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int, consume: bool) -> GrammarState:
+        """Feed the sequence's matcher the token (unless it is a stop token, which ends the choice):
+        "open", "complete" (only EOS may follow) or "failed"."""
         matcher = seq.matcher
         assert matcher is not None
-        if not matcher.consume_token(token):
-            # Only a failure inside the grammar engine (a resource limit hit mid-output, leaving no token
-            # allowed) gets here, as the mask allowed nothing else: end this choice, without the token's
-            # text, rather than the step and everyone else's requests with it.
-            log.error("request %s: token %d was refused by its grammar (%s); ending the choice",
-                      seq.request_id, token, matcher.get_error())
-            return "refused"
-        return "complete" if matcher.is_stopped() else "open"
+        # A matcher that failed while computing this step's mask left only EOS allowed: that EOS is
+        # the grammar engine's failure, not the end of an output that satisfies the constraint.
+        if matcher.is_error() or (consume and not matcher.consume_token(token)):
+            return "failed"
+        return "complete" if consume and matcher.is_stopped() else "open"
+
+    def _fail_grammar(self, seq: Sequence) -> None:
+        """End the sequence's request with the grammar engine's failure (a limit hit on the path the
+        output took: the mask only allows what the grammar allows). Its other choices end with it, the
+        token that failed is not output, and the compiled grammar is dropped from the cache, as the
+        failure leaves its shared lexer unusable for later requests."""
+        state = self.requests[seq.request_id]
+        constraint = seq.sampling.constraint
+        assert constraint is not None and self.grammars is not None and seq.matcher is not None
+        reason = matcher_error(seq.matcher)
+        tokens = f"{seq.num_generated} output token{'' if seq.num_generated == 1 else 's'}"
+        log.info("request %s: its grammar failed after %s (%s); ending the request", seq.request_id, tokens, reason)
+        message = f"the grammar engine hit one of its limits after {tokens} ({reason}); the request was ended there"
+        for other in state.seqs:
+            if not other.is_finished:
+                self.scheduler.finish(other)
+        state.fail(ConstraintFailedError([(state.request.constraint_field or constraint.field, message)]))
+        self._touched.add(seq.request_id)
+        self.grammars.forget(constraint)
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.scheduler.finish(seq)
@@ -508,7 +536,7 @@ class LLMEngine:
                     state.span.output(out)
             if out is not None and out.finished:
                 if state.span is not None:
-                    state.span.finish(out.stats, [c.finish_reason for c in state.choices])
+                    state.span.finish(out.stats, [c.finish_reason for c in state.choices], out.error)
                 del self.requests[request_id]
                 if state.request.adapter is not None:
                     self.adapters.release(state.request.adapter)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 
 if TYPE_CHECKING:
+    from protoserve.engine.errors import EngineError
     from protoserve.engine.tracing import RequestTrace
 
 
@@ -54,6 +55,9 @@ class TokenizedRequest:
     sampling_checked: bool = False
     # The LoRA adapter (by name, see engine/lora) the request runs under; None: the base model.
     adapter: str | None = None
+    # The caller's name for ``sampling.constraint``, which an error found while generating names
+    # (a grammar-engine limit hit mid-output); empty: the engine's own ``constraint.<kind>``.
+    constraint_field: str = ""
 
 
 class FinishReason(StrEnum):
@@ -153,3 +157,6 @@ class RequestOutput:
     finished: bool = False
     num_prompt_tokens: int = 0
     stats: RequestStats | None = None  # set on the finishing output
+    # Set on the finishing output of a request that failed while generating: it is the request's end
+    # (the deltas are its output up to the failure and report no finish reason).
+    error: EngineError | None = None

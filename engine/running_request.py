@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from protoserve.engine.errors import EngineError
 from protoserve.engine.request import (
     CompletionDelta,
     FinishReason,
@@ -78,6 +79,17 @@ class ChoiceStream:
         self.finish_reason, self.stop_reason = reason, stop_reason
         if reason == FinishReason.CANCELLED or isinstance(stop_reason, str):
             return
+        self._release_text()
+
+    def abandon(self) -> None:
+        """End the choice because its request failed. Held-back text is released, so the text
+        reported matches the token ids reported; no finish reason is reported (the error is the end)."""
+        if not self.finished:
+            self.finish_reason = FinishReason.CANCELLED
+            self._release_text()
+        self.reported_finish = True
+
+    def _release_text(self) -> None:
         text, stop = self.stops.push(self.detokenizer.flush())
         self.text.append(text if stop is not None else text + self.stops.flush())
 
@@ -127,6 +139,7 @@ class RunningRequest:
         self.last_token: float | None = None
         self.cached_tokens_recorded = False
         self.cancelled = False
+        self.error: EngineError | None = None  # why the request failed while generating
         self.output_sent_final = False
         self.span: RequestSpan | None = None  # set by the engine for traced requests
         self.awaiting_schedule = True  # queued, or preempted and queued again
@@ -179,6 +192,12 @@ class RunningRequest:
         for choice in self.choices:
             choice.finish(FinishReason.CANCELLED)
 
+    def fail(self, error: EngineError) -> None:
+        """End every choice: the request's final output carries ``error`` instead of finish reasons."""
+        self.error = error
+        for choice in self.choices:
+            choice.abandon()
+
     def make_output(self, now: float) -> RequestOutput | None:
         """The deltas since the last output; the final one (all choices ended) carries stats."""
         if self.output_sent_final:
@@ -196,6 +215,7 @@ class RunningRequest:
         if finished:
             self.output_sent_final = True
             out.stats = self._final_stats(now)
+            out.error = self.error
         return out
 
     def _final_stats(self, now: float) -> RequestStats:

@@ -163,9 +163,13 @@ class RequestSpan:
             self.span.add_event("shed")
         self.span.end()
 
-    def finish(self, stats: RequestStats, finish_reasons: Sequence[FinishReason | None]) -> None:
-        """Record reasons and usage, then end the span (the request is gone from the engine)."""
+    def finish(self, stats: RequestStats, finish_reasons: Sequence[FinishReason | None],
+               error: Exception | None = None) -> None:
+        """Record reasons and usage (and the error a request failed with), then end the span (the
+        request is gone from the engine)."""
         if self.recording:
+            if error is not None:
+                self.span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
             reasons = [str(r) if r is not None else "" for r in finish_reasons]
             self.span.set_attributes(
                 {

@@ -8,6 +8,7 @@ test_constrained_decoding.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import threading
@@ -17,7 +18,7 @@ from test_engine_batching import clone, fresh_rng, logprobs, tokens
 from tiny_checkpoint_ids import TINY_EOS, TINY_VOCAB
 
 from protoserve.engine.async_engine import AsyncEngine
-from protoserve.engine.errors import InvalidRequestError
+from protoserve.engine.errors import ConstraintFailedError, InvalidRequestError
 from protoserve.engine.llm import LLM
 from protoserve.engine.request import FinishReason, TokenizedRequest
 from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
@@ -82,11 +83,12 @@ def test_greedy_under_a_mask_takes_the_same_token_on_the_batched_and_per_row_pat
         assert tokens(fast) == tokens(per_row) and per_row.choices[0].logprobs
 
 
-def test_a_token_the_grammar_refuses_ends_only_its_choice(make_engine, caplog):
-    """Should the grammar engine fail mid-output, the refused token's text is dropped and the choice
-    ends; the step and the other requests go on."""
+def test_a_token_the_grammar_refuses_fails_only_its_request(make_engine, caplog):
+    """Should the grammar engine fail mid-output, the request ends with ConstraintFailedError (no finish
+    reason), without the refused token; the step and the other requests go on."""
     from protoserve.engine.sampling.sampler import SampleResult
 
+    caplog.set_level(logging.INFO, logger="protoserve.engine.llm_engine")
     engine = make_engine()
     sample = engine.sampler.__call__
 
@@ -98,9 +100,13 @@ def test_a_token_the_grammar_refuses_ends_only_its_choice(make_engine, caplog):
     engine.sampler = sampler
     six = Constraint.regex(r"[a-z]{6}")
     done = LLM(engine=engine).run([request("broken", six, 1), request("fine", six, 2)])
-    assert len(done[0].choices[0].text) == 2 and done[0].choices[0].finish_reason == FinishReason.STOP
-    assert re.fullmatch(r"[a-z]{6}", done[1].choices[0].text)
-    assert "refused by its grammar" in caplog.text
+    [broken] = done[0].choices
+    assert isinstance(done[0].error, ConstraintFailedError) and broken.finish_reason is None
+    assert done[0].error.violations[0][0] == "constraint.regex"
+    assert len(broken.token_ids) == 2 and broken.text == bytes(broken.token_ids).decode()
+    assert re.fullmatch(r"[a-z]{6}", done[1].choices[0].text) and done[1].error is None
+    assert "its grammar failed after 2 output tokens" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_min_tokens_holds_eos_until_reached_but_never_past_a_complete_grammar(make_engine):

@@ -9,6 +9,14 @@ tokenizer: the key needs no tokenizer part.
 
 ``compile`` may run on any thread (the engine's ``prepare`` runs on the caller's);
 the cache is guarded by a lock, and the compile itself runs outside it.
+
+A grammar that compiles may still admit no output at all (an empty language, a rule
+that only refers to itself) or hit one of llguidance's limits on the text it forces
+from the start (``root ::= "a" root``): a copy of the new matcher walks that forced
+start, and either is refused here like a grammar that does not compile. Limits hit
+later, on a path the model chose, are the engine's to report. The copies of one
+template share its lexer, which a limit hit leaves broken: the engine ``forget``s a
+template a sequence failed under, so the next request compiles afresh.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import llguidance
-from llguidance import LLMatcher, LLTokenizer
+import numpy as np
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
 from protoserve.engine.tokenizer.tokenizer import Tokenizer
@@ -31,6 +40,21 @@ DEFAULT_CACHE_SIZE = 256
 # whitespace would let a small model pad the output with newlines until max_tokens runs out.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = '{"type": "object"}'
+# Tokens of a grammar's forced start walked at compile time: every output begins with them, so a
+# limit they hit would fail every request (a forced start past this is rare and cheap to follow).
+PROBE_FORCED_TOKENS = 8
+
+
+def parser_limits() -> LLParserLimits:
+    """llguidance's default limits, with errors that name the problem but not the parser's state
+    (which quotes the grammar and would reach clients and logs)."""
+    return LLParserLimits(verbose_errors=False)
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """A failed matcher's message: its first line (the rest is a marker of the state left out)."""
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0] if lines else "the grammar engine failed without a message"
 
 
 class ConstraintCompileError(Exception):
@@ -119,10 +143,36 @@ class GrammarCompiler:
             grammar = grammar_definition(constraint)
         except ValueError as exc:
             return ConstraintCompileError(constraint.field, _clean(str(exc)))
-        template = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        template = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
         if template.is_error():
             return ConstraintCompileError(constraint.field, _clean(template.get_error()))
+        problem = self._forced_start_problem(template)
+        if problem:
+            return ConstraintCompileError(constraint.field, problem)
         return CompiledGrammar(key, grammar, template, time.perf_counter() - started)
+
+    def _forced_start_problem(self, template: LLMatcher) -> str:
+        """Why no output can follow the grammar, found on a copy walking the tokens every output starts
+        with; empty when none is found."""
+        probe = template.deep_copy()
+        for taken in range(PROBE_FORCED_TOKENS + 1):
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(probe.compute_bitmask(), dtype=np.uint8),
+                                                   bitorder="little")[: self.vocab_size])
+            if probe.is_error():
+                break
+            if probe.is_stopped() or len(allowed) != 1 or taken == PROBE_FORCED_TOKENS:
+                return ""
+            if not probe.consume_token(int(allowed[0])):
+                break
+        reason = matcher_error(probe)
+        if reason.startswith("NoExtension"):  # llguidance's word for "no byte may come next"
+            return "no output can satisfy it: it matches no text"
+        return f"the text every output must start with is beyond the grammar engine's limits ({reason})"
+
+    def forget(self, constraint: Constraint) -> None:
+        """Drop the constraint's compiled grammar (a sequence under it failed): the next use recompiles."""
+        with self._lock:
+            self._cache.pop(constraint.cache_key, None)
 
 
 def grammar_definition(constraint: Constraint) -> str:
