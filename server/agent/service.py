@@ -189,7 +189,9 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
         async def step(messages: list[dict[str, Any]], tool_choice: str) -> StepOutput:
             plan = ToolPlan(template.format, ToolChoice(ToolChoiceMode(tool_choice)), max_calls)
             constraint = tool_constraint(run.specs, plan)
-            await served.check_constraint(constraint, {constraint.field: "tools"} if constraint else {})
+            constraint_field = await served.check_constraint(
+                constraint, {constraint.field: "tools"} if constraint else {}
+            )
             prompt = await served.chat_ids(
                 _turns(messages, given), path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP, tools=run.specs
             )
@@ -200,6 +202,7 @@ class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
                 context_policy=ContextPolicy.ALLOW_CONTEXT_STOP,
                 cache_salt=call.identity.cache_salt,
                 sampling_checked=True,
+                constraint_field=constraint_field,
             )
             result = CollectedOutput(n=1)
             async for output in self.inflight.generate(call, served.engine, request):

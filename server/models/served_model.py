@@ -558,7 +558,7 @@ class ServedModel:
         try:
             # The speculative options sit beside sampling on the request, not inside it.
             self.sampling.check(params, lambda f: f if f.startswith("speculative") else f"sampling.{f}", violations)
-            await self.check_constraint(params.constraint, lambda f: f"sampling.{f}")
+            constraint_field = await self.check_constraint(params.constraint, lambda f: f"sampling.{f}")
             prompt_ids, source = await self.prompt_from_proto(req, policy)
         except errors.ServiceError as exc:
             if path_prefix and exc.violations:
@@ -575,20 +575,25 @@ class ServedModel:
             cache_salt=cache_salt,
             sampling_checked=True,
             adapter=req.adapter or None,
+            constraint_field=path_prefix + constraint_field if constraint_field else "",
         )
 
-    async def check_constraint(self, constraint: Constraint | None, paths: PathMap) -> None:
+    async def check_constraint(self, constraint: Constraint | None, paths: PathMap) -> str:
         """Compile a request's checked constraint now, off the event loop, so one that does not compile
         is refused on the request's own field (``paths`` maps ``constraint.<kind>`` to it) before any
-        tokenizing; the engine's own compile of it is then a cache hit."""
+        tokenizing; the engine's own compile of it is then a cache hit.
+
+        Returns that field ("" without a constraint), for the request's ``constraint_field``: a
+        grammar-engine failure while generating names it too."""
         if constraint is None:
-            return
+            return ""
+        to_path = path_function(paths)
         try:
             await asyncio.to_thread(self.engine.engine.compile_constraint, constraint)
         except InvalidRequestError as exc:
-            to_path = path_function(paths)
             renamed = [(to_path(name), problem) for name, problem in exc.violations]
             raise errors.invalid_argument(renamed) from None
+        return to_path(constraint.field)
 
     # ---- output ----------------------------------------------------------------------
 

@@ -453,7 +453,7 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
         elif CONTEXT_PLACEHOLDER not in system:
             violations.append(("system_prompt", "must contain {context}, where the sources go"))
         served.sampling.check(params, lambda f: f"sampling.{f}", violations)
-        await served.check_constraint(params.constraint, lambda f: f"sampling.{f}")
+        constraint_field = await served.check_constraint(params.constraint, lambda f: f"sampling.{f}")
         top_k = request.top_k if request.HasField("top_k") else DEFAULT_CONTEXT_CHUNKS
         meter = embedder.meter(self.inflight, identity, request=False)  # the call took its request
         try:
@@ -490,6 +490,7 @@ class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
             context_policy=policy,
             cache_salt=identity.cache_salt,
             sampling_checked=True,
+            constraint_field=constraint_field,
         )
         citations = [rpb.Citation(number=n, chunk=_hit(h)) for n, h in enumerate(hits, 1)]
         return _Answering(served, tokenized, citations)

@@ -320,6 +320,7 @@ class _Prepared:
     echo: bool = False
     tools: ToolPlan | None = None  # set when the model may call tools: its output is parsed for calls
     adapter: str | None = None  # the LoRA adapter `model` named, if it named one
+    constraint_field: str = ""  # the request's field holding its output constraint, if it has one
 
 
 @dataclass(frozen=True)
@@ -381,8 +382,10 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         )
         paths["top_logprobs"] = "logprobs"
         served.sampling.check(sampling, paths, violations)
-        await served.check_constraint(sampling.constraint, paths)
-        return _Prepared(served, prompts, sampling, echo=req.echo, adapter=adapter)
+        constraint_field = await served.check_constraint(sampling.constraint, paths)
+        return _Prepared(
+            served, prompts, sampling, echo=req.echo, adapter=adapter, constraint_field=constraint_field
+        )
 
     async def _completion_prompts(
         self, served: ServedModel, req: oa.CreateCompletionRequest, violations: list[tuple[str, str]]
@@ -440,11 +443,18 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         # Unset, max_tokens is "until EOS or the context is full".
         sampling = served.sampling.params(req, api_defaults={"max_tokens": None}, **converted)
         served.sampling.check(sampling, paths, violations)
-        await served.check_constraint(sampling.constraint, paths)
+        constraint_field = await served.check_constraint(sampling.constraint, paths)
         prompt_ids = await served.chat_ids(
             turns, path="messages", policy=ContextPolicy.ALLOW_CONTEXT_STOP, tools=offered
         )
-        return _Prepared(served, [_Prompt(prompt_ids, "")], sampling, tools=plan, adapter=adapter)
+        return _Prepared(
+            served,
+            [_Prompt(prompt_ids, "")],
+            sampling,
+            tools=plan,
+            adapter=adapter,
+            constraint_field=constraint_field,
+        )
 
     @staticmethod
     def _tool_plan(
@@ -532,6 +542,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 cache_salt=identity.cache_salt,
                 sampling_checked=True,
                 adapter=prepared.adapter,
+                constraint_field=prepared.constraint_field,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]
