@@ -220,3 +220,14 @@ def test_openai_unary_and_stream_fail_after_the_text_sent(client, model, no_erro
             reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
     assert MID_OUTPUT in streamed.value.message
     assert "".join(texts) in FIRST_TOKENS and reasons == []
+
+
+def test_batch_fails_only_the_item_whose_grammar_failed(stub, no_error_logged):
+    failing = pb.SamplingParams(max_tokens=32, constraint=pb.Constraint(grammar=FAILS_MID_OUTPUT))
+    fine = pb.SamplingParams(max_tokens=8, constraint=pb.Constraint(regex="[0-9]{3}"))
+    reply = stub.Batch(pb.BatchRequest(requests=[pb.GenerateRequest(prompt="Answer:", sampling=fine),
+                                                 pb.GenerateRequest(prompt="Answer:", sampling=failing)]))
+    answered, failed = reply.results
+    assert answered.response.choices[0].finish_reason == pb.FINISH_REASON_STOP
+    assert failed.WhichOneof("result") == "error" and failed.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert MID_OUTPUT in failed.error.message and "requests[1].sampling.constraint.grammar" in failed.error.message
