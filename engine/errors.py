@@ -43,3 +43,29 @@ class QueueFullError(EngineError):
 
 class EngineStoppedError(EngineError):
     """The engine is shutting down and takes no new requests."""
+
+
+class AdapterCapacityError(EngineError):
+    """Every LoRA slot holds an adapter that requests are using: retry once one finishes.
+
+    Not a QueueFullError: the queue may have room; what is short is adapter memory.
+    """
+
+    def __init__(self, name: str, max_loras: int, retry_after_s: float = 1.0) -> None:
+        self.name = name
+        self.max_loras = max_loras
+        self.retry_after_s = retry_after_s
+        super().__init__(f"adapter {name!r} needs a slot, and all {max_loras} (max_loras) hold adapters "
+                         f"that requests are using; retry later")
+
+
+class AdapterReloadNeededError(EngineError):
+    """An evicted adapter's files changed or vanished since it was loaded, so it cannot be read back.
+
+    The message names no server path (requesters are not admins); the stack logs the cause.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"adapter {name!r} must be reloaded: its files on the server changed or can no "
+                         f"longer be read since it was loaded; an admin must unload and load it again")

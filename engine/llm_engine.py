@@ -245,14 +245,17 @@ class LLMEngine:
         req = prepared.request
         if req.request_id in self.requests:
             raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
+        # The adapter first: a refusal for want of a slot must come before another request is shed.
+        if req.adapter is not None:  # pinned until the request leaves (_collect_outputs)
+            self.adapters.acquire(req.adapter)
         shed = []
         if len(self.scheduler.waiting) >= self.config.max_queue:
             victim = self.scheduler.shed_for(req.tenant)
             if victim is None:
+                if req.adapter is not None:
+                    self.adapters.release(req.adapter)
                 raise QueueFullError(len(self.scheduler.waiting))
             shed.append(self._drop_shed(victim.request_id))
-        if req.adapter is not None:  # pinned until the request leaves (_collect_outputs)
-            self.adapters.acquire(req.adapter)
         state = RunningRequest(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
                              self._special_ids)
         if req.trace is not None:

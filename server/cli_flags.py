@@ -22,6 +22,7 @@ from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingPa
 from protoserve.server import exit_codes
 from protoserve.server.calls.stream_write_timeout import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
+from protoserve.server.models.adapter_input import adapter_name_problem
 from protoserve.server.models.chat_turn import CHAT_ROLES
 from protoserve.server.runtime.event_loop import EVENT_LOOPS
 from protoserve.server.tool_calls.parsers import FORMATS
@@ -112,10 +113,13 @@ def _positive_seconds(text: str) -> float:
 
 
 def _lora_spec(value: str) -> tuple[str, str]:
-    """``--lora NAME=PATH`` as (name, path)."""
+    """``--lora NAME=PATH`` as (name, path); the name keeps LoadAdapter's rules."""
     name, sep, path = value.partition("=")
-    if not sep or not name or not path or any(c.isspace() for c in name):
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a name without spaces), got {value!r}")
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    problem = adapter_name_problem(name)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"NAME {problem}")
     return name, path
 
 

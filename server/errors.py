@@ -24,6 +24,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from protoserve.engine.errors import (
+    AdapterCapacityError,
+    AdapterReloadNeededError,
     ContextLengthError,
     EngineStoppedError,
     InvalidRequestError,
@@ -238,6 +240,21 @@ def to_service_error(exc: BaseException) -> ServiceError:
         )
     if isinstance(exc, EngineStoppedError):
         return draining()
+    if isinstance(exc, AdapterCapacityError):
+        return ServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            inference_pb2.ERROR_REASON_ADAPTER_SLOTS_BUSY,
+            str(exc),
+            retry_after_s=exc.retry_after_s,
+            metadata={"adapter": exc.name, "max_loras": str(exc.max_loras)},
+        )
+    if isinstance(exc, AdapterReloadNeededError):
+        return ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            inference_pb2.ERROR_REASON_ADAPTER_RELOAD_NEEDED,
+            str(exc),
+            metadata={"adapter": exc.name},
+        )
     ref = uuid.uuid4().hex[:12]
     log.error("internal error (ref %s)", ref, exc_info=(type(exc), exc, exc.__traceback__))
     return ServiceError(
@@ -250,7 +267,8 @@ def to_service_error(exc: BaseException) -> ServiceError:
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
     """The status code :func:`to_service_error` gives ``exc``, without logging (INTERNAL for the unknown)."""
-    if isinstance(exc, ServiceError | InvalidRequestError | ContextLengthError | QueueFullError | EngineStoppedError):
+    if isinstance(exc, ServiceError | InvalidRequestError | ContextLengthError | QueueFullError | EngineStoppedError
+                  | AdapterCapacityError | AdapterReloadNeededError):
         return to_service_error(exc).code
     return grpc.StatusCode.INTERNAL
 

@@ -31,6 +31,12 @@ MAX_REQUEST_ID_CHARS = 256  # client-chosen request ids travel in logs, metadata
 MAX_USER_ID_CHARS = 256  # the x-user-id header
 MAX_STOP_STRING_CHARS = 256  # each stop string; text that could start one is held back from streams
 MAX_CHAT_NAME_CHARS = 256  # a chat message's ``name``
+# A LoRA adapter's name (LoadAdapter, --lora): it is a ``model`` on the OpenAI routes, listed in every
+# caller's /v1/models, and a path segment of DELETE /v1/adapters/{name}; its characters are in
+# server/models/adapter_input.py.
+MAX_ADAPTER_NAME_CHARS = 128
+# A LoRA adapter's directory (LoadAdapter, --lora): Linux's PATH_MAX; a longer path names no directory.
+MAX_ADAPTER_PATH_CHARS = 4096
 # An output constraint's text (a JSON Schema as compact JSON, a regex, a GBNF grammar; a choice's
 # strings together): the grammar engine compiles it on a server thread, and a compiled grammar
 # stays cached, so its size bounds both the compile time and the cache's memory.

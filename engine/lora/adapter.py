@@ -13,14 +13,19 @@ small GEMMs per fused layer, whichever of its projections the adapter targets.
 
 Only what this computes exactly is accepted; anything else (DoRA, trained biases,
 ``modules_to_save``, per-module ranks, targets outside the seven projections, missing or
-extra tensors, shapes that do not match the base) is an AdapterError naming it.
+extra tensors, shapes that do not match the base) is an AdapterError naming it. So is a path
+the server cannot read (an OSError), a config over MAX_CONFIG_BYTES or nested deeper than
+MAX_CONFIG_DEPTH: whatever is on disk, loading fails with an AdapterError and nothing else.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import reprlib
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +41,49 @@ FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_pr
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 CONFIG_FILE = "adapter_config.json"
+# PEFT writes a config of a few KB, three or four levels deep; these bounds keep a hostile one
+# from costing memory or Python's recursion limit (json's decoder recurses per level).
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_CONFIG_DEPTH = 16
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
 
 class AdapterError(ValueError):
-    """An adapter this engine will not load; the message names the file, field or tensor at fault."""
+    """An adapter this engine will not load; the message names the file, field or tensor at fault.
+
+    Files are named relative to the adapter's directory: whoever loads it knows the directory, and
+    a path of thousands of characters must not crowd the problem out of a bounded error message.
+
+    ``field`` is the load request's field it is about: the adapter's ``path`` (its files), or ``name``.
+    """
+
+    def __init__(self, message: str, field: str = "path") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# What an OSError on an adapter's path means, in words an admin can act on.
+_OS_ERRORS = {
+    errno.ENOENT: "does not exist",
+    errno.ENOTDIR: "a component of the path is not a directory",
+    errno.ENAMETOOLONG: "the path or one of its names is too long for the file system",
+    errno.EACCES: "permission denied (the server's user cannot read it)",
+    errno.EPERM: "permission denied (the server's user cannot read it)",
+    errno.ELOOP: "too many levels of symbolic links",
+}
+
+
+def os_error_text(path: Path, exc: OSError) -> str:
+    """``exc`` as an AdapterError message: what went wrong, and with which file when not the directory."""
+    what = _OS_ERRORS.get(exc.errno, exc.strerror or type(exc).__name__)
+    file = Path(exc.filename) if exc.filename is not None else path
+    return what if file == path or not file.is_relative_to(path) else f"{file.relative_to(path)}: {what}"
+
+
+def shown(value: object) -> str:
+    """A config value as a message quotes it: bounded, however large the value."""
+    return reprlib.repr(value)
 
 
 @dataclass(frozen=True)
@@ -89,35 +131,58 @@ def output_offsets(config: ModelConfig) -> dict[str, int]:
 
 
 def read_adapter_config(path: Path) -> dict:
+    """The adapter's config as a dict; AdapterError when too large, too deep or not a JSON object
+    (OSErrors pass to load_adapter, which words them)."""
     file = path / CONFIG_FILE
     if not file.is_file():
-        raise AdapterError(f"{file}: no {CONFIG_FILE} (a PEFT LoRA adapter directory has one)")
+        raise AdapterError(f"no {CONFIG_FILE} (a PEFT LoRA adapter directory has one)")
+    with file.open("rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{CONFIG_FILE}: larger than {MAX_CONFIG_BYTES} bytes (PEFT writes a few KB)")
+    too_deep = AdapterError(f"{CONFIG_FILE}: nests deeper than {MAX_CONFIG_DEPTH} levels of arrays and objects")
     try:
-        cfg = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{file}: not valid JSON ({exc})") from None
+        cfg = json.loads(data)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:
+        raise AdapterError(f"{CONFIG_FILE}: not valid JSON ({exc})") from None
+    if json_depth(cfg) > MAX_CONFIG_DEPTH:
+        raise too_deep
     if not isinstance(cfg, dict):
-        raise AdapterError(f"{file}: must hold a JSON object")
+        raise AdapterError(f"{CONFIG_FILE}: must hold a JSON object")
     return cfg
+
+
+def json_depth(value: object) -> int:
+    """How deep arrays and objects nest in decoded JSON, walked without recursion (so a value json
+    decoded near the recursion limit is measured, not re-raised on), stopping past MAX_CONFIG_DEPTH."""
+    deepest, todo = 0, [(value, 1)]
+    while todo and deepest <= MAX_CONFIG_DEPTH:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def check_adapter_config(cfg: dict) -> tuple[int, float, bool, tuple[str, ...]]:
     """(rank, alpha, use_rslora, targets) of a PEFT LoRA config this engine computes exactly."""
     where = CONFIG_FILE
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+        raise AdapterError(f"{where}: peft_type {shown(cfg.get('peft_type'))} is not supported (only LORA)")
     r = cfg.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_RANK:
-        raise AdapterError(f"{where}: r must be an integer in [1, {MAX_RANK}], got {r!r}")
+        raise AdapterError(f"{where}: r must be an integer in [1, {MAX_RANK}], got {shown(r)}")
     alpha = cfg.get("lora_alpha", 8)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise AdapterError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
+        raise AdapterError(f"{where}: lora_alpha must be a finite number, got {shown(alpha)}")
     if cfg.get("use_dora"):
         raise AdapterError(f"{where}: use_dora (DoRA) is not supported")
     if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"{where}: bias {cfg.get('bias')!r} is not supported (only 'none': no trained biases)")
+        raise AdapterError(f"{where}: bias {shown(cfg.get('bias'))} is not supported (only 'none': no trained biases)")
     if cfg.get("modules_to_save"):
-        raise AdapterError(f"{where}: modules_to_save {cfg['modules_to_save']!r} is not supported")
+        raise AdapterError(f"{where}: modules_to_save {shown(cfg['modules_to_save'])} is not supported")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise AdapterError(f"{where}: {key} is not supported (one rank and alpha for every module)")
@@ -131,10 +196,10 @@ def check_adapter_config(cfg: dict) -> tuple[int, float, bool, tuple[str, ...]]:
     if isinstance(targets, str):
         targets = [targets]
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise AdapterError(f"{where}: target_modules must be a non-empty list of module names, got {targets!r}")
+        raise AdapterError(f"{where}: target_modules must be a non-empty list of module names, got {shown(targets)}")
     unknown = sorted(set(targets) - set(PROJECTIONS))
     if unknown:
-        raise AdapterError(f"{where}: target_modules {unknown} are not supported (only {list(PROJECTIONS)})")
+        raise AdapterError(f"{where}: target_modules {shown(unknown)} are not supported (only {list(PROJECTIONS)})")
     return r, float(alpha), bool(cfg.get("use_rslora", False)), tuple(p for p in PROJECTIONS if p in targets)
 
 
@@ -154,11 +219,11 @@ def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     file = path / WEIGHTS_FILE
     if not file.is_file():
-        raise AdapterError(f"{file}: missing (PEFT saves the weights as {WEIGHTS_FILE})")
+        raise AdapterError(f"{WEIGHTS_FILE}: missing (PEFT saves the weights as {WEIGHTS_FILE})")
     try:
         return load_file(file)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"{file}: not a readable safetensors file ({exc})") from None
+    except (SafetensorError, ValueError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})") from None
 
 
 def tensor_name(layer: int, proj: str, which: str) -> str:
@@ -166,10 +231,20 @@ def tensor_name(layer: int, proj: str, which: str) -> str:
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype) -> LoraAdapter:
-    """Read and check a PEFT LoRA adapter for a base model of ``config``; its deltas in ``dtype``."""
+    """Read and check a PEFT LoRA adapter for a base model of ``config``; its deltas in ``dtype``.
+
+    Every failure, a file the server cannot read included, is an AdapterError."""
     path = Path(path)
-    if not path.is_dir():
-        raise AdapterError(f"{path}: not a directory (a PEFT adapter is a directory with {CONFIG_FILE} "
+    try:
+        return _read_adapter(name, path, config, dtype)
+    except OSError as exc:
+        raise AdapterError(os_error_text(path, exc)) from None
+
+
+def _read_adapter(name: str, path: Path, config: ModelConfig, dtype: torch.dtype) -> LoraAdapter:
+    # stat, not is_dir: a missing path, a symlink loop or a denied one each gets its own words.
+    if not stat.S_ISDIR(path.stat().st_mode):
+        raise AdapterError(f"not a directory (a PEFT adapter is a directory with {CONFIG_FILE} "
                            f"and {WEIGHTS_FILE})")
     cfg = read_adapter_config(path)
     r, alpha, rslora, targets = check_adapter_config(cfg)

@@ -6,7 +6,10 @@ their adapter (``acquire`` on admission, ``release`` when the request leaves the
 a pinned adapter is never evicted or unloaded. When a slot is needed and none is free, the
 least recently used unpinned adapter leaves memory (it stays registered, and is read back
 from its path the next time a request asks for it); when every slot is pinned the request
-is refused with AdapterCapacityError, a QueueFullError (retry later).
+is refused with AdapterCapacityError (retry later). An adapter whose files changed or vanished
+since it was loaded cannot be read back: it is marked as needing a reload (the cause logged
+here, with its path, for the admin) and its requests get AdapterReloadNeededError, which names
+no path, until an admin unloads it and loads it again.
 
 Thread safety: the server loads and unloads on its own threads while the step thread
 acquires, releases and reads slots, so every method takes one lock. A forward reads a
@@ -16,6 +19,7 @@ slot's deltas once, at its start; slots it reads are pinned, so no change lands 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,9 +27,11 @@ from pathlib import Path
 
 import torch
 
-from protoserve.engine.errors import InvalidRequestError, QueueFullError
+from protoserve.engine.errors import AdapterCapacityError, AdapterReloadNeededError, InvalidRequestError
 from protoserve.engine.lora.adapter import AdapterError, LoraAdapter, load_adapter
 from protoserve.engine.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 NO_ADAPTER = -1  # slot of rows that run the base model alone
 
@@ -50,15 +56,6 @@ class UnknownAdapterError(KeyError):
         return f"no adapter named {self.name!r} is loaded"
 
 
-class AdapterCapacityError(QueueFullError):
-    """Every slot holds an adapter that requests are using: retry once one finishes."""
-
-    def __init__(self, name: str, max_loras: int) -> None:
-        super().__init__(0)
-        self.args = (f"adapter {name!r} needs a slot, and all {max_loras} (max_loras) hold adapters "
-                     f"that requests are using; retry later",)
-
-
 @dataclass(frozen=True)
 class AdapterInfo:
     """What ListAdapters shows of one adapter."""
@@ -70,6 +67,7 @@ class AdapterInfo:
     target_modules: tuple[str, ...]
     resident: bool  # holds a slot now (else read back from path on next use)
     active_requests: int
+    needs_reload: bool  # its files changed since it was loaded: its requests are refused
 
 
 @dataclass
@@ -81,6 +79,7 @@ class _Entry:
     target_modules: tuple[str, ...]
     slot: int = NO_ADAPTER
     pins: int = 0
+    needs_reload: bool = False
 
 
 class AdapterStack:
@@ -102,14 +101,13 @@ class AdapterStack:
     def load(self, name: str, path: str | Path) -> AdapterInfo:
         """Read, check and register an adapter (made resident when a slot is free or idle).
 
-        AdapterError on a malformed adapter or a name already loaded; nothing changes then.
+        AdapterError on a malformed adapter or a name already loaded; nothing changes then. The
+        name is the caller's to check (the server's rules for names are the API's, not the engine's).
         """
-        if not name or any(c.isspace() for c in name):
-            raise AdapterError(f"adapter name must be non-empty without whitespace, got {name!r}")
         adapter = load_adapter(name, path, self.config, self.dtype)  # outside the lock: file reads
         with self._lock:
             if name in self._entries:
-                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first")
+                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first", "name")
             entry = _Entry(adapter.path, adapter.digest, adapter.rank, adapter.alpha, adapter.target_modules)
             self._entries[name] = entry
             slot = self._free_slot()
@@ -153,18 +151,13 @@ class AdapterStack:
             if name not in self._entries:
                 raise InvalidRequestError([("adapter", f"no adapter named {name!r} is loaded")])
             entry = self._entries[name]
+            if entry.needs_reload:
+                raise AdapterReloadNeededError(name)
             if entry.slot == NO_ADAPTER:
                 slot = self._free_slot()
                 if slot is None:
                     raise AdapterCapacityError(name, self.max_loras)
-                try:
-                    adapter = load_adapter(name, entry.path, self.config, self.dtype)
-                except AdapterError as exc:  # the files changed or vanished since it was loaded
-                    raise InvalidRequestError([("adapter", f"adapter {name!r} could not be read back: {exc}")]) from None
-                if adapter.digest != entry.digest:
-                    raise InvalidRequestError([("adapter", f"adapter {name!r} changed on disk since it was loaded; "
-                                                           "load it again")])
-                self._place(name, entry, adapter, slot)
+                self._place(name, entry, self._read_back(name, entry), slot)
             entry.pins += 1
             self._lru.move_to_end(name)
 
@@ -204,6 +197,21 @@ class AdapterStack:
 
     # -- internals (lock held) -----------------------------------------------
 
+    def _read_back(self, name: str, entry: _Entry) -> LoraAdapter:
+        """An evicted adapter read again from its path; AdapterReloadNeededError (and the entry so
+        marked) when its files changed or vanished since it was loaded."""
+        try:
+            adapter = load_adapter(name, entry.path, self.config, self.dtype)
+        except AdapterError as exc:
+            cause = f"it could not be read back ({exc})"
+        else:
+            if adapter.digest == entry.digest:
+                return adapter
+            cause = "its files changed since it was loaded"
+        entry.needs_reload = True
+        log.warning("LoRA adapter %r from %s must be reloaded: %s", name, entry.path, cause)
+        raise AdapterReloadNeededError(name)
+
     def _entry(self, name: str) -> _Entry:
         if name not in self._entries:
             raise UnknownAdapterError(name)
@@ -235,7 +243,7 @@ class AdapterStack:
 
     def _info(self, name: str, entry: _Entry) -> AdapterInfo:
         return AdapterInfo(name, str(entry.path), entry.rank, entry.alpha, entry.target_modules,
-                           entry.slot != NO_ADAPTER, entry.pins)
+                           entry.slot != NO_ADAPTER, entry.pins, entry.needs_reload)
 
 
 def adapter_problems(stack: AdapterStack | None, name: str | None) -> list[tuple[str, str]]:

@@ -1,10 +1,11 @@
 """AdapterService: LoRA adapters loaded, unloaded and listed at runtime (engine/lora's AdapterStack).
 
 Adapters change what the model says for everyone who names them, so with auth on only admin keys may
-call it (PERMISSION_DENIED otherwise); with auth off anyone may, as on vLLM. Loading reads the files
-off the event loop; a malformed adapter is INVALID_ARGUMENT with the loader's reason and changes
-nothing. Unloading an adapter that waiting or running requests use is FAILED_PRECONDITION: they keep
-it until they finish, and the caller retries.
+call it (PERMISSION_DENIED otherwise); with auth off anyone may, as on vLLM. Names and paths are
+checked by server/models/adapter_input.py before any file is touched; loading reads the files off
+the event loop, and a malformed or unreadable adapter is INVALID_ARGUMENT on the field the loader
+names, changing nothing. Unloading an adapter that waiting or running requests use is
+FAILED_PRECONDITION: they keep it until they finish, and the caller retries.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from protoserve.engine.lora.adapter import AdapterError
 from protoserve.engine.lora.stack import AdapterInfo, AdapterInUseError, AdapterStack, UnknownAdapterError
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.models.adapter_input import adapter_load_problems
 from protoserve.server.models.served_model import ServedModel
 from protoserve.server.security.auth import Identity
 from protoserve.v1 import adapters_pb2 as pb
@@ -35,7 +37,7 @@ def permission_denied(message: str) -> errors.ServiceError:
 def adapter_to_proto(info: AdapterInfo, base_model: str) -> pb.Adapter:
     return pb.Adapter(name=info.name, base_model=base_model, path=info.path, rank=info.rank, alpha=info.alpha,
                       target_modules=list(info.target_modules), resident=info.resident,
-                      active_requests=info.active_requests)
+                      active_requests=info.active_requests, needs_reload=info.needs_reload)
 
 
 def stack_of(served: ServedModel) -> AdapterStack:
@@ -69,20 +71,15 @@ class AdapterService(AdmittingServicer, adapters_pb2_grpc.AdapterServiceServicer
         self._admin(context)
         served = self.models.get(request.model)
         stack = stack_of(served)
-        bad = []
-        if not request.name:
-            bad.append(("name", "is required"))
-        elif request.name in self.models.names:
+        bad = adapter_load_problems(request.name, request.path)
+        if not bad and request.name in self.models.names:
             bad.append(("name", f"{errors.echo(request.name)} is a model's name; pick another"))
-        if not request.path:
-            bad.append(("path", "is required"))
         if bad:
             raise errors.invalid_argument(bad)
         try:
             info = await asyncio.to_thread(stack.load, request.name, request.path)
         except AdapterError as exc:
-            field = "name" if "already loaded" in str(exc) or "adapter name" in str(exc) else "path"
-            raise errors.invalid_argument([(field, str(exc))]) from None
+            raise errors.invalid_argument([(exc.field, str(exc))]) from None
         return pb.LoadAdapterResponse(adapter=adapter_to_proto(info, served.name))
 
     @errors.reports_errors
@@ -120,6 +117,10 @@ def load_startup_adapters(engine: LLMEngine, loras: Sequence[tuple[str, str]], m
 
     stack = engine.enable_lora(max_loras or DEFAULT_MAX_LORAS)
     for name, path in loras:
+        bad = adapter_load_problems(name, path)
+        if bad:
+            raise ModelLoadError(errors.clip(path),
+                                 f"--lora {errors.clip(name)}: " + "; ".join(f"{f} {p}" for f, p in bad))
         try:
             stack.load(name, path)
         except AdapterError as exc:

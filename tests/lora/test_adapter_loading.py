@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -10,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from protoserve.engine.errors import InvalidRequestError, QueueFullError
+from protoserve.engine.errors import AdapterCapacityError, AdapterReloadNeededError, InvalidRequestError
 from protoserve.engine.loader.load import load_model
-from protoserve.engine.lora.adapter import AdapterError
+from protoserve.engine.lora.adapter import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, AdapterError
 from protoserve.engine.lora.stack import NO_ADAPTER, AdapterInUseError, AdapterStack, UnknownAdapterError
 
 
@@ -76,8 +78,11 @@ def test_malformed_adapter_refused(base, make_adapter, tmp_path, config, tensors
 
 def test_missing_files_refused(base, tmp_path) -> None:
     stack = AdapterStack(base.config, base.dtype, max_loras=1)
-    with pytest.raises(AdapterError, match="not a directory"):
+    with pytest.raises(AdapterError, match="^does not exist$"):
         stack.load("x", tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(AdapterError, match="^not a directory"):
+        stack.load("x", tmp_path / "file")
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         stack.load("x", tmp_path / "empty")
@@ -100,7 +105,7 @@ def test_lru_eviction_pins_and_unload(base, make_adapter) -> None:
     stack.acquire("a0")  # read back from disk into a2's slot (a2 is the LRU unpinned one)
     assert {a.name: (a.resident, a.active_requests) for a in stack.list()} == {
         "a0": (True, 1), "a1": (True, 1), "a2": (False, 0)}
-    with pytest.raises(QueueFullError, match="all 2 \\(max_loras\\)"):
+    with pytest.raises(AdapterCapacityError, match="all 2 \\(max_loras\\)"):
         stack.acquire("a2")  # both slots pinned
     with pytest.raises(AdapterInUseError, match="in use by 1 request"):
         stack.unload("a0")
@@ -127,3 +132,105 @@ def test_engine_refuses_unknown_adapter(base, make_adapter) -> None:
     engine.enable_lora(1).load("a", make_adapter("llama")[0])
     with pytest.raises(InvalidRequestError, match="no adapter named 'b' is loaded \\(loaded: a\\)"):
         engine.add_request(TokenizedRequest("r", [1, 2, 3], adapter="b"))
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        # 100,000 deep: past json's own recursion limit.
+        (lambda cfg: json.dumps(cfg)[:-1] + ', "x": ' + _nested(100_000) + "}", "nests deeper than"),
+        # One level past the cap, well within json's limit.
+        (lambda cfg: json.dumps({**cfg, "x": json.loads(_nested(MAX_CONFIG_DEPTH))}),
+         f"nests deeper than {MAX_CONFIG_DEPTH} levels"),
+        (lambda cfg: json.dumps(cfg) + " " * MAX_CONFIG_BYTES, f"larger than {MAX_CONFIG_BYTES} bytes"),
+        (lambda cfg: "{", "not valid JSON"),
+        (lambda cfg: "[]", "must hold a JSON object"),
+    ],
+    ids=["deep", "one-too-deep", "large", "malformed", "not-object"],
+)
+def test_hostile_config_refused(base, make_adapter, tmp_path, written, message) -> None:
+    path = _copy(make_adapter("llama")[0], tmp_path / "bad")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(written(cfg))
+    stack = AdapterStack(base.config, base.dtype, max_loras=1)
+    with pytest.raises(AdapterError, match=message) as err:
+        stack.load("bad", path)
+    assert err.value.field == "path" and len(str(err.value)) < 1024
+    assert stack.list() == []
+
+
+def test_config_values_quoted_bounded(base, make_adapter, tmp_path) -> None:
+    path = _copy(make_adapter("llama")[0], tmp_path / "bad")
+    _edit_config(path, target_modules=["q_proj", "x" * 100_000])
+    stack = AdapterStack(base.config, base.dtype, max_loras=1)
+    with pytest.raises(AdapterError, match="target_modules .* are not supported") as err:
+        stack.load("bad", path)
+    assert len(str(err.value)) < 1024
+
+
+def test_unreadable_paths_worded(base, tmp_path) -> None:
+    stack = AdapterStack(base.config, base.dtype, max_loras=1)
+    with pytest.raises(AdapterError, match="too long for the file system"):
+        stack.load("x", tmp_path / ("n" * 300))  # one name over NAME_MAX: ENAMETOOLONG
+    with pytest.raises(AdapterError, match="too long for the file system"):
+        stack.load("x", str(tmp_path) + "/d" * 3000)  # over PATH_MAX
+    os.symlink(tmp_path / "loop-b", tmp_path / "loop-a")
+    os.symlink(tmp_path / "loop-a", tmp_path / "loop-b")
+    with pytest.raises(AdapterError, match="too many levels of symbolic links"):
+        stack.load("x", tmp_path / "loop-a")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(AdapterError, match="a component of the path is not a directory"):
+        stack.load("x", tmp_path / "file" / "adapter")
+
+
+@pytest.mark.parametrize("change", ["edit", "delete"])
+def test_changed_files_of_an_idle_adapter_need_a_reload(base, make_adapter, tmp_path, caplog, change) -> None:
+    path = _copy(make_adapter("llama", seed=40)[0], tmp_path / "a0")
+    stack = AdapterStack(base.config, base.dtype, max_loras=1)
+    stack.load("a0", path)
+    stack.load("a1", make_adapter("llama", seed=41)[0])  # a0 leaves memory
+    if change == "edit":
+        _edit_config(path, lora_alpha=3)
+    else:
+        (path / "adapter_model.safetensors").unlink()
+    with caplog.at_level(logging.WARNING, logger="protoserve.engine.lora.stack"):
+        with pytest.raises(AdapterReloadNeededError, match="'a0' must be reloaded") as err:
+            stack.acquire("a0")
+        with pytest.raises(AdapterReloadNeededError):  # stays refused, without reading the files again
+            stack.acquire("a0")
+    assert str(path) not in str(err.value) and str(tmp_path) not in str(err.value)  # users are not admins
+    [record] = caplog.records  # logged once, with the admin's detail
+    assert record.levelno == logging.WARNING and str(path) in record.getMessage()
+    assert {a.name: a.needs_reload for a in stack.list()} == {"a0": True, "a1": False}
+    stack.acquire("a1")  # the others keep serving
+    stack.unload("a0")
+    shutil.rmtree(path)
+    stack.load("a0", _copy(make_adapter("llama", seed=40)[0], path))  # what an admin does: load it again
+    stack.release("a1")
+    stack.acquire("a0")
+    assert not stack.list()[0].needs_reload
+
+
+def test_no_slot_for_the_adapter_sheds_no_waiting_request(base, make_adapter) -> None:
+    """At a full queue a newcomer may displace another tenant's waiting request; one refused for
+    want of an adapter slot must not have displaced anyone (whose caller would never hear of it)."""
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.request import Tenant, TokenizedRequest
+
+    engine = LLMEngine(base, EngineConfig(max_kv_blocks=64, max_queue=2))
+    stack = engine.enable_lora(1)
+    stack.load("a0", make_adapter("llama", seed=50)[0])
+    stack.load("a1", make_adapter("llama", seed=51)[0])
+    engine.add_request(TokenizedRequest("r0", [1, 2, 3], adapter="a0"))
+    engine.step()  # r0 runs: a0 holds the only slot
+    for rid in ("x1", "x2"):  # the queue is full, all of it x's: a newcomer of y's would displace x2
+        engine.add_request(TokenizedRequest(rid, [1, 2, 3], tenant=Tenant("x", "x")))
+    with pytest.raises(AdapterCapacityError, match="all 1 \\(max_loras\\)"):
+        engine.add_request(TokenizedRequest("y1", [1, 2, 3], adapter="a1", tenant=Tenant("y", "y")))
+    assert [s.request_id for s in engine.scheduler.waiting] == ["x1", "x2"] and "x2" in engine.requests
+    assert {a.name: a.active_requests for a in stack.list()} == {"a0": 1, "a1": 0}

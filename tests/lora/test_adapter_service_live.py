@@ -14,38 +14,14 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-import torch
-from safetensors.torch import save_file
+from smollm2_adapters import write_adapter
 
 from protoserve.v1 import adapters_pb2 as apb
 from protoserve.v1 import adapters_pb2_grpc, inference_pb2_grpc
 from protoserve.v1 import inference_pb2 as pb
 
-# SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers.
-SHAPES = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
-          "gate_proj": (1536, 576), "up_proj": (1536, 576), "down_proj": (576, 1536)}
-LAYERS = 30
 USER, ADMIN = "lora-user-key", "lora-admin-key"
 PROMPT = "The capital of France is"
-
-
-def write_adapter(path: Path, seed: int, r: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"),
-                  **config) -> Path:
-    path.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(LAYERS):
-        for p in targets:
-            out_f, in_f = SHAPES[p]
-            parent = "mlp" if p in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            name = f"base_model.model.model.layers.{i}.{parent}.{p}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(r, in_f, generator=g) * 0.1
-            tensors[f"{name}.lora_B.weight"] = torch.randn(out_f, r, generator=g) * 0.1
-    save_file(tensors, path / "adapter_model.safetensors")
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets), "bias": "none"}
-    cfg.update(config)
-    (path / "adapter_config.json").write_text(json.dumps(cfg))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +85,7 @@ def test_malformed_adapter_invalid_argument_and_server_keeps_serving(server, ada
     with server.sync_channel() as ch:
         stub = adapters_pb2_grpc.AdapterServiceStub(ch)
         for path, problem in ((adapters["bad_rank"], "has shape [4, 576], the base model needs [8, 576]"),
-                              (adapters["huge"], "not a directory")):
+                              (adapters["huge"], "does not exist")):
             with pytest.raises(grpc.RpcError) as err:
                 stub.LoadAdapter(apb.LoadAdapterRequest(name="bad", path=str(path)), metadata=md(ADMIN), timeout=60)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
