@@ -322,6 +322,11 @@ class _Prepared:
     adapter: str | None = None  # the LoRA adapter `model` named, if it named one
     constraint_field: str = ""  # the request's field holding its output constraint, if it has one
 
+    @property
+    def model(self) -> str:
+        """The ``model`` the response names: the adapter asked for (as vLLM answers), else the model."""
+        return self.adapter or self.served.name
+
 
 @dataclass(frozen=True)
 class _Api:
@@ -638,7 +643,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
                 id=public_id,
                 object=api.chunk_object,
                 created=created,
-                model=served.name,
+                model=prepared.model,
                 choices=choices,
                 usage=usage,
                 system_fingerprint=fingerprint,
@@ -695,7 +700,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             id=public_id,
             object="text_completion",
             created=created,
-            model=served.name,
+            model=prepared.model,
             choices=choices,
             usage=self._usage(results),
             system_fingerprint=system_fingerprint(served),
@@ -800,7 +805,7 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             id=public_id,
             object="chat.completion",
             created=created,
-            model=served.name,
+            model=prepared.model,
             choices=choices,
             usage=self._usage(results),
             system_fingerprint=system_fingerprint(served),
