@@ -40,6 +40,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from protoserve.gateway.ws.denial import DenialEndsHandshake
+
 log = logging.getLogger(__name__)
 
 # How often, per timeout, a paused write buffer is looked at: the drop comes at most a quarter
@@ -108,8 +110,9 @@ class _WriteStallWatch:
             self._stall_check = None
 
 
-class _WebSocketProtocol(_WriteStallWatch, WebSocketsSansIOProtocol):
-    """uvicorn's WebSocket protocol, watched, whose keepalive close cannot hang on an unread buffer."""
+class _WebSocketProtocol(_WriteStallWatch, DenialEndsHandshake, WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol, watched, whose keepalive close cannot hang on an unread buffer
+    (and whose refused upgrades are not logged as errors: gateway.ws.denial)."""
 
     def keepalive_timeout(self) -> None:
         closing = self.close_sent or self.transport.is_closing()

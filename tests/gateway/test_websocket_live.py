@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -215,6 +216,29 @@ async def test_auth_is_checked_on_the_upgrade(inproc_server, auth_gateway_url, m
         request = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
         await socket.send(json.dumps({"id": "1", "type": "completion", "request": request}))
         assert [f["type"] for f in await frames_until(socket, "1", "done")][-1] == "done"
+
+
+async def test_refused_upgrades_answer_their_status_and_log_no_error(inproc_server, auth_gateway_url, caplog):
+    root = auth_gateway_url.replace("http://", "ws://", 1)
+    key = {"authorization": f"Bearer {inproc_server.api_keys[0]}"}
+    refusals = [
+        (ws_url(auth_gateway_url), {}, {}, 401, "authentication_error"),
+        (ws_url(auth_gateway_url), {"x-request-timeout": "soon"}, {}, 400, "invalid_request_error"),
+        (root + "/v1/ws/nothing", key, {}, 404, "not_found_error"),
+        (ws_url(auth_gateway_url), key, {"origin": "https://elsewhere.example"}, 403, "permission_error"),
+    ]
+    for _ in range(3):  # enough to see a flood of lines, were there one a refusal
+        for url, headers, options, status, error_type in refusals:
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                async with connect(url, additional_headers=headers, **options):
+                    pass
+            response = refused.value.response
+            assert response.status_code == status
+            assert json.loads(response.body)["error"]["type"] == error_type
+    # The gateway's loop answers this after it has finished with every refusal above, log included.
+    assert httpx.get(f"{auth_gateway_url}/metrics", timeout=30).status_code == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 async def test_oversize_message_closes_with_1009(gateway_url):
