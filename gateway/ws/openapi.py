@@ -35,8 +35,11 @@ def _description() -> str:
             "**Server frames.** For each chunk "
             '`{"id", "type": "chunk", "data": <chunk>}`, the chunk being the JSON the SSE route sends '
             'after `data:`; then one final frame: `{"id", "type": "done"}`, `{"id", "type": "cancelled"}` or '
-            '`{"id", "type": "error", "error": <OpenAI error object>, "status": <HTTP status>}`. '
-            "A message the server cannot take is answered with an error frame and the socket stays open.",
+            '`{"id", "type": "error", "error": <OpenAI error object>, "status": <HTTP status>}`, also '
+            "sent when a start message is refused before its request began. A message that starts and "
+            "ends nothing (unreadable, a cancel for an id not running, a start whose id is still running) "
+            'gets `{"id": null, "type": "rejected", "message_id", "message_type", "error", "status"}`, '
+            "which ends no request; the socket stays open.",
             "**Auth.** The upgrade sends the same `authorization` and `x-user-id` headers as the HTTP "
             "routes, checked before it is accepted (401, 403 or 503 answer it in OpenAI's error body). "
             "Browsers cannot set `authorization` on an upgrade: with keys on, use a non-browser client.",

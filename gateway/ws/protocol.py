@@ -12,7 +12,19 @@ be used again:
     {"id": "<id>", "type": "chunk", "data": <what SSE writes after "data: ">}
     {"id": "<id>", "type": "done"}
     {"id": "<id>", "type": "cancelled"}
-    {"id": "<id>" | null, "type": "error", "error": <OpenAI error object>, "status": <HTTP status>}
+    {"id": "<id>", "type": "error", "error": <OpenAI error object>, "status": <HTTP status>}
+
+A frame's ``id`` names a request only, and a terminal frame is only ever a
+request's end: a start message refused before its request began (an invalid
+body, too many requests) gets that request's ``error`` frame. A message that
+starts and ends nothing (one the server cannot read, a cancel it cannot
+honour, a start whose id is still running) gets a ``rejected`` frame instead,
+with ``id`` null and the message's own id and type apart, so that it cannot
+be taken for the end of the request running under that id:
+
+    {"id": null, "type": "rejected", "message_id": "<id>" | null,
+     "message_type": "completion" | "chat.completion" | "cancel" | null,
+     "error": <OpenAI error object>, "status": <HTTP status>}
 
 ``request`` is the body of ``POST /v1/completions`` / ``POST /v1/chat/completions``
 and is validated by the same binding; ``stream`` is implied (absent or true).
@@ -23,6 +35,7 @@ key, a missing or malformed id, an unknown type is an error naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +70,15 @@ class CancelRequest:
 
 
 class BadMessage(Exception):
-    """A message the server answers with an error frame; ``request_id`` when the message had a valid one."""
+    """A message the server refuses: ``request_id`` and ``message_type`` when the message had valid ones."""
 
-    def __init__(self, error: HttpError, request_id: str | None = None) -> None:
+    def __init__(
+        self, error: HttpError, request_id: str | None = None, message_type: str | None = None
+    ) -> None:
         super().__init__(error.status.message)
         self.error = error
         self.request_id = request_id
+        self.message_type = message_type
 
 
 def invalid_field(field: str, problem: str) -> HttpError:
@@ -88,29 +104,30 @@ def parse_message(text: str | None) -> StartRequest | CancelRequest:
         raise BadMessage(invalid_field("id", f"must be a string of 1 to {MAX_ID_CHARS} characters"))
     kind = document.get("type")
     if kind == CANCEL:
-        _check_keys(document, _CANCEL_KEYS, request_id)
+        _check_keys(document, _CANCEL_KEYS, request_id, kind)
         return CancelRequest(request_id)
     if kind not in REQUEST_PATHS:
         allowed = ", ".join(sorted([*REQUEST_PATHS, CANCEL]))
         raise BadMessage(invalid_field("type", f"must be one of {allowed}, got {kind!r}"), request_id)
-    _check_keys(document, _START_KEYS, request_id)
+    _check_keys(document, _START_KEYS, request_id, kind)
     body = document.get("request")
     if not isinstance(body, dict):
-        raise BadMessage(invalid_field("request", f"must be a JSON object, got {_kind(body)}"), request_id)
+        problem = f"must be a JSON object, got {_kind(body)}"
+        raise BadMessage(invalid_field("request", problem), request_id, kind)
     stream = body.get("stream")
     if stream is not None and stream is not True:
         # The same field the HTTP body has, named as there.
         problem = "must be true or absent: the WebSocket route always streams"
-        raise BadMessage(invalid_field("stream", problem), request_id)
+        raise BadMessage(invalid_field("stream", problem), request_id, kind)
     return StartRequest(request_id, kind, {**body, "stream": True})
 
 
-def _check_keys(document: dict[str, Any], allowed: frozenset[str], request_id: str) -> None:
+def _check_keys(document: dict[str, Any], allowed: frozenset[str], request_id: str, kind: str) -> None:
     if "request" in allowed and "request" not in document:
-        raise BadMessage(invalid_field("request", "is required"), request_id)
+        raise BadMessage(invalid_field("request", "is required"), request_id, kind)
     for key in document:
         if key not in allowed:
-            raise BadMessage(invalid_field(key, f"unknown field for type {document['type']!r}"), request_id)
+            raise BadMessage(invalid_field(key, f"unknown field for type {kind!r}"), request_id, kind)
 
 
 def _kind(value: Any) -> str:
@@ -134,21 +151,43 @@ def cancelled_frame(request_id: str) -> str:
     return f'{{"id":{_id(request_id)},"type":"cancelled"}}'
 
 
-def error_frame(request_id: str | None, error: HttpError) -> str:
-    """A request (or a message) failed: OpenAI's error object and the HTTP status it would have had.
+def error_frame(request_id: str, error: HttpError) -> str:
+    """The request failed, or was refused before it began; nothing follows for it."""
+    return dumps({"id": request_id, "type": "error", **_error_fields(error)}).decode()
 
-    ``retry_after`` (whole seconds) is there when HTTP would have sent ``Retry-After``.
-    """
-    frame: dict[str, Any] = {
-        "id": request_id,
-        "type": "error",
-        "error": error.openai_error(),
-        "status": error.http_status,
+
+def rejected_frame(refused: BadMessage) -> str:
+    """A message the server did not act on; it ends no request, whatever its id names."""
+    frame = {
+        "id": None,
+        "type": "rejected",
+        "message_id": refused.request_id,
+        "message_type": refused.message_type,
+        **_error_fields(refused.error),
     }
+    return dumps(frame).decode()
+
+
+def refusal_frame(refused: BadMessage, running: Container[str]) -> str:
+    """The frame answering ``refused`` on a socket whose requests ``running`` holds the ids of.
+
+    Only a start message whose id is free gets an ``error`` frame, as its request's end: a request
+    under that id still running would otherwise seem to end there, and go on.
+    """
+    starts = refused.message_type in REQUEST_PATHS
+    if starts and refused.request_id is not None and refused.request_id not in running:
+        return error_frame(refused.request_id, refused.error)
+    return rejected_frame(refused)
+
+
+def _error_fields(error: HttpError) -> dict[str, Any]:
+    """OpenAI's error object and the HTTP status it would have had, with ``retry_after`` (whole
+    seconds) when HTTP would have sent ``Retry-After``."""
+    fields: dict[str, Any] = {"error": error.openai_error(), "status": error.http_status}
     retry_after = error.headers.get("retry-after")
     if retry_after is not None:
-        frame["retry_after"] = int(retry_after)
-    return dumps(frame).decode()
+        fields["retry_after"] = int(retry_after)
+    return fields
 
 
 def _id(request_id: str) -> str:

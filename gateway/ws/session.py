@@ -127,7 +127,7 @@ class Session:
             else:
                 self._start(parsed)
         except protocol.BadMessage as exc:
-            await self._put(protocol.error_frame(exc.request_id, exc.error))
+            await self._put(protocol.refusal_frame(exc, self._streams))
 
     def _start(self, message: protocol.StartRequest) -> None:
         if message.id in self._streams:
@@ -136,25 +136,25 @@ class Session:
                 f"invalid message: id: request {message.id!r} is already running on this socket",
                 violations=[("id", "already running on this socket")],
             )
-            raise protocol.BadMessage(error, message.id)
+            raise protocol.BadMessage(error, message.id, message.kind)
         if len(self._streams) >= self._max_streams:
             error = gateway_error(
                 code_pb2.RESOURCE_EXHAUSTED,
                 f"this socket already runs {self._max_streams} requests; wait for one to end",
                 http_status=429,
             )
-            raise protocol.BadMessage(error, message.id)
+            raise protocol.BadMessage(error, message.id, message.kind)
         route = self.config.routes.get(message.kind)
         if route is None:
             error = gateway_error(code_pb2.UNIMPLEMENTED, f"this gateway serves no {message.kind} route")
-            raise protocol.BadMessage(error, message.id)
+            raise protocol.BadMessage(error, message.id, message.kind)
         try:
             call = bind_document(route, {}, (), message.request)
         except HttpError as exc:
-            raise protocol.BadMessage(exc, message.id) from None
+            raise protocol.BadMessage(exc, message.id, message.kind) from None
         if not call.server_streaming:
             error = gateway_error(code_pb2.UNIMPLEMENTED, f"the {message.kind} route has no streaming method")
-            raise protocol.BadMessage(error, message.id)
+            raise protocol.BadMessage(error, message.id, message.kind)
         self._streams[message.id] = asyncio.create_task(self._stream(message.id, call))
 
     async def _cancel(self, request_id: str) -> None:
@@ -166,7 +166,7 @@ class Session:
                 f"invalid message: id: no request {request_id!r} is running on this socket",
                 violations=[("id", "not running on this socket")],
             )
-            raise protocol.BadMessage(error, request_id)
+            raise protocol.BadMessage(error, request_id, protocol.CANCEL)
         task.cancel()
         await asyncio.wait({task})
         # After the task: chunks it queued go out first, and this is the id's last frame.

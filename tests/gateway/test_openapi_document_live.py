@@ -146,5 +146,6 @@ def test_the_websocket_route_is_described(document):
     upgrade = document["paths"][WEBSOCKET_PATH]["get"]
     assert upgrade["security"] == document["paths"]["/v1/completions"]["post"]["security"]
     assert set(upgrade["responses"]) == {"101", "426", "default"}
-    for frame in ('"type": "chunk"', '"type": "done"', '"type": "cancel"', '"type": "error"', "docs/api.md"):
+    frames = ('"type": "chunk"', '"type": "done"', '"type": "cancel"', '"type": "error"', '"type": "rejected"')
+    for frame in (*frames, "docs/api.md"):
         assert frame in upgrade["description"], frame

@@ -157,7 +157,16 @@ async def test_cancel_mid_stream_frees_the_server(inproc_server, gateway_url, mo
     await asyncio.to_thread(wait_idle, inproc_server)
 
 
-async def test_bad_messages_get_error_frames_and_the_socket_stays_open(inproc_server, gateway_url, model):
+def rejected(frame: dict[str, Any], message_id: str | None, message_type: str | None, status: int) -> str:
+    """The refused field of a ``rejected`` frame, once the frame is checked to end no request."""
+    assert frame["id"] is None and frame["type"] == "rejected", frame
+    assert (frame["message_id"], frame["message_type"], frame["status"]) == (message_id, message_type, status)
+    return frame["error"]["param"]
+
+
+async def test_bad_messages_get_error_or_rejected_frames_and_the_socket_stays_open(
+    inproc_server, gateway_url, model
+):
     bad_body = {"model": model, "prompt": "Hi", "max_tokens": "many"}
     http = httpx.post(f"{gateway_url}/v1/completions", json=bad_body, timeout=30)
     assert http.status_code == 400
@@ -167,39 +176,71 @@ async def test_bad_messages_get_error_frames_and_the_socket_stays_open(inproc_se
             await socket.send(message if isinstance(message, str | bytes) else json.dumps(message))
             return json.loads(await asyncio.wait_for(socket.recv(), 30))
 
+        # Messages that start nothing are rejected, never answered with a request's error frame.
         frame = await answer("not json")
-        assert frame["id"] is None and frame["type"] == "error" and frame["status"] == 400
+        assert rejected(frame, None, None, 400) is None and "malformed JSON" in frame["error"]["message"]
+        assert rejected(await answer(b"\x00binary"), None, None, 400) == "message"
+        assert rejected(await answer({"id": "", "type": "cancel"}), None, None, 400) == "id"
         assert (
-            frame["error"]["type"] == "invalid_request_error"
-            and "malformed JSON" in frame["error"]["message"]
+            rejected(await answer({"id": "t", "type": "translation", "request": {}}), "t", None, 400)
+            == "type"
         )
-        frame = await answer(b"\x00binary")
-        assert (frame["id"], frame["status"], frame["error"]["param"]) == (None, 400, "message")
-        frame = await answer({"id": "t", "type": "translation", "request": {}})
-        assert (frame["id"], frame["status"], frame["error"]["param"]) == ("t", 400, "type")
+        assert rejected(await answer({"id": "nobody", "type": "cancel"}), "nobody", "cancel", 404) == "id"
+        assert (
+            rejected(await answer({"id": "c", "type": "cancel", "extra": 1}), "c", "cancel", 400) == "extra"
+        )
+        # A start message refused before its request began ends that request: its error frame.
         frame = await answer({"id": "x", "type": "completion", "request": {}, "extra": 1})
-        assert (frame["id"], frame["error"]["param"]) == ("x", "extra")
+        assert (frame["id"], frame["type"], frame["error"]["param"]) == ("x", "error", "extra")
         frame = await answer({"id": "s", "type": "completion", "request": {**bad_body, "stream": False}})
-        assert (frame["id"], frame["error"]["param"]) == ("s", "stream")
+        assert (frame["id"], frame["type"], frame["error"]["param"]) == ("s", "error", "stream")
         # An invalid body gets exactly the error object HTTP answers it with.
         frame = await answer({"id": "v", "type": "completion", "request": bad_body})
         assert frame == {"id": "v", "type": "error", "error": http.json()["error"], "status": 400}
-        frame = await answer({"id": "nobody", "type": "cancel"})
-        assert (frame["id"], frame["status"], frame["error"]["param"]) == ("nobody", 404, "id")
-
-        # A duplicate live id is refused; the first request is unaffected.
-        long = {"model": model, "prompt": "Count:", "max_tokens": LONG, "ignore_eos": True}
-        await socket.send(json.dumps({"id": "d", "type": "completion", "request": long}))
-        await socket.send(json.dumps({"id": "d", "type": "completion", "request": long}))
-        while (frame := json.loads(await asyncio.wait_for(socket.recv(), 60)))["type"] == "chunk":
-            assert frame["id"] == "d"
-        assert (frame["id"], frame["type"], frame["status"]) == ("d", "error", 409)
-        await socket.send(json.dumps({"id": "d", "type": "cancel"}))
-        await frames_until(socket, "d", "cancelled")
 
         short = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
         await socket.send(json.dumps({"id": "ok", "type": "completion", "request": short}))
         assert [f["type"] for f in await frames_until(socket, "ok", "done")][-1] == "done"
+    await asyncio.to_thread(wait_idle, inproc_server)
+
+
+async def test_a_duplicate_id_is_rejected_without_ending_the_running_request(
+    inproc_server, gateway_url, model
+):
+    long = {"model": model, "prompt": "Count:", "max_tokens": LONG, "ignore_eos": True}
+    of_d: list[dict[str, Any]] = []  # every frame a client matching by id gives to request "d"
+    refusals: list[dict[str, Any]] = []
+
+    async def read_until(predicate) -> None:
+        while True:
+            frame = json.loads(await asyncio.wait_for(socket.recv(), 60))
+            (of_d if frame["id"] == "d" else refusals).append(frame)
+            if predicate(frame):
+                return
+
+    async with connect(ws_url(gateway_url)) as socket:
+        await socket.send(json.dumps({"id": "d", "type": "completion", "request": long}))
+        await read_until(lambda f: f["type"] == "chunk")
+        duplicates = [
+            {"id": "d", "type": "completion", "request": long},
+            {"id": "d", "type": "chat.completion", "request": {"model": model, "messages": CHAT}},
+            # Refused as a duplicate, not as a request of its own: nothing ends "d".
+            {"id": "d", "type": "completion", "request": {**long, "max_tokens": "many"}},
+            {"id": "d", "type": "cancel", "extra": 1},
+        ]
+        for message in duplicates:
+            await socket.send(json.dumps(message))
+        await read_until(lambda f: len(refusals) == len(duplicates))
+        chunks_before = len(of_d)
+        await read_until(lambda f: f["id"] == "d")  # "d" goes on after its duplicates were rejected
+        await socket.send(json.dumps({"id": "d", "type": "cancel"}))
+        await read_until(lambda f: f["id"] == "d" and f["type"] != "chunk")
+    kinds = ["completion", "chat.completion", "completion"]
+    assert [rejected(f, "d", kind, 409) for f, kind in zip(refusals, kinds, strict=False)] == ["id"] * 3
+    assert rejected(refusals[3], "d", "cancel", 400) == "extra"
+    assert "already running" in refusals[0]["error"]["message"]
+    assert len(of_d) > chunks_before
+    assert [f["type"] for f in of_d] == ["chunk"] * (len(of_d) - 1) + ["cancelled"]
     await asyncio.to_thread(wait_idle, inproc_server)
 
 
