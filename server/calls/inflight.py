@@ -127,7 +127,7 @@ class InflightRequests:
         scope = current_scope()
         if scope is not None:
             scope.opened += 1  # this request is recorded here, not as a refused call
-            record.method, record.operation = scope.method, scope.operation
+            record.method, record.operation, record.model = scope.method, scope.operation, scope.model
         return record
 
     def _finish(self, record: RequestRecord, failure: BaseException | None, deadline: float | None) -> None:
@@ -160,7 +160,7 @@ class InflightRequests:
         call.engine_requests[rid] = engine
         model = engine.model_name
         record, telemetry = call.record, self.telemetry
-        record.model = record.model or model
+        record.served_model = model
         if telemetry is not None:
             request.trace = telemetry.request_trace(record)
         timer = None

@@ -37,7 +37,8 @@ class RequestRecord:
     identity_id: str  # server.security.auth.Identity.id (a keyed hash); "" when the caller could not be identified
     method: str = ""  # the gRPC method it came through, e.g. "/protoserve.v1.InferenceService/Generate"
     operation: str = TEXT_COMPLETION  # gen_ai.operation.name: "chat" or "text_completion"
-    model: str = ""  # the model that served it ("" until one was chosen)
+    model: str = ""  # the model the caller named: an adapter's name, say ("" when it named none)
+    served_model: str = ""  # the model that served it ("" until one was chosen)
     started_at: float = field(default_factory=time.time)  # unix seconds
     started: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
@@ -101,6 +102,11 @@ class RequestRecord:
             "e2e_time_s": self.duration_s,
         }
 
+    @property
+    def model_name(self) -> str:
+        """The model the request log names: the one the caller asked for, else the one that served it."""
+        return self.model or self.served_model
+
     def log_fields(self) -> dict:
         """The request log line's fields (no prompt or completion text, no API key)."""
         fields = {
@@ -108,7 +114,7 @@ class RequestRecord:
             "request_id": self.request_id,
             "identity": self.identity_id,
             "method": self.method,
-            "model": self.model,
+            "model": self.model_name,
             "operation": self.operation,
             "status": self.status.name,
             "status_code": self.status.value[0],

@@ -4,9 +4,11 @@ An interceptor opens a scope around each call of a generating method (Generate,
 GenerateStream, Batch, the OpenAI completions and chat completions, agent runs). It names
 the gRPC method and the GenAI operation (``chat`` for chat input, else
 ``text_completion``) for the in-flight registry, which records each request it
-runs and marks the scope. A call that fails before any request was opened (bad
-API key, model still loading, invalid OpenAI parameters) is recorded here as one
-refused request, so metrics and the request log see every error a caller got.
+runs and marks the scope, with the model the call named. A call that fails
+before any request was opened (bad API key, model still loading, invalid OpenAI
+parameters) is recorded here as one refused request, so metrics and the request
+log see every error a caller got; without a request id of its own (OpenAI calls
+have none), it is logged under a fresh one, so that every line can be told apart.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from protoserve.engine.tracing import CHAT, TEXT_COMPLETION
 from protoserve.openai.v1 import openai_pb2
 from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.errors import ServiceError
+from protoserve.server.models.served_model import new_request_id
 from protoserve.v1 import agent_pb2, inference_pb2
 
 _INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
@@ -48,10 +51,11 @@ GENERATING_METHODS = CHAT_METHODS | frozenset(
 
 @dataclass
 class RequestScope:
-    """One generating RPC: its method, operation and how many requests it opened."""
+    """One generating RPC: its method, operation, the model it named and how many requests it opened."""
 
     method: str
     operation: str = TEXT_COMPLETION
+    model: str = ""  # the request's ``model`` as the caller sent it ("" when it names none)
     opened: int = 0
 
 
@@ -67,6 +71,15 @@ def _inner(request: Message) -> Message:
     """The request message itself; streaming RPCs wrap it in a ``request`` field."""
     wrapped = getattr(request, "request", None)
     return wrapped if isinstance(wrapped, Message) else request
+
+
+def requested_model(request: Message) -> str:
+    """The ``model`` the request names, unchecked ("" when it has no such field or leaves it empty)."""
+    inner = _inner(request)
+    if "model" not in inner.DESCRIPTOR.fields_by_name:
+        return ""
+    value = inner.model
+    return value if isinstance(value, str) else ""
 
 
 def _is_chat_input(message: Message) -> bool:
@@ -107,7 +120,7 @@ class RequestScopeInterceptor(grpc.aio.ServerInterceptor):
             return handler
 
         async def scoped(request, context):
-            scope = RequestScope(method, operation_of(method, request))
+            scope = RequestScope(method, operation_of(method, request), requested_model(request))
             token = _current.set(scope)
             failure: BaseException | None = None
             try:
@@ -148,11 +161,11 @@ class RequestScopeInterceptor(grpc.aio.ServerInterceptor):
         except ServiceError:
             identity = ""  # the refusal was for the key itself
         record = RequestRecord(
-            request_id=str(getattr(request, "request_id", "")),
+            request_id=str(getattr(request, "request_id", "")) or new_request_id(),
             identity_id=identity,
             method=scope.method,
             operation=scope.operation,
-            model=str(getattr(request, "model", "")),
+            model=scope.model,
         )
         record.finish()
         record.status = code

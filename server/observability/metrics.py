@@ -273,10 +273,10 @@ class ServerMetrics:
                 histogram.observe(value)
                 window.observe(value)
 
-    def observe_request(self, record: RequestRecord) -> None:
-        """One request ended: its finish reason and status."""
-        self.request_success.labels(record.model, record.finish_reason).inc()
-        self.request_status.labels(record.model, record.status.name).inc()
+    def observe_request(self, record: RequestRecord, model: str) -> None:
+        """One request ended: its finish reason and status, under the loaded ``model`` it counts for."""
+        self.request_success.labels(model, record.finish_reason).inc()
+        self.request_status.labels(model, record.status.name).inc()
 
     # ---- reading back (for MetricsService) ---------------------------------------
 

@@ -64,7 +64,7 @@ class Telemetry:
             tracer=self._tracer,
             parent=otel_context.get_current(),
             operation=record.operation,
-            model=record.model,
+            model=record.model_name,
             response_id=record.request_id,
             capture_content=self.capture_content,
         )
@@ -77,10 +77,15 @@ class Telemetry:
 
     def request_finished(self, record: RequestRecord) -> None:
         """Count and log a finished request (its status and duration already set)."""
-        if record.model not in self.models.names:
-            # Refused before a model was chosen (or for a model that is not loaded): the
-            # default model's series, so no label value comes from the caller.
-            names = self.models.names
-            record.model = names[0] if names else ""
-        self.metrics.observe_request(record)
-        log_request(record)
+        self.metrics.observe_request(record, self._model_label(record))
+        log_request(record)  # names the model asked for, whatever the metrics' label
+
+    def _model_label(self, record: RequestRecord) -> str:
+        """A loaded model's name, so that no label value comes from the caller: the model that
+        served the request, else the one it named, else (refused before a model was chosen, or
+        naming one that is not loaded) the default model."""
+        names = self.models.names
+        for name in (record.served_model, record.model):
+            if name in names:
+                return name
+        return names[0] if names else ""

@@ -112,6 +112,26 @@ def test_failures_and_batches(obs, stub, request_log):
     assert (unauthenticated["status"], unauthenticated["identity"]) == ("UNAUTHENTICATED", "")
 
 
+def test_failed_openai_calls_log_the_model_asked_for_and_a_request_id(obs, request_log):
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    calls = [
+        ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "x", "max_tokens": 2}),
+        ("/v1/chat/completions", {**chat, "model": "no-such-model", "stream": True}),
+        ("/v1/chat/completions", {**chat, "model": MODEL_NAME, "top_k": -5}),
+    ]
+    for path, body in calls:
+        reply = httpx.post(obs.http_url + path, json=body, headers=auth_headers(), timeout=30)
+        assert reply.status_code in (400, 404), reply.text
+    records = request_log.records(len(calls))
+    assert [r["status"] for r in records] == ["NOT_FOUND"] * 3 + ["INVALID_ARGUMENT"]
+    assert [r["model"] for r in records] == ["no-such-model"] * 3 + [MODEL_NAME]
+    ids = [r["request_id"] for r in records]
+    assert all(ids) and len(set(ids)) == len(ids), ids
+    # The metrics still label by loaded models only: no label value comes from the caller.
+    assert "no-such-model" not in httpx.get(obs.http_url + "/metrics", timeout=30).text
+
+
 def test_operation_names():
     chat = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")]))
     text = pb.GenerateRequest(prompt="hi")
