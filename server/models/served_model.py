@@ -244,8 +244,9 @@ class ServedModel:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def model_info(self) -> pb.ModelInfo:
-        """ListModels/GetModel description of this model."""
+    def model_info(self, *, with_path: bool) -> pb.ModelInfo:
+        """ListModels/GetModel description of this model; ``source`` is the weights' path on the
+        server ``with_path``, else only its last component, so that callers learn no server paths."""
         config = self.engine.model_config
         summary = self.engine.model_summary
         return pb.ModelInfo(
@@ -257,7 +258,7 @@ class ServedModel:
             quantization=self.card.quantization,
             num_parameters=self.engine.num_parameters,
             has_chat_template=bool(self.tokenizer.has_chat_template),
-            source=self.card.source,
+            source=self.card.source if with_path else os.path.basename(os.path.normpath(self.card.source)),
             kv_cache_dtype=self.card.kv_cache_dtype,
             sampling_defaults=pb.SamplingParams(**self.sampling.effective_defaults()),
             num_active_parameters=summary.active_parameters,

@@ -121,6 +121,11 @@ class Authenticator:
         """Whether ``api_key`` is accepted (any key when auth is off)."""
         return not self.enabled or self._matches(_digest(api_key), self._digests)
 
+    def is_operator(self, identity: Identity) -> bool:
+        """Whether ``identity`` may see how the server is set up (paths on its disk): an admin key's,
+        or any caller's with auth off, where anyone may manage adapters too."""
+        return identity.admin or not self.enabled
+
     def identity_for(self, api_key: str, user_id: str, *, admin: bool = False) -> Identity:
         """The identity of a key and user id (both may be empty), as a call with them would get."""
         identity = identity_hash(self._secret, api_key, user_id)
