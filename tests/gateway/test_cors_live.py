@@ -16,9 +16,12 @@ import httpx
 import pytest
 from gateway_fakes import gateway_thread
 
+from protoserve.gateway.app import generated_routes
+
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = "https://app.example"
 REQUEST_HEADERS = "authorization, content-type, x-user-id, x-request-timeout"
+DOCUMENTED_METHODS = {"GET", "POST", "DELETE"}  # docs/api.md, CORS
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,9 @@ def test_preflight_is_204_with_origin_methods_headers_and_max_age(cors_gateway):
     reply = preflight(cors_gateway, "/v1/chat/completions")
     assert reply.status_code == 204 and reply.content == b""
     assert reply.headers["access-control-allow-origin"] == ORIGIN
-    assert {"GET", "POST"} <= set(reply.headers["access-control-allow-methods"].replace(" ", "").split(","))
+    # Exactly the methods some route takes, as docs/api.md lists them (DELETE: UnloadAdapter).
+    methods = set(reply.headers["access-control-allow-methods"].replace(" ", "").split(","))
+    assert methods == {"GET"} | {route.http_method for route in generated_routes()} == DOCUMENTED_METHODS
     allowed = set(reply.headers["access-control-allow-headers"].replace(" ", "").lower().split(","))
     assert {"authorization", "content-type", "x-user-id", "x-request-timeout"} <= allowed
     assert reply.headers["access-control-max-age"] == "600"
@@ -58,6 +63,8 @@ def test_preflight_is_204_with_origin_methods_headers_and_max_age(cors_gateway):
     # Every route, GET ones too, and the second configured origin.
     other = preflight(cors_gateway, "/v1/models", origin="http://localhost:3000", method="GET")
     assert other.status_code == 204 and other.headers["access-control-allow-origin"] == "http://localhost:3000"
+    unload = preflight(cors_gateway, "/v1/adapters/some-adapter", method="DELETE", headers="authorization")
+    assert unload.status_code == 204 and unload.headers["access-control-allow-origin"] == ORIGIN
 
 
 @pytest.mark.parametrize(
@@ -66,6 +73,7 @@ def test_preflight_is_204_with_origin_methods_headers_and_max_age(cors_gateway):
         ("https://evil.example", "POST", REQUEST_HEADERS),  # not a configured origin
         (ORIGIN + ":8443", "POST", REQUEST_HEADERS),  # another port is another origin
         (ORIGIN, "PATCH", REQUEST_HEADERS),  # no route takes PATCH
+        (ORIGIN, "PUT", REQUEST_HEADERS),  # nor PUT
         (ORIGIN, "POST", "authorization, x-something-else"),  # a header we do not read
     ],
 )
