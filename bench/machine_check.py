@@ -5,7 +5,7 @@ whether a figure is what a user of the machine would see.
 the Zen 5 hosts this project runs on), and a Zen 5 core issues twice as many
 int8 dot products per cycle as a Zen 4 core: figures from the two, read as
 one machine, once made the bench's prefill look wrong against a user's
-(docs/performance.md). So a run names the CPU by family and model, and
+(docs/notes/performance-log.md). So a run names the CPU by family and model, and
 measures the int8 peak on one thread (one core's rate) beside the all-thread
 peak. When the all-thread peak falls well short of one core's rate times the
 threads, another process held a core (or the threads share one through SMT),

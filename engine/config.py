@@ -13,7 +13,7 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # How int8/int4 layers on the integer-dot kernels quantize their activations: "exact", int8 codes plus
 # int8 codes of their rounding error; "fast", the codes alone (llama.cpp's Q8 activations), half the
-# integer products at a coarser result (kernels/cpu/int8_dot_linear.cpp, figures in docs/performance.md).
+# integer products at a coarser result (kernels/cpu/int8_dot_linear.cpp, figures in docs/notes/performance-log.md).
 ACTIVATION_PRECISIONS = ("exact", "fast")
 # Where the model runs: "cpu" (the C++ kernels) or "cuda" (the Triton kernels of kernels/triton and
 # torch CUDA tensors); engine/execution/device.py is the one place that turns the name into a device.
@@ -41,7 +41,7 @@ class EngineConfig:
     # New tokens per step (decode tokens included): the chunked-prefill budget. A burst of short
     # prompts gets its first tokens a chunk at a time, so smaller steps bring the median first token
     # forward; on the CPU kernels prefill runs as fast in 256-token chunks as in 512
-    # (docs/performance.md has the measurement).
+    # (docs/notes/performance-log.md has the measurement).
     max_num_batched_tokens: int = 256
     max_queue: int = 1024  # waiting requests beyond this are shed with QueueFullError
     max_model_len: int | None = None  # prompt + generated tokens of one sequence

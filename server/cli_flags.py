@@ -49,10 +49,10 @@ ENGINE_FLAGS = (
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
 # target's tokens (greedy and seeded output unchanged), so only speed moves, and it pays only where a
-# step is bound by reading the weights (docs/performance.md has the measurements).
+# step is bound by reading the weights (docs/notes/performance-log.md has the measurements).
 DEFAULT_NGRAM_TOKENS = 4
 # Both methods' default --speculative-disable-by-batch-size: drafting pays at one running sequence and
-# costs from four on, by prompt lookup and with a draft model alike (docs/performance.md).
+# costs from four on, by prompt lookup and with a draft model alike (docs/notes/performance-log.md).
 SPECULATIVE_MAX_BATCH = 1
 
 # serve's --default-<field> flags: (SamplingParams field, type, what it does).

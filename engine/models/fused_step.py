@@ -14,7 +14,7 @@ embeddings and norms widen exactly, and each linear layer either rounds its
 input rows to bf16 and multiplies in bf16 (AVX512-BF16: vdpbf16ps, as a bf16
 matmul does) or widens the weights in registers, which keeps it closer to the
 float32 model than the module path's per-operation rounding (figures in
-docs/performance.md).
+docs/notes/performance-log.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@
 // plus fine codes of what that rounding lost (step sx / 256), multiplied by the
 // same unpacked weights. Coarse codes alone (llama.cpp's Q8 activations) cost
 // greedy agreement with the float32 model; with fine codes it matches the
-// float-activation figure (docs/performance.md). Fine codes double the dot
+// float-activation figure (docs/notes/performance-log.md). Fine codes double the dot
 // products, which costs nothing at decode (memory-bound) and shows on large
 // batches. ActivationCodes::fine picks per call: off ("fast" activation
 // precision) every path is compiled without the fine codes, their dot products

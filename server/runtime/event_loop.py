@@ -4,7 +4,7 @@ Why: every streamed token costs the loop a wakeup, a queue hand-off and a gRPC
 write, and through the gateway a second gRPC read and an HTTP chunk. On a
 2-core machine the loop shares the cores with the engine's compute team, so its
 cost per token comes out of throughput, and uvloop's is smaller (the measured
-difference is in docs/performance.md). ``--event-loop asyncio`` keeps the
+difference is in docs/notes/performance-log.md). ``--event-loop asyncio`` keeps the
 standard loop.
 """
 
