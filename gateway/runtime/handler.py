@@ -194,13 +194,13 @@ class GatewayHandler:
         metadata = []
         for name, value in scope["headers"]:
             if name in self._forwarded:
-                try:
-                    text = value.decode("ascii")
-                except UnicodeDecodeError:
+                # gRPC metadata values are printable ASCII; HTTP lets a tab or a control byte through,
+                # which gRPC would refuse only when the call is sent (a 500, not the caller's 400).
+                if not all(0x20 <= byte <= 0x7E for byte in value):
                     raise gateway_error(
-                        code_pb2.INVALID_ARGUMENT, f"header {name.decode()} must be ASCII"
-                    ) from None
-                metadata.append((name.decode(), text))
+                        code_pb2.INVALID_ARGUMENT, f"header {name.decode()} must be printable ASCII"
+                    )
+                metadata.append((name.decode(), value.decode("ascii")))
         if self.tracing.enabled:
             self.tracing.inject(metadata)
         return metadata
