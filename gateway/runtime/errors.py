@@ -4,7 +4,10 @@ Every failure, whether the server's (a gRPC status with ``google.rpc``
 details in ``grpc-status-details-bin``) or the gateway's own (bad JSON,
 unknown route, oversized body), becomes an :class:`HttpError` holding a
 ``google.rpc.Status``, so both are rendered the same way: as that Status in
-JSON, or as OpenAI's ``{"error": {...}}`` derived from it.
+JSON, or as OpenAI's ``{"error": {...}}`` derived from it. The gateway's own
+statuses, and bare ones from grpc itself, get the ``ErrorInfo`` the server
+puts in each of its own (an ``ErrorReason`` name, domain "protoserve"), so
+every error body has one and OpenAI's ``code`` is never null.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from google.protobuf import json_format
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from protoserve.gateway.runtime.route import ErrorStyle
+from protoserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,23 @@ _OPENAI_TYPES = {
 _BAD_REQUEST_URL = "type.googleapis.com/" + error_details_pb2.BadRequest.DESCRIPTOR.full_name
 _RETRY_INFO_URL = "type.googleapis.com/" + error_details_pb2.RetryInfo.DESCRIPTOR.full_name
 _ERROR_INFO_URL = "type.googleapis.com/" + error_details_pb2.ErrorInfo.DESCRIPTOR.full_name
+ERROR_DOMAIN = "protoserve"
+# The reason of a gateway status whose caller names none, and of a bare status from grpc itself:
+# its only RESOURCE_EXHAUSTED is a message over the size limit, its UNAVAILABLE an unreachable
+# server. Any other code is INTERNAL's, as the server's unexpected failures are; callers name a
+# reason that fits better.
+_DEFAULT_REASONS = {
+    code_pb2.INVALID_ARGUMENT: inference_pb2.ERROR_REASON_INVALID_PARAMETER,
+    code_pb2.NOT_FOUND: inference_pb2.ERROR_REASON_ROUTE_NOT_FOUND,
+    code_pb2.UNIMPLEMENTED: inference_pb2.ERROR_REASON_ROUTE_NOT_FOUND,
+    code_pb2.RESOURCE_EXHAUSTED: inference_pb2.ERROR_REASON_PAYLOAD_TOO_LARGE,
+    code_pb2.PERMISSION_DENIED: inference_pb2.ERROR_REASON_PERMISSION_DENIED,
+    code_pb2.UNAUTHENTICATED: inference_pb2.ERROR_REASON_UNAUTHENTICATED,
+    code_pb2.DEADLINE_EXCEEDED: inference_pb2.ERROR_REASON_DEADLINE_EXCEEDED,
+    code_pb2.UNAVAILABLE: inference_pb2.ERROR_REASON_SERVER_UNAVAILABLE,
+    code_pb2.INTERNAL: inference_pb2.ERROR_REASON_INTERNAL,
+    code_pb2.UNKNOWN: inference_pb2.ERROR_REASON_INTERNAL,
+}
 
 
 class HttpError(Exception):
@@ -110,10 +131,17 @@ class HttpError(Exception):
 
 
 def gateway_error(
-    code: int, message: str, *, http_status: int | None = None, violations: Iterable[tuple[str, str]] = ()
+    code: int,
+    message: str,
+    *,
+    http_status: int | None = None,
+    violations: Iterable[tuple[str, str]] = (),
+    reason: int | None = None,
 ) -> HttpError:
-    """An error the gateway itself answers with; field ``violations`` become a BadRequest detail."""
+    """An error the gateway itself answers with: an ErrorInfo with ``reason`` (an ``ErrorReason``;
+    by default the code's) and, for field ``violations``, a BadRequest detail."""
     status = status_pb2.Status(code=code, message=message)
+    _add_error_info(status, _default_reason(code) if reason is None else reason)
     # Whole-body problems (malformed JSON) name no field; the message carries them.
     violations = [(field, problem) for field, problem in violations if field]
     if violations:
@@ -146,7 +174,18 @@ def from_rpc_error(error: grpc.RpcError) -> HttpError:
     # a bare one comes from grpc itself, whose only such refusal is a message over
     # --max-message-bytes: the body was too large, not the caller too fast.
     http_status = 413 if number == code_pb2.RESOURCE_EXHAUSTED else None
-    return HttpError(status_pb2.Status(code=number, message=message or code.name), http_status)
+    status = status_pb2.Status(code=number, message=message or code.name)
+    _add_error_info(status, _default_reason(number))
+    return HttpError(status, http_status)
+
+
+def _default_reason(code: int) -> int:
+    return _DEFAULT_REASONS.get(code, inference_pb2.ERROR_REASON_INTERNAL)
+
+
+def _add_error_info(status: status_pb2.Status, reason: int) -> None:
+    name = inference_pb2.ErrorReason.Name(reason).removeprefix("ERROR_REASON_")
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=name, domain=ERROR_DOMAIN))
 
 
 def status_to_json(status: status_pb2.Status) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import re
 from google.rpc import code_pb2
 
 from protoserve.gateway.runtime.errors import HttpError, gateway_error
+from protoserve.v1 import inference_pb2
 
 UNSUPPORTED_MEDIA_TYPE = 415
 # type/subtype, case-insensitive: application/json, or a structured syntax suffix (RFC 6839).
@@ -42,6 +43,7 @@ def body_type_error(content_type: str | None, body_size: int | None) -> HttpErro
             code_pb2.INVALID_ARGUMENT,
             f"request body charset {_cut(charset)!r} is not supported: JSON bodies are UTF-8",
             http_status=UNSUPPORTED_MEDIA_TYPE,
+            reason=inference_pb2.ERROR_REASON_UNSUPPORTED_MEDIA_TYPE,
         )
     return None
 
@@ -51,6 +53,7 @@ def _unsupported(got: str) -> HttpError:
         code_pb2.INVALID_ARGUMENT,
         f"request body must be JSON: send content-type: application/json (got {got})",
         http_status=UNSUPPORTED_MEDIA_TYPE,
+        reason=inference_pb2.ERROR_REASON_UNSUPPORTED_MEDIA_TYPE,
     )
 
 

@@ -9,6 +9,7 @@ from google.rpc import code_pb2
 
 from protoserve.gateway.runtime.errors import HttpError, gateway_error
 from protoserve.gateway.runtime.route import ErrorStyle, Route
+from protoserve.v1 import inference_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class Router:
                 code_pb2.UNIMPLEMENTED,
                 f"method {http_method} is not allowed on {raw_path}; use {', '.join(r.http_method for r in allowed)}",
                 http_status=405,
+                reason=inference_pb2.ERROR_REASON_METHOD_NOT_ALLOWED,
             )
             raise RoutingError(error, allowed[0].error_style, (r.http_method for r in allowed))
         error = gateway_error(code_pb2.NOT_FOUND, f"no route for {http_method} {raw_path}", http_status=404)

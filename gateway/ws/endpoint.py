@@ -36,6 +36,7 @@ from protoserve.gateway.runtime.router import RoutingError
 from protoserve.gateway.ws import close_codes
 from protoserve.gateway.ws.protocol import REQUEST_PATHS
 from protoserve.gateway.ws.session import WS_PATH, Session, SessionConfig
+from protoserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ async def upgrade_required(_: Request) -> Response:
         code_pb2.FAILED_PRECONDITION,
         f"{WS_PATH} is a WebSocket route: send an upgrade request",
         http_status=426,
+        reason=inference_pb2.ERROR_REASON_UPGRADE_REQUIRED,
     )
     return Response(
         dumps(error.body(ErrorStyle.OPENAI)),

@@ -41,6 +41,7 @@ from protoserve.gateway.runtime.handler import (
 from protoserve.gateway.runtime.route import Route
 from protoserve.gateway.ws import protocol
 from protoserve.gateway.ws.close_codes import INTERNAL_ERROR, MESSAGE_TOO_BIG, close_reason
+from protoserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Session:
                 code_pb2.ALREADY_EXISTS,
                 f"invalid message: id: request {message.id!r} is already running on this socket",
                 violations=[("id", "already running on this socket")],
+                reason=inference_pb2.ERROR_REASON_INVALID_PARAMETER,
             )
             raise protocol.BadMessage(error, message.id, message.kind)
         if len(self._streams) >= self._max_streams:
@@ -142,6 +144,7 @@ class Session:
                 code_pb2.RESOURCE_EXHAUSTED,
                 f"this socket already runs {self._max_streams} requests; wait for one to end",
                 http_status=429,
+                reason=inference_pb2.ERROR_REASON_TOO_MANY_STREAMS,
             )
             raise protocol.BadMessage(error, message.id, message.kind)
         route = self.config.routes.get(message.kind)
@@ -165,6 +168,7 @@ class Session:
                 code_pb2.NOT_FOUND,
                 f"invalid message: id: no request {request_id!r} is running on this socket",
                 violations=[("id", "not running on this socket")],
+                reason=inference_pb2.ERROR_REASON_REQUEST_NOT_FOUND,
             )
             raise protocol.BadMessage(error, request_id, protocol.CANCEL)
         task.cancel()

@@ -6,6 +6,9 @@ decoder allows), grpc ends the call UNKNOWN with the exception's class in the me
 logs a traceback. :class:`RequestDecodingInterceptor` gives every method a deserializer
 that does not raise: what it cannot decode becomes an :class:`UndecodableRequest`, and the
 method answers INVALID_ARGUMENT naming the message type, without running the servicer.
+A request to one of our services that decodes but holds fields our protos do not define
+becomes an :class:`UnknownFieldsRequest`, refused the same way naming each of them
+(calls.unknown_fields).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from typing import Any
 import grpc
 
 from protoserve.server import errors
+from protoserve.server.calls.unknown_fields import unknown_field_violations
 from protoserve.server.limits import MAX_MESSAGE_DEPTH
 from protoserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
+# Methods whose requests must hold only known fields: ours, not grpc's health or reflection.
+_CHECKED_PREFIX = "/protoserve."
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,23 +48,50 @@ class UndecodableRequest:
             f"wire format for this method, or messages nested deeper than {MAX_MESSAGE_DEPTH} levels)",
         )
 
+    def describe(self) -> str:
+        """What the log says of it."""
+        return f"an undecodable request to {self.method} ({self.size} bytes): {self.cause}"
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownFieldsRequest:
+    """Stands in for a request message holding fields this server's protos do not define."""
+
+    method: str
+    violations: list[tuple[str, str]]
+
+    def error(self) -> errors.ServiceError:
+        """INVALID_ARGUMENT naming each unknown field."""
+        return errors.invalid_argument(self.violations)
+
+    def describe(self) -> str:
+        """What the log says of it."""
+        shown = ", ".join(f for f, _ in self.violations[: errors.MAX_VIOLATIONS])
+        more = len(self.violations) - errors.MAX_VIOLATIONS
+        return f"a request to {self.method} with unknown fields {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+RefusedRequest = UndecodableRequest | UnknownFieldsRequest
+
 
 def _tolerant(method: str, deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    checked = method.startswith(_CHECKED_PREFIX)
+
     def deserialize(data: bytes) -> Any:
         if deserializer is None:
             return data
         try:
-            return deserializer(data)
+            request = deserializer(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else the bytes made it raise
             return UndecodableRequest(method, len(data), str(exc) or type(exc).__name__)
+        violations = unknown_field_violations(request, data) if checked else []
+        return UnknownFieldsRequest(method, violations) if violations else request
 
     return deserialize
 
 
-async def _refuse(request: UndecodableRequest, context: grpc.aio.ServicerContext) -> None:
-    log.info(
-        "refused an undecodable request to %s (%d bytes): %s", request.method, request.size, request.cause
-    )
+async def _refuse(request: RefusedRequest, context: grpc.aio.ServicerContext) -> None:
+    log.info("refused %s", request.describe())
     await errors.abort(context, request.error())
 
 
@@ -66,7 +99,7 @@ def _checked_unary(behavior):
     if inspect.iscoroutinefunction(behavior):
 
         async def unary(request, context):
-            if isinstance(request, UndecodableRequest):
+            if isinstance(request, RefusedRequest):
                 await _refuse(request, context)
             return await behavior(request, context)
 
@@ -74,7 +107,7 @@ def _checked_unary(behavior):
     if inspect.isasyncgenfunction(behavior):
 
         async def unary_to_stream(request, context):
-            if isinstance(request, UndecodableRequest):
+            if isinstance(request, RefusedRequest):
                 await _refuse(request, context)
             async for response in behavior(request, context):
                 yield response
@@ -86,7 +119,7 @@ def _checked_unary(behavior):
 def _checked_stream(behavior):
     async def checked(requests: AsyncIterator[Any], context) -> AsyncIterator[Any]:
         async for request in requests:
-            if isinstance(request, UndecodableRequest):
+            if isinstance(request, RefusedRequest):
                 await _refuse(request, context)
             yield request
 

@@ -19,6 +19,7 @@ from gateway_fakes import FakeBackend, gateway_thread
 from google.rpc import code_pb2
 
 REPO = Path(__file__).resolve().parents[2]
+ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
 STATUS_BY_CODE = {
     "CANCELLED": 499,
     "UNKNOWN": 500,
@@ -166,7 +167,9 @@ def test_bad_bodies_are_400_in_the_route_style(http, fake_backend, path, content
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
     else:
         assert body["code"] == 3 and fragment in body["message"]
-        violations = body["details"][0]["field_violations"] if body["details"] else []
+        details = {detail["@type"].rsplit(".", 1)[1]: detail for detail in body["details"]}
+        assert details["ErrorInfo"] == {"@type": ERROR_INFO, "reason": "INVALID_PARAMETER", "domain": "protoserve"}
+        violations = details["BadRequest"]["field_violations"] if "BadRequest" in details else []
         assert (violations[0]["field"] or None) == param if violations else param is None
     assert _calls(fake_backend) == before
 
@@ -232,21 +235,25 @@ def test_unknown_routes_and_wrong_methods(http):
     assert missing.status_code == 404 and missing.json() == {
         "code": 5,
         "message": "no route for GET /v2/nothing",
-        "details": [],
+        "details": [{"@type": ERROR_INFO, "reason": "ROUTE_NOT_FOUND", "domain": "protoserve"}],
     }
     openai_missing = http.post("/v1/chat/nothing", json={})
-    assert openai_missing.status_code == 404 and openai_missing.json()["error"]["type"] == "not_found_error"
+    assert openai_missing.status_code == 404
+    assert openai_missing.json()["error"]["type"] == "not_found_error"
+    assert openai_missing.json()["error"]["code"] == "route_not_found"
     wrong = http.get("/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["message"] == "method GET is not allowed on /v1/chat/completions; use POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
     native_wrong = http.delete("/v1/generate")
     assert native_wrong.status_code == 405 and native_wrong.json()["code"] == 12
+    assert native_wrong.json()["details"][0]["reason"] == "METHOD_NOT_ALLOWED"
 
 
 def test_query_parameters_are_validated_before_the_call(http):
     bad = http.get("/v1/metrics:watch", params={"interval_ms": "often"})
     assert bad.status_code == 400
-    assert bad.json()["details"][0]["field_violations"][0]["field"] == "interval_ms"
+    assert bad.json()["details"][1]["field_violations"][0]["field"] == "interval_ms"
     # Well-formed: it reaches the backend, which has no MetricsService.
     assert http.get("/v1/metrics:watch", params={"interval_ms": "500"}).status_code == 501
 
@@ -476,6 +483,6 @@ async def test_gateway_bug_is_a_logged_500_in_the_route_style(monkeypatch, caplo
         "message": "internal gateway error",
         "type": "server_error",
         "param": None,
-        "code": None,
+        "code": "internal",
     }
     assert "unexpected gateway error on POST /v1/chat/completions" in caplog.text

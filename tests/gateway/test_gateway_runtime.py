@@ -306,8 +306,9 @@ def test_bind_query_parameters():
     route = _route("OpenAIService/RetrieveModel")
     assert bind_request(route, {"model": "m"}, [("model", "ignored")], b"").request.model == "m"
     get_model = _route("InferenceService/GetModel")
-    call = bind_request(get_model, {"name": "m"}, [("unknown", "1")], b"")  # ignored: route does not reject
-    assert call.request.name == "m"
+    assert bind_request(get_model, {"name": "m"}, [], b"").request.name == "m"
+    with pytest.raises(HttpError, match="unknown: unknown query parameter"):
+        bind_request(get_model, {"name": "m"}, [("unknown", "1")], b"")
 
 
 # ------------------------------------------------------------------ errors

@@ -129,7 +129,7 @@ def test_real_route_table():
         "/v1/models/{model}",
         "model",
     )
-    assert retrieve.error_style is ErrorStyle.OPENAI and not retrieve.reject_unknown_fields
+    assert retrieve.error_style is ErrorStyle.OPENAI and retrieve.reject_unknown_fields
 
     stream = by_name["GenerateStream@v1"]
     assert stream.server_streaming and stream.body == "request" and stream.path.verb == "stream"
