@@ -29,7 +29,7 @@ GATEWAY_RULE_EXTENSION = "protoserve.options.v1.gateway"
 _HTTP_VERBS = ("get", "put", "post", "delete", "patch")
 _FRAMINGS = {
     "STREAM_FRAMING_UNSPECIFIED": Framing.SSE,
-    "STREAM_FRAMING_SSE_OPENAI": Framing.SSE_OPENAI,
+    "STREAM_FRAMING_SSE_OPENAI": Framing.SSE,  # deprecated: every SSE stream ends with [DONE] now
     "STREAM_FRAMING_NDJSON": Framing.NDJSON,
 }
 _ERROR_STYLES = {

@@ -265,10 +265,10 @@ def _stream_note(framing: Framing) -> str:
             'The stream is newline-delimited JSON, one `{"result": <message>}` per line; an error '
             'after the stream started ends it with an `{"error": ...}` line.'
         )
-    done = " It ends with `data: [DONE]`." if framing is Framing.SSE_OPENAI else ""
     return (
-        "The stream is Server-Sent Events, each `data:` field one message as JSON." + done + " An error "
-        'after the stream started arrives as a last `data: {"error": ...}` event instead.'
+        "The stream is Server-Sent Events, each `data:` field one message as JSON. It ends with "
+        '`data: [DONE]`; an error after the stream started arrives as a last `data: {"error": ...}` '
+        "event instead."
     )
 
 
@@ -471,7 +471,7 @@ def build_openapi(api: Api, title: str, version: str) -> dict[str, Any]:
         f"`x-user-id` (`{USER_ID_SCHEME}`); the others, such as `/health`, need nothing. "
         f"A missing or unknown key is 401.\n\n"
         f"**Streaming.** Operations that stream say so in their description: Server-Sent Events, "
-        f"each `data:` field one JSON message, the OpenAI routes ending with `data: [DONE]`."
+        f"each `data:` field one JSON message, ending with `data: [DONE]`."
     )
     return {
         "openapi": "3.1.0",

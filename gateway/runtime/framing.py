@@ -1,12 +1,12 @@
 """Byte framing of a server stream on the HTTP side (GatewayRule.framing).
 
 SSE writes each message as one ``data: <json>\\n\\n`` event (the JSON is
-compact, so it never spans lines); SSE_OPENAI adds OpenAI's closing
-``data: [DONE]\\n\\n``; NDJSON writes ``{"result": <json>}`` lines as
-grpc-gateway does. A stream that fails after its first byte cannot change its
-HTTP status any more, so the failure is written as a last ``{"error": ...}``
-frame and the stream ends without ``[DONE]``: a client can tell a complete
-stream from a broken one.
+compact, so it never spans lines) and ends with OpenAI's ``data: [DONE]\\n\\n``,
+on the native routes too, so every SSE client tells a stream's end the same
+way; NDJSON writes ``{"result": <json>}`` lines as grpc-gateway does. A stream
+that fails after its first byte cannot change its HTTP status any more, so the
+failure is written as a last ``{"error": ...}`` frame and the stream ends
+without ``[DONE]``: a client can tell a complete stream from a broken one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from protoserve.gateway.runtime.route import Framing
 
 CONTENT_TYPES = {
     Framing.SSE: "text/event-stream; charset=utf-8",
-    Framing.SSE_OPENAI: "text/event-stream; charset=utf-8",
     Framing.NDJSON: "application/x-ndjson",
 }
 
@@ -44,4 +43,4 @@ def error_frame(framing: Framing, event: dict[str, Any]) -> bytes:
 
 def end_frame(framing: Framing) -> bytes:
     """What a stream that finished normally ends with."""
-    return b"data: [DONE]\n\n" if framing is Framing.SSE_OPENAI else b""
+    return b"" if framing is Framing.NDJSON else b"data: [DONE]\n\n"

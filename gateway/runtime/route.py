@@ -14,7 +14,6 @@ class Framing(enum.StrEnum):
     """How a server stream is written on the HTTP side (GatewayRule.framing)."""
 
     SSE = "sse"
-    SSE_OPENAI = "sse_openai"
     NDJSON = "ndjson"
 
 

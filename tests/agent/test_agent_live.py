@@ -203,9 +203,9 @@ def test_the_gateway_streams_a_run_as_server_sent_events(agent_server):
         assert response.status_code == 200 and response.headers["content-type"].startswith(
             "text/event-stream"
         )
-        events = [
-            json.loads(line[len("data: ") :]) for line in response.iter_lines() if line.startswith("data: ")
-        ]
+        *events, done = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert done == "[DONE]"  # a run that ended well ends as OpenAI's streams do
+    events = [json.loads(event) for event in events]
     assert events[0]["tool_call"]["name"] == "calculator"
     results = [e["tool_result"] for e in events if "tool_result" in e]
     # The calculator's schema holds a forced call to an expression, so it computes.

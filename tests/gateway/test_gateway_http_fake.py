@@ -337,6 +337,7 @@ NATIVE_STREAM = (
     b'data: {"request_id":"s-1","final":{"choices":[{"index":0,"finish_reason":"FINISH_REASON_LENGTH",'
     b'"stop_reason":""}],"usage":{"prompt_tokens":1,"completion_tokens":3,"total_tokens":4,'
     b'"cached_prompt_tokens":0},"stats":null,"model":"fake"}}\n\n'
+    b"data: [DONE]\n\n"
 )
 COMPLETION_CHUNK = b'"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"m"'
 COMPLETION_STREAM = (

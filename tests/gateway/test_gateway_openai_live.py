@@ -214,7 +214,9 @@ def test_real_sse_framing(base_url, model):
     events = _events(openai_stream.content)
     assert events[-1] == b"[DONE]"
     assert all(json.loads(event)["object"] == "text_completion" for event in events[:-1])
-    native = [json.loads(event) for event in _events(native_stream.content)]
+    *native, native_done = _events(native_stream.content)
+    assert native_done == b"[DONE]"  # native streams end as OpenAI's do
+    native = [json.loads(event) for event in native]
     assert all("delta" in event for event in native[:-1])
     assert native[-1]["final"]["usage"]["completion_tokens"] == 2
 

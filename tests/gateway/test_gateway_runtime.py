@@ -382,10 +382,10 @@ def test_frames_are_exact_bytes():
     payload = {"text": "line\nbreak", "n": 0}
     assert framing.message_frame(Framing.SSE, payload) == b'data: {"text":"line\\nbreak","n":0}\n\n'
     assert framing.message_frame(Framing.NDJSON, payload) == b'{"result":{"text":"line\\nbreak","n":0}}\n'
-    assert framing.end_frame(Framing.SSE_OPENAI) == b"data: [DONE]\n\n"
-    assert framing.end_frame(Framing.SSE) == b""
+    assert framing.end_frame(Framing.SSE) == b"data: [DONE]\n\n"
+    assert framing.end_frame(Framing.NDJSON) == b""
     assert (
-        framing.error_frame(Framing.SSE_OPENAI, {"error": {"message": "x"}})
+        framing.error_frame(Framing.SSE, {"error": {"message": "x"}})
         == b'data: {"error":{"message":"x"}}\n\n'
     )
     assert framing.content_type(Framing.NDJSON) == "application/x-ndjson"

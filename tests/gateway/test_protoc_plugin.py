@@ -135,7 +135,7 @@ def test_real_route_table():
     assert stream.server_streaming and stream.body == "request" and stream.path.verb == "stream"
 
     completion = by_name["CreateCompletion@openai"]
-    assert completion.stream is not None and completion.framing is Framing.SSE_OPENAI
+    assert completion.stream is not None and completion.framing is Framing.SSE
     assert completion.stream.grpc_method == "/protoserve.openai.v1.OpenAIService/CreateCompletionStream"
     assert completion.stream.wrap_field == "request"
     assert (

@@ -50,11 +50,11 @@ def test_streams_generate_as_sse(standalone_gateway: str) -> None:
     deltas, final = 0, None
     with httpx.stream("POST", f"{standalone_gateway}/v1/generate:stream", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data:"):
-                event = json.loads(line[5:])
-                deltas += "delta" in event
-                final = event.get("final", final)
+        *events, done = [line[5:].strip() for line in response.iter_lines() if line.startswith("data:")]
+    assert done == "[DONE]"
+    for event in map(json.loads, events):
+        deltas += "delta" in event
+        final = event.get("final", final)
     assert deltas == 4
     assert final is not None and final["usage"]["completion_tokens"] == 4
 
