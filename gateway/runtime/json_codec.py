@@ -10,7 +10,8 @@ Writing follows grpc-gateway's default marshaler (protojson with
 EmitUnpopulated) with proto field names: fields without presence are always
 printed, zero values included (OpenAI clients need ``"index": 0``), and unset
 fields with presence (proto3 ``optional`` scalars, singular messages outside
-a real oneof) are printed as ``null``; unset oneof members are left out.
+a real oneof) are printed as ``null``; unset oneof members are left out, and so
+are empty fields marked ``omit_empty`` (``GatewayField``: OpenAI's ``tool_calls``).
 64-bit integers stay strings, as proto3 JSON prints them. Each value is what
 ``json_format.MessageToDict`` gives it (well-known types are its own output),
 in the descriptor's field order, from a writer compiled once per message type:
@@ -33,6 +34,8 @@ from typing import Any
 from google.protobuf import descriptor, descriptor_pb2, json_format, message_factory
 from google.protobuf.internal import type_checkers
 from google.protobuf.message import Message
+
+from protoserve.options.v1 import gateway_pb2
 
 FD = descriptor.FieldDescriptor
 _INT_RANGES = {
@@ -444,8 +447,9 @@ _UNSET = object()  # a oneof member's place in a written message until the messa
 @functools.cache
 def _writer(message_type: descriptor.Descriptor) -> Callable[[Message], Any]:
     """The JSON writer of one message type. Unset fields keep their places from a template in field
-    order (the no-presence ones their JSON default, presence ones null, oneof members a mark taken
-    out again); the fields the message reports set (ListFields) overwrite theirs."""
+    order (the no-presence ones their JSON default, presence ones null, oneof members and
+    ``omit_empty`` fields a mark taken out again); the fields the message reports set (ListFields)
+    overwrite theirs."""
     if message_type.full_name.startswith(_WKT_PREFIX):  # their own JSON forms, json_format's
         return functools.partial(
             json_format.MessageToDict, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -453,14 +457,17 @@ def _writer(message_type: descriptor.Descriptor) -> Callable[[Message], Any]:
     template: dict[str, Any] = {}
     fresh: list[tuple[str, type]] = []  # empty repeated and map fields: a new container per message
     by_number: dict[int, tuple[str, Callable[[Any], Any]]] = {}
-    oneof_members = False
+    omissible = False  # some field may be left out: an unset oneof member or an empty omit_empty field
     for field in message_type.fields:
         convert = _field_writer(field)
         by_number[field.number] = (field.name, convert)
         if field.has_presence:
             in_oneof = _real_oneof(field) is not None
-            oneof_members |= in_oneof
+            omissible |= in_oneof
             template[field.name] = _UNSET if in_oneof else None
+        elif field.is_repeated and _omit_empty(field):
+            omissible = True
+            template[field.name] = _UNSET
         elif field.is_repeated:
             template[field.name] = None
             fresh.append((field.name, dict if _is_map(field) else list))
@@ -484,11 +491,15 @@ def _writer(message_type: descriptor.Descriptor) -> Callable[[Message], Any]:
             else:
                 name, convert = by_number[field.number]
                 out[name] = convert(value)
-        if oneof_members:
+        if omissible:
             out = {name: value for name, value in out.items() if value is not _UNSET}
         return out
 
     return write
+
+
+def _omit_empty(field: descriptor.FieldDescriptor) -> bool:
+    return field.GetOptions().Extensions[gateway_pb2.field].omit_empty
 
 
 def _is_map(field: descriptor.FieldDescriptor) -> bool:

@@ -54,7 +54,7 @@ from protoserve.server.tool_calls.parsers import (
     CallArguments,
     CallStart,
     Content,
-    ToolCallParser,
+    StreamedOutput,
     parse_output,
 )
 from protoserve.server.tool_calls.request import (
@@ -246,6 +246,18 @@ def _chat_delta(event: Content | CallStart | CallArguments) -> oa.ChatCompletion
             index=event.index, function=oa.ChoiceDeltaFunctionCall(arguments=event.text)
         )
     return oa.ChatCompletionDelta(tool_calls=[piece])
+
+
+def _with_role(index: int, choices: list[oa.ChatCompletionChunkChoice]) -> list[oa.ChatCompletionChunkChoice]:
+    """A choice's first chunks with its role, as OpenAI streams a reply that may call tools: a first
+    call carries the role with content null (the unary message's content when it only calls tools);
+    text follows a role chunk of its own with content ""."""
+    first = choices[0].delta
+    if first.HasField("content") or (len(choices) == 1 and choices[0].finish_reason):
+        role = oa.ChatCompletionDelta(role="assistant", content="")
+        return [oa.ChatCompletionChunkChoice(index=index, delta=role), *choices]
+    first.role = "assistant"
+    return choices
 
 
 def _embedding_inputs(value: Any, violations: list[tuple[str, str]]) -> tuple[list[str], list[list[int]] | None]:
@@ -820,23 +832,23 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         inner = request.request
         prepared = await self._prepare_chat(inner, streaming=True)
         served = prepared.served
+        plan = prepared.tools
 
         def roles() -> list[oa.ChatCompletionChunkChoice]:
+            if plan is not None:
+                return []  # with tools, each choice's role goes with its first delta (_with_role)
             delta = oa.ChatCompletionDelta(role="assistant", content="")
             return [oa.ChatCompletionChunkChoice(index=i, delta=delta) for i in range(prepared.sampling.n)]
 
-        plan = prepared.tools
-        parsers: dict[int, ToolCallParser] = {}
+        outputs: dict[int, StreamedOutput] = {}
+        opened: set[int] = set()  # with tools: the choices whose role has gone out
 
         def deltas(index: int, text: str, finished: bool) -> list[oa.ChatCompletionDelta]:
             """The deltas of new text: content as it is, or, with tools, what the parser found in it."""
             if plan is None:
                 return [oa.ChatCompletionDelta(content=text)] if text else []
-            parser = parsers.setdefault(index, ToolCallParser(plan.format, plan.max_calls))
-            events = parser.feed(text) if text else []
-            if finished:
-                events += parser.finish()
-            return [_chat_delta(event) for event in events]
+            output = outputs.setdefault(index, StreamedOutput(plan.format, plan.max_calls))
+            return [_chat_delta(event) for event in output.feed(text, finished)]
 
         def chunk_choices(_: int, d: CompletionDelta) -> list[oa.ChatCompletionChunkChoice]:
             choices = [
@@ -852,12 +864,15 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
             if d.finish_reason is not None:
                 reason = finish_reason_text(d.finish_reason)
                 if plan is not None:
-                    reason = plan.finish_reason(parsers[d.index].calls_started > 0, reason)
+                    reason = plan.finish_reason(outputs[d.index].parser.calls_started > 0, reason)
                 choices.append(
                     oa.ChatCompletionChunkChoice(
                         index=d.index, delta=oa.ChatCompletionDelta(), finish_reason=reason
                     )
                 )
+            if plan is not None and choices and d.index not in opened:
+                opened.add(d.index)
+                return _with_role(d.index, choices)
             return choices
 
         await self._stream(

@@ -505,3 +505,31 @@ def parse_output(text: str, fmt: ToolCallFormat, max_calls: int | None = None) -
     content: list[str] = []
     collect(parser.feed(text) + parser.finish(), calls, names, content)
     return parsed(calls, names, content)
+
+
+class StreamedOutput:
+    """One choice's events as a stream sends them, adding up to what :func:`parse_output` gives the
+    whole output: whitespace-only content is held back while no other content has gone out, and
+    dropped at the end when the choice called tools (the whole output's content is None then)."""
+
+    def __init__(self, fmt: ToolCallFormat, max_calls: int | None = None) -> None:
+        self.parser = ToolCallParser(fmt, max_calls)
+        self._held = ""
+        self._text_sent = False
+
+    def feed(self, text: str, finished: bool) -> list[Event]:
+        """The events of the next piece of output (``finished``: it is the last)."""
+        events = self.parser.feed(text) if text else []
+        if finished:
+            events += self.parser.finish()
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, Content) and not self._text_sent:
+                self._held += event.text
+                if not self._held.strip():
+                    continue
+                event, self._held, self._text_sent = Content(self._held), "", True
+            out.append(event)
+        if finished and self._held and not self.parser.calls_started:
+            out.append(Content(self._held))
+        return out

@@ -2,7 +2,8 @@
 
 The rule the writer implements: json_format.MessageToDict with proto field names and no-presence
 fields always printed, then every message's fields in descriptor order with an unset presence field
-outside a real oneof written as null, well-known types as json_format writes them, extensions last.
+outside a real oneof written as null, an empty ``omit_empty`` field (GatewayField) left out, well-known
+types as json_format writes them, extensions last.
 That rule is applied here on top of MessageToDict's own output, and the two are compared as JSON
 text (key order and -0.0 included) for randomly filled messages: every message type the server
 answers with, and a test file that holds every field kind (64-bit integers, float32, NaN and the
@@ -26,6 +27,7 @@ from grpc_tools import protoc
 
 from protoserve.gateway.runtime.json_codec import message_to_json
 from protoserve.openai.v1 import openai_pb2
+from protoserve.options.v1 import gateway_pb2
 from protoserve.v1 import adapters_pb2, agent_pb2, embeddings_pb2, inference_pb2, metrics_pb2, rag_pb2
 
 KINDS_PROTO = """
@@ -107,6 +109,8 @@ def _with_nulls(message, value):
                 ordered[field.name] = None
             continue
         item, entry = value[field.name], field.message_type
+        if item == [] and field.GetOptions().Extensions[gateway_pb2.field].omit_empty:
+            continue
         if entry is not None and entry.GetOptions().map_entry:
             if entry.fields_by_name["value"].message_type is not None:
                 container = getattr(message, field.name)
@@ -118,7 +122,8 @@ def _with_nulls(message, value):
             item = _with_nulls(getattr(message, field.name), item)
         ordered[field.name] = item
     for name, item in value.items():  # extensions
-        ordered.setdefault(name, item)
+        if name not in desc.fields_by_name:
+            ordered.setdefault(name, item)
     return ordered
 
 
@@ -317,6 +322,9 @@ def test_the_chat_chunk_shape():
     written = message_to_json(chunk)
     assert list(written) == ["id", "object", "created", "model", "choices", "usage", "system_fingerprint"]
     assert written["choices"] == [
-        {"index": 0, "delta": {"role": None, "content": "hi", "tool_calls": []}, "logprobs": None, "finish_reason": None}
-    ]
+        {"index": 0, "delta": {"role": None, "content": "hi"}, "logprobs": None, "finish_reason": None}
+    ]  # no "tool_calls": [] (omit_empty), as OpenAI writes a delta without calls
+    call = openai_pb2.ChoiceDeltaToolCall(index=0, function=openai_pb2.ChoiceDeltaFunctionCall(arguments="{"))
+    with_call = message_to_json(openai_pb2.ChatCompletionDelta(tool_calls=[call]))
+    assert with_call == {"role": None, "content": None, "tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}
     assert written["usage"] is None and written["system_fingerprint"] == ""
