@@ -4,7 +4,8 @@ protobuf keeps the fields of a message it does not know as "unknown fields" and 
 sees them: a client built from newer protos (or one that numbers a field wrongly) would get an
 answer that silently ignored what it asked for. The gateway refuses unknown JSON fields; this is
 the same rule for binary requests. Each violation names the field by its path and number, the
-only name an unknown field has.
+only name an unknown field has (or by its name, when a known field's value came in the wrong wire
+type, which protobuf keeps as unknown too).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def unknown_field_violations(request: Message, data: bytes) -> list[tuple[str, s
 def _walk(message: Message, path: str) -> Iterator[tuple[str, str]]:
     descriptor = message.DESCRIPTOR
     for number in sorted({field.field_number for field in UnknownFieldSet(message)}):
+        known = descriptor.fields_by_number.get(number)
+        if known is not None:  # protobuf keeps a value of the wrong wire type as unknown
+            yield _join(path, known.name), f"field number {number} holds a value of the wrong wire type"
+            continue
         yield (
             _join(path, str(number)),
             f"unknown field number {number}: {descriptor.full_name} has no such field, so it "

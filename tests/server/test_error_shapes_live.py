@@ -190,3 +190,11 @@ async def test_an_unknown_field_inside_a_message_is_named_by_its_path(channel):
     assert failure.code == grpc.StatusCode.INVALID_ARGUMENT
     assert failure.fields == {f"sampling.{BAD_NUMBER}"}
     assert "protoserve.v1.SamplingParams has no such field" in failure.message
+
+
+async def test_a_known_field_in_the_wrong_wire_type_is_named(channel):
+    number = inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["model"].number
+    request = bytes([number << 3 | 0, 5])  # a varint where the model's name (a string) goes
+    failure = await failure_of(channel.unary_unary("/protoserve.v1.InferenceService/Generate")(request, timeout=30))
+    assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and failure.fields == {"model"}
+    assert "wrong wire type" in failure.message
