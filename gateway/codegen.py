@@ -1,4 +1,4 @@
-"""Everything generated from ``proto/``, in one protoc run: used by ``make proto`` and by wheel builds.
+"""Everything generated from ``proto/``, in two protoc runs: used by ``make proto`` and by wheel builds.
 
 Writes under ``<out>/python``: the message modules, ``.pyi`` stubs and gRPC
 stubs (``protoserve/v1``, ``protoserve/openai/v1``, ``protoserve/options/v1``),
@@ -37,28 +37,35 @@ def generate(repo: Path, out: Path, *, plugin_path: Path | None = None, python: 
     proto_root = repo / "proto"
     generated = out / "python" / GENERATED_PACKAGE
     generated.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{proto_root}", f"-I{repo / 'third_party' / 'googleapis'}",
+                f"-I{Path(grpc_tools.__file__).parent / '_proto'}"]
+    # First the messages: the plugin reads our own options (protoserve.options.v1) through them, and a
+    # clean build has no other copy.
+    _protoc(protoc, [
+        *includes,
+        f"--python_out={out / 'python'}",
+        f"--pyi_out={out / 'python'}",
+        f"--grpc_python_out={out / 'python'}",
+        "--include_imports",
+        "--include_source_info",
+        f"--descriptor_set_out={generated / 'protoserve.binpb'}",
+        *proto_files(proto_root),
+    ])
     with tempfile.TemporaryDirectory() as tmp:
         # protoc runs plugins as programs: a launcher with this interpreter and path.
         launcher = Path(tmp) / "protoc-gen-gateway"
-        path = f"PYTHONPATH='{plugin_path}'${{PYTHONPATH:+:$PYTHONPATH}} " if plugin_path else ""
-        launcher.write_text(f"#!/bin/sh\n{path}exec '{python}' -m protoserve.gateway.protoc_gen_gateway\n")
+        path = ":".join(str(p) for p in (plugin_path, out / "python") if p is not None)
+        launcher.write_text(
+            f"#!/bin/sh\nPYTHONPATH='{path}'${{PYTHONPATH:+:$PYTHONPATH}} "
+            f"exec '{python}' -m protoserve.gateway.protoc_gen_gateway\n"
+        )
         launcher.chmod(launcher.stat().st_mode | stat.S_IXUSR)
-        args = [
-            "grpc_tools.protoc",
-            f"-I{proto_root}",
-            f"-I{repo / 'third_party' / 'googleapis'}",
-            f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
-            f"--python_out={out / 'python'}",
-            f"--pyi_out={out / 'python'}",
-            f"--grpc_python_out={out / 'python'}",
-            f"--plugin=protoc-gen-gateway={launcher}",
-            f"--gateway_out={out / 'python'}",
-            "--include_imports",
-            "--include_source_info",
-            f"--descriptor_set_out={generated / 'protoserve.binpb'}",
-            *proto_files(proto_root),
-        ]
-        code = protoc.main(args)
+        _protoc(protoc, [*includes, f"--plugin=protoc-gen-gateway={launcher}", f"--gateway_out={out / 'python'}",
+                         *proto_files(proto_root)])
+
+
+def _protoc(protoc, args: list[str]) -> None:
+    code = protoc.main(["grpc_tools.protoc", *args])
     if code != 0:
         raise RuntimeError(f"protoc failed with exit code {code}")
 
