@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 from headless_chromium import HeadlessChromium
 
-CHAT = "operations-OpenAIService-OpenAIService_CreateChatCompletion"
-MODELS = "operations-OpenAIService-OpenAIService_ListModels"
+# (element id, path, method) of the operations the test sends from the page.
+CHAT = ("operations-OpenAIService-OpenAIService_CreateChatCompletion", "/v1/chat/completions", "post")
+MODELS = ("operations-OpenAIService-OpenAIService_ListModels", "/v1/models", "get")
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -44,13 +45,20 @@ def authorize(browser: HeadlessChromium, key: str) -> None:
     browser.evaluate("document.querySelector('.modal-ux button.close-modal').click()")
 
 
-def execute(browser: HeadlessChromium, operation_id: str) -> tuple[str, str | None, str]:
+def execute(browser: HeadlessChromium, operation: tuple[str, str, str]) -> tuple[str, str | None, str]:
     """Open the operation, press Execute: (status shown, request body sent, response body shown)."""
+    operation_id, path, method = operation
     root = f"document.getElementById({json.dumps(operation_id)})"
     browser.evaluate(f"{root}.querySelector('.opblock-summary-control').click()")
     browser.wait_for(f"!!{root}.querySelector('button.execute')")
+    # Swagger UI resolves an opened operation (its body and content-type controls) in the background;
+    # a press before that is lost, where a person's would not be: wait for it, as a person would.
+    key = json.dumps(["paths", path, method])
+    browser.wait_for(f"!!window.ui.specSelectors.specResolvedSubtree({key})")
     sent = browser.evaluate(f"{root}.querySelector('textarea.body-param__text')?.value ?? null")
+    requested = f"!!window.ui.getState().getIn(['spec', 'requests', {json.dumps(path)}, {json.dumps(method)}])"
     browser.evaluate(f"{root}.querySelector('button.execute').click()")
+    browser.wait_for(requested, timeout=30)
     status = browser.wait_for(
         f"{root}.querySelector('.live-responses-table tr.response .response-col_status')?.textContent.trim()",
         timeout=REQUEST_TIMEOUT_S,
