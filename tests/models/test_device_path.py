@@ -32,6 +32,8 @@ from protoserve.engine.models.linear import KernelPackable
 from protoserve.kernels import triton as triton_kernels
 from protoserve.kernels.cpu.packed_linear import unpack
 
+pytestmark = pytest.mark.slow  # the Triton kernels under the CPU interpreter (tens of seconds): make test, not make test-fast
+
 TARGETS = ["triton-interpreted", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here"))]
 BLOCK = 4

