@@ -9,7 +9,6 @@ written into its placeholders as YAML (one line of flow style each, or a block l
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import string
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from protoserve.gateway.browser_safety import is_ip_literal
 from protoserve.gateway.envoy.browser_routes import NO_TRANSCODING, browser_refusals
 
 TEMPLATE = Path(__file__).with_name("envoy.yaml.template")
@@ -121,18 +121,10 @@ def _split_address(address: str, field: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _endpoint(address: str, field: str, hash_key: str | None = None) -> dict:
     host, port = _split_address(address, field)
     endpoint: dict = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-    if hash_key is not None and _is_ip(host):
+    if hash_key is not None and is_ip_literal(host):
         # The ring position of a host comes from this key, not its address: a replica's gateway and
         # its gRPC port sit at the same place on both rings, so an identity's OpenAI and native calls
         # land on the same replica. A DNS name stands for many hosts (a headless Service's pods),
@@ -143,7 +135,7 @@ def _endpoint(address: str, field: str, hash_key: str | None = None) -> dict:
 
 def _cluster_type(addresses: Sequence[str]) -> str:
     # Names (a Kubernetes headless Service) resolve to every pod address, each a host of its own.
-    return "STATIC" if all(_is_ip(_split_address(a, "address")[0]) for a in addresses) else "STRICT_DNS"
+    return "STATIC" if all(is_ip_literal(_split_address(a, "address")[0]) for a in addresses) else "STRICT_DNS"
 
 
 def _seconds(value: float) -> str:
