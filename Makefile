@@ -16,6 +16,7 @@ PYTEST_ARGS ?=
 CONTRACT_BASELINE := proto/baseline/protoserve.binpb
 CLIENT_PKG := clients/python/protoserve_client
 SYNC_CLIENT := $(CLIENT_PKG)/client.py
+SYNC_STREAMS := $(CLIENT_PKG)/_sync_streams.py
 
 .PHONY: help install prometheus chromium kernels proto proto-check lint contract-baseline test test-fast test-gpu fuzz soak run bench bench-peers clean
 
@@ -78,7 +79,7 @@ kernels: $(VENV)/.installed
 
 # The blocking Python client (not committed), generated from the asyncio one by
 # unasync; wheel builds of clients/python run the same step.
-$(SYNC_CLIENT): $(CLIENT_PKG)/aio.py clients/python/build_backend/protoserve_client_build.py | $(VENV)/.installed
+$(SYNC_CLIENT): $(CLIENT_PKG)/aio.py $(CLIENT_PKG)/_aio_streams.py clients/python/build_backend/protoserve_client_build.py | $(VENV)/.installed
 	$(PY) clients/python/build_backend/protoserve_client_build.py
 
 # Generated code lives in gen/ (not committed): Python messages, .pyi stubs and
@@ -162,4 +163,4 @@ bench-peers: $(VENV)/.installed
 	$(PY) -m bench.peers.llamacpp build
 
 clean:
-	rm -rf $(GEN) $(GEN).tmp $(SYNC_CLIENT) .pytest_cache .ruff_cache
+	rm -rf $(GEN) $(GEN).tmp $(SYNC_CLIENT) $(SYNC_STREAMS) .pytest_cache .ruff_cache

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import protoserve_client
-from protoserve_client import aio, client
+from protoserve_client import _aio_streams, _sync_streams, aio, client
 
 PACKAGE = Path(protoserve_client.__file__).parent
 BUILD_BACKEND = PACKAGE.parent / "build_backend" / "protoserve_client_build.py"
@@ -28,7 +28,7 @@ BUILD_BACKEND = PACKAGE.parent / "build_backend" / "protoserve_client_build.py"
 # (blocking, asyncio, constructor arguments with a stand-in call: no I/O happens before iterating)
 TWINS = [
     (client.Client, aio.AsyncClient, ()),
-    (client.ServerStream, aio.AsyncServerStream, (object(), str)),
+    (_sync_streams.ServerStream, _aio_streams.AsyncServerStream, (object(), str)),
     (client.GenerateStream, aio.AsyncGenerateStream, (object(), "request-1")),
     (client.RagAnswerStream, aio.AsyncRagAnswerStream, (object(),)),
     (client.AgentRun, aio.AsyncAgentRun, (object(),)),
@@ -124,9 +124,12 @@ def test_client_py_is_what_aio_py_generates_now(tmp_path: Path):
     assert spec is not None and spec.loader is not None
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    shutil.copy(PACKAGE / "aio.py", tmp_path / "aio.py")
-    generated = build.generate_sync_client(tmp_path).read_text(encoding="utf-8")
-    assert (PACKAGE / "client.py").read_text(encoding="utf-8") == generated, (
-        "protoserve_client/client.py differs from what aio.py generates: edit aio.py, then run `make install`"
-    )
-    assert generated.startswith(build.SYNC_CLIENT_HEADER)
+    for source in build.SYNC_TWINS:
+        shutil.copy(PACKAGE / source, tmp_path / source)
+    build.generate_sync_client(tmp_path)
+    for source, target in build.SYNC_TWINS.items():
+        generated = (tmp_path / target).read_text(encoding="utf-8")
+        assert (PACKAGE / target).read_text(encoding="utf-8") == generated, (
+            f"protoserve_client/{target} differs from what {source} generates: edit {source}, then run `make install`"
+        )
+        assert generated.startswith(build.SYNC_CLIENT_HEADER.replace("aio.py", source))

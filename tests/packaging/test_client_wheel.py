@@ -67,6 +67,7 @@ def test_the_copy_built_from_has_no_generated_client(built):
     _, project = built
     assert (project / "protoserve_client" / "aio.py").is_file()
     assert not (project / "protoserve_client" / "client.py").exists()
+    assert not (project / "protoserve_client" / "_sync_streams.py").exists()
 
 
 def test_the_wheel_holds_the_stubs_and_the_client_generated_from_aio_py(built):
@@ -81,9 +82,10 @@ def test_the_wheel_holds_the_stubs_and_the_client_generated_from_aio_py(built):
         ):
             assert required in names, required
         # The repo's client.py comes from the same aio.py through the same pinned unasync.
-        assert archive.read("protoserve_client/client.py").decode() == (
-            CLIENT / "protoserve_client" / "client.py"
-        ).read_text(encoding="utf-8")
+        for generated in ("client.py", "_sync_streams.py"):
+            assert archive.read(f"protoserve_client/{generated}").decode() == (
+                CLIENT / "protoserve_client" / generated
+            ).read_text(encoding="utf-8")
 
 
 def test_the_wheels_blocking_client_imports_with_the_async_ones_methods(built, tmp_path: Path):

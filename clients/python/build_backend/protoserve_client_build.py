@@ -15,10 +15,11 @@ repo skip generation and use ``gen/python`` from ``make proto``, so they need
 nothing beyond setuptools. An sdist carries a copy of the protos under
 ``protos/`` so a wheel can be built from it away from the repo.
 
-The blocking client ``protoserve_client/client.py`` is generated too, from the
-asyncio one in ``aio.py``, by :func:`generate_sync_client` (unasync, also a
+The blocking client ``protoserve_client/client.py`` (with ``_sync_streams.py``)
+is generated too, from the asyncio one in ``aio.py`` (with ``_aio_streams.py``),
+by :func:`generate_sync_client` (unasync, also a
 pinned wheel build requirement). Inside the repo ``make install`` runs the same
-step through this file's ``__main__``; the generated file is never committed.
+step through this file's ``__main__``; the generated files are never committed.
 """
 
 from __future__ import annotations
@@ -143,25 +144,38 @@ SYNC_CLIENT_HEADER = (
     "# Generated from aio.py by build_backend/protoserve_client_build.py (unasync); do not edit.\n"
 )
 
+# Each asyncio module and the blocking module generated from it.
+SYNC_TWINS = {"aio.py": "client.py", "_aio_streams.py": "_sync_streams.py"}
+# Module names the blocking code imports instead of the asyncio ones.
+SYNC_MODULES = {"_aio_io": "_sync_io", "_aio_streams": "_sync_streams"}
+
 
 def generate_sync_client(package_dir: Path) -> Path:
-    """Write ``package_dir/client.py``, the blocking client, from ``package_dir/aio.py``.
+    """Write the blocking client's modules in ``package_dir`` from their asyncio twins.
 
-    unasync drops every ``async`` and ``await``, turns ``__aenter__``,
-    ``__anext__``, ``StopAsyncIteration`` and the like into their blocking
-    twins, and here also every ``AsyncX`` name into ``X`` and the I/O module
-    ``_aio_io`` into ``_sync_io``.
+    Returns ``client.py``, the blocking client; ``_sync_streams.py`` is written
+    beside it from ``_aio_streams.py``. unasync drops every ``async`` and
+    ``await``, turns ``__aenter__``, ``__anext__``, ``StopAsyncIteration`` and
+    the like into their blocking twins, and here also every ``AsyncX`` name into
+    ``X`` and each asyncio module name into its blocking one (``SYNC_MODULES``).
     """
     import unasync
 
-    source = package_dir / "aio.py"
-    async_names = re.findall(r"\bAsync[A-Z]\w*", source.read_text(encoding="utf-8"))
-    replacements = {name: name.removeprefix("Async") for name in async_names} | {"_aio_io": "_sync_io"}
-    rule = unasync.Rule(f"{os.sep}aio.py", f"{os.sep}client.py", additional_replacements=replacements)
-    unasync.unasync_files([str(source.absolute())], [rule])
-    out = package_dir / "client.py"
-    out.write_text(SYNC_CLIENT_HEADER + out.read_text(encoding="utf-8"), encoding="utf-8")
-    return out
+    sources = [package_dir / name for name in SYNC_TWINS]
+    async_names = {
+        name for source in sources for name in re.findall(r"\bAsync[A-Z]\w*", source.read_text(encoding="utf-8"))
+    }
+    replacements = {name: name.removeprefix("Async") for name in async_names} | SYNC_MODULES
+    rules = [
+        unasync.Rule(f"{os.sep}{src}", f"{os.sep}{dst}", additional_replacements=replacements)
+        for src, dst in SYNC_TWINS.items()
+    ]
+    unasync.unasync_files([str(source.absolute()) for source in sources], rules)
+    for src, dst in SYNC_TWINS.items():
+        out = package_dir / dst
+        header = SYNC_CLIENT_HEADER.replace("aio.py", src)
+        out.write_text(header + out.read_text(encoding="utf-8"), encoding="utf-8")
+    return package_dir / "client.py"
 
 
 if __name__ == "__main__":

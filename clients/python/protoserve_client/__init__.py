@@ -4,6 +4,15 @@ Example: ``Client("localhost:50051").generate("The capital of France is", max_to
 """
 
 from protoserve_client._common import Metadata
+from protoserve_client.agent_types import (
+    AgentAnswer,
+    AgentEvent,
+    AgentStopReason,
+    AgentThought,
+    AgentToolCall,
+    AgentToolResult,
+    ToolInfo,
+)
 from protoserve_client.aio import AsyncAgentRun, AsyncClient, AsyncGenerateStream, AsyncRagAnswerStream
 from protoserve_client.builders import (
     DocumentLike,
@@ -14,45 +23,40 @@ from protoserve_client.builders import (
 )
 from protoserve_client.client import AgentRun, Client, GenerateStream, RagAnswerStream
 from protoserve_client.errors import FieldViolation, ProtoserveError
-from protoserve_client.types import (
-    AgentAnswer,
-    AgentEvent,
-    AgentStopReason,
-    AgentThought,
-    AgentToolCall,
-    AgentToolResult,
-    AnswerSamplingKwargs,
-    ChatMessage,
-    Choice,
-    ChoiceFinish,
+from protoserve_client.rag_types import (
     ChunkHit,
     Citation,
-    ContextPolicy,
     DeleteResult,
     Document,
     DocumentInfo,
     DocumentPage,
     EmbedResult,
-    FinishReason,
-    GenerateResult,
-    Health,
     IndexedDocument,
-    ModelInfo,
-    PositionLogprobs,
     RagAnswer,
     RagCitations,
     RagDelta,
     RagFinal,
     RagStreamEvent,
+    StoredDocument,
+)
+from protoserve_client.types import (
+    AnswerSamplingKwargs,
+    ChatMessage,
+    Choice,
+    ChoiceFinish,
+    ContextPolicy,
+    FinishReason,
+    GenerateResult,
+    Health,
+    ModelInfo,
+    PositionLogprobs,
     RequestStats,
     SamplingKwargs,
-    StoredDocument,
     StreamDelta,
     StreamEvent,
     StreamFinal,
     TokenizeResult,
     TokenLogprob,
-    ToolInfo,
     Usage,
 )
 

@@ -8,7 +8,9 @@ import grpc
 
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client.errors import ProtoserveError
-from protoserve_client.types import GenerateResult
+from protoserve_client.types import (
+    GenerateResult,
+)
 
 Metadata = Sequence[tuple[str, str]]
 """gRPC metadata as (key, value) pairs; keys must be lower case."""

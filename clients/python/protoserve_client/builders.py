@@ -15,7 +15,15 @@ from protoserve_client._stubs import agent_pb2 as apb
 from protoserve_client._stubs import embeddings_pb2 as epb
 from protoserve_client._stubs import inference_pb2 as pb
 from protoserve_client._stubs import rag_pb2 as rpb
-from protoserve_client.types import AnswerSamplingKwargs, ChatMessage, ContextPolicy, Document, SamplingKwargs
+from protoserve_client.rag_types import (
+    Document,
+)
+from protoserve_client.types import (
+    AnswerSamplingKwargs,
+    ChatMessage,
+    ContextPolicy,
+    SamplingKwargs,
+)
 
 Message: TypeAlias = ChatMessage | Mapping[str, str] | pb.ChatMessage
 """A chat message: a ``ChatMessage``, a ``{"role", "content"[, "name"]}`` mapping or the proto."""
