@@ -31,6 +31,7 @@ _FRAMINGS = {
     "STREAM_FRAMING_UNSPECIFIED": Framing.SSE,
     "STREAM_FRAMING_SSE_OPENAI": Framing.SSE,  # deprecated: every SSE stream ends with [DONE] now
     "STREAM_FRAMING_NDJSON": Framing.NDJSON,
+    "STREAM_FRAMING_SSE_EVENTS": Framing.SSE_EVENTS,
 }
 _ERROR_STYLES = {
     "ERROR_STYLE_UNSPECIFIED": ErrorStyle.GOOGLE_RPC_STATUS,

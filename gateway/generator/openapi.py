@@ -265,6 +265,12 @@ def _stream_note(framing: Framing) -> str:
             'The stream is newline-delimited JSON, one `{"result": <message>}` per line; an error '
             'after the stream started ends it with an `{"error": ...}` line.'
         )
+    if framing is Framing.SSE_EVENTS:
+        return (
+            "The stream is Server-Sent Events, each named by its message's `type` (`event: <type>`) "
+            "with the message as JSON in its `data:` field, and no `[DONE]`: the last event says the "
+            "stream is complete. An error after the stream started arrives as a last `error` event."
+        )
     return (
         "The stream is Server-Sent Events, each `data:` field one message as JSON. It ends with "
         '`data: [DONE]`; an error after the stream started arrives as a last `data: {"error": ...}` '

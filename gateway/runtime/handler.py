@@ -252,6 +252,7 @@ class GatewayHandler:
         )
         watcher = asyncio.create_task(_cancel_on_disconnect(receive, rpc))
         started = False
+        payload: Any = None  # the last message written (an SSE_EVENTS error event numbers after it)
         try:
             # Wait for the first message before answering, so that a request the
             # server rejects still gets a real HTTP error status (400, 429, ...).
@@ -269,7 +270,8 @@ class GatewayHandler:
             )
             started = True
             while message is not grpc.aio.EOF:
-                frame = framing.message_frame(stream_framing, response_payload(message, call.response_body))
+                payload = response_payload(message, call.response_body)
+                frame = framing.message_frame(stream_framing, payload)
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
                 message = await rpc.read()
             await send({"type": "http.response.body", "body": framing.end_frame(stream_framing)})
@@ -289,7 +291,10 @@ class GatewayHandler:
                 code_pb2.Code.Name(error.status.code),
                 error.status.message,
             )
-            frame = framing.error_frame(stream_framing, error.stream_event(route.error_style))
+            event = error.stream_event(route.error_style)
+            if stream_framing is Framing.SSE_EVENTS:
+                event = framing.typed_error_event(route.error_style, event, payload)
+            frame = framing.error_frame(stream_framing, event)
             await send({"type": "http.response.body", "body": frame})
         finally:
             watcher.cancel()

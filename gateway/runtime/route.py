@@ -14,6 +14,7 @@ class Framing(enum.StrEnum):
     """How a server stream is written on the HTTP side (GatewayRule.framing)."""
 
     SSE = "sse"
+    SSE_EVENTS = "sse_events"  # `event: <type>` per message, no [DONE] (OpenAI Responses, Anthropic)
     NDJSON = "ndjson"
 
 
