@@ -172,6 +172,11 @@ def document_not_found(document_id: str) -> ServiceError:
     )
 
 
+def response_not_found(message: str) -> ServiceError:
+    """NOT_FOUND for a stored response the caller does not have (another identity's included)."""
+    return ServiceError(grpc.StatusCode.NOT_FOUND, inference_pb2.ERROR_REASON_RESPONSE_NOT_FOUND, message)
+
+
 def quota_exceeded(message: str) -> ServiceError:
     """RESOURCE_EXHAUSTED: storing this would pass the caller's quota (no retry helps)."""
     return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, inference_pb2.ERROR_REASON_QUOTA_EXCEEDED, message)
