@@ -27,6 +27,7 @@ from protoserve.gateway.runtime.route import ErrorStyle, Framing
 
 FD = descriptor.FieldDescriptor
 OPENAI_ERROR_SCHEMA = "OpenAIErrorResponse"
+ANTHROPIC_ERROR_SCHEMA = "AnthropicErrorResponse"
 _INT32 = {"type": "integer", "format": "int32"}
 _UINT32 = {"type": "integer", "format": "uint32", "minimum": 0}
 # proto3 JSON prints 64-bit integers as strings and accepts numbers too.
@@ -101,6 +102,28 @@ _OPENAI_ERROR = {
     },
     "required": ["error"],
 }
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "description": "Anthropic's error body, written by routes with ERROR_STYLE_ANTHROPIC.",
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "properties": {
+                "type": {
+                    "type": "string",
+                    "description": "Error class by Anthropic's status: invalid_request_error (400), "
+                    "authentication_error (401), permission_error (403), not_found_error (404), "
+                    "request_too_large (413), rate_limit_error (429), api_error (500), "
+                    "timeout_error (504), overloaded_error (529).",
+                },
+                "message": {"type": "string", "description": "What went wrong, naming the bad fields."},
+            },
+            "required": ["type", "message"],
+        },
+    },
+    "required": ["type", "error"],
+}
 
 
 API_KEY_SCHEME = "ApiKey"
@@ -110,7 +133,8 @@ SECURITY_SCHEMES = {
         "type": "http",
         "scheme": "bearer",
         "description": "An API key (`--api-keys-file`, `$PROTOSERVE_API_KEYS`; admin keys too) as "
-        "`authorization: Bearer <key>`. Needed only when the server runs with keys: without them "
+        "`authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send it). "
+        "Needed only when the server runs with keys: without them "
         "every call is accepted and the header is ignored.",
     },
     USER_ID_SCHEME: {
@@ -427,6 +451,10 @@ def _operation(builder: _SchemaBuilder, route: RouteSpec) -> dict[str, Any]:
         error_schema = {"$ref": f"#/components/schemas/{OPENAI_ERROR_SCHEMA}"}
         builder.components[OPENAI_ERROR_SCHEMA] = _OPENAI_ERROR
         error_description = "An error, as OpenAI writes it."
+    elif route.error_style is ErrorStyle.ANTHROPIC:
+        error_schema = {"$ref": f"#/components/schemas/{ANTHROPIC_ERROR_SCHEMA}"}
+        builder.components[ANTHROPIC_ERROR_SCHEMA] = _ANTHROPIC_ERROR
+        error_description = "An error, as Anthropic writes it."
     else:
         error_schema = _status_ref(builder)
         error_description = "An error, as a google.rpc.Status with typed details."

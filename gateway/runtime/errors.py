@@ -1,10 +1,11 @@
-"""Failed calls as HTTP: status mapping (grpc-gateway's table) and the two error body styles.
+"""Failed calls as HTTP: status mapping (grpc-gateway's table) and the error body styles.
 
 Every failure, whether the server's (a gRPC status with ``google.rpc``
 details in ``grpc-status-details-bin``) or the gateway's own (bad JSON,
 unknown route, oversized body), becomes an :class:`HttpError` holding a
 ``google.rpc.Status``, so both are rendered the same way: as that Status in
-JSON, or as OpenAI's ``{"error": {...}}`` derived from it. The gateway's own
+JSON, or as OpenAI's ``{"error": {...}}`` or Anthropic's ``{"type": "error", "error": {...}}``
+derived from it (Anthropic's with its own statuses: 529 for a busy server). The gateway's own
 statuses, and bare ones from grpc itself, get the ``ErrorInfo`` the server
 puts in each of its own (an ``ErrorReason`` name, domain "protoserve"), so
 every error body has one and OpenAI's ``code`` is never null.
@@ -62,6 +63,21 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
     499: "cancelled_error",
 }
+# Anthropic's error "type" by the HTTP status its API answers with.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+# Anthropic's status for a server that cannot take the request now (queue full, draining, not
+# ready): clients back off and retry it, as they do a 429.
+ANTHROPIC_OVERLOADED = 529
 _BAD_REQUEST_URL = "type.googleapis.com/" + error_details_pb2.BadRequest.DESCRIPTOR.full_name
 _RETRY_INFO_URL = "type.googleapis.com/" + error_details_pb2.RetryInfo.DESCRIPTOR.full_name
 _ERROR_INFO_URL = "type.googleapis.com/" + error_details_pb2.ErrorInfo.DESCRIPTOR.full_name
@@ -101,17 +117,40 @@ class HttpError(Exception):
         delay = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
         return {"retry-after": str(max(0, math.ceil(delay)))}
 
+    def status_for(self, style: ErrorStyle) -> int:
+        """The HTTP status in the route's style: Anthropic's API has its own for a few."""
+        if style is not ErrorStyle.ANTHROPIC:
+            return self.http_status
+        info = _detail(self.status, _ERROR_INFO_URL, error_details_pb2.ErrorInfo)
+        queue_full = info is not None and info.reason == "QUEUE_FULL"
+        if self.http_status == 503 or (self.http_status == 429 and queue_full):
+            return ANTHROPIC_OVERLOADED
+        if self.http_status >= 500 and self.http_status != 504:
+            return 500
+        return self.http_status
+
     def body(self, style: ErrorStyle) -> dict[str, Any]:
         """The JSON error body of the route's style."""
         if style is ErrorStyle.OPENAI:
             return {"error": self.openai_error()}
+        if style is ErrorStyle.ANTHROPIC:
+            return {"type": "error", "error": self.anthropic_error()}
         return status_to_json(self.status)
 
     def stream_event(self, style: ErrorStyle) -> dict[str, Any]:
         """The payload of the last event of a stream that failed: always ``{"error": ...}``."""
         if style is ErrorStyle.OPENAI:
             return {"error": self.openai_error()}
+        if style is ErrorStyle.ANTHROPIC:
+            return {"error": self.anthropic_error()}
         return {"error": status_to_json(self.status)}
+
+    def anthropic_error(self) -> dict[str, Any]:
+        """Anthropic's error object: its type by Anthropic's status, and the message (which names
+        the bad fields: Anthropic's body has no field of its own for them)."""
+        status = self.status_for(ErrorStyle.ANTHROPIC)
+        default = "invalid_request_error" if status < 500 else "api_error"
+        return {"type": _ANTHROPIC_TYPES.get(status, default), "message": self.status.message}
 
     def openai_error(self) -> dict[str, Any]:
         """OpenAI's error object: message, type, param (first bad field), code (ErrorInfo reason)."""

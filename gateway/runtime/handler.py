@@ -43,7 +43,8 @@ Receive = Callable[[], Awaitable[AsgiMessage]]
 Send = Callable[[AsgiMessage], Awaitable[None]]
 
 # Identity and W3C trace context travel to the server as gRPC metadata.
-DEFAULT_FORWARDED_HEADERS = ("authorization", "x-user-id", "traceparent", "tracestate")
+# x-api-key is Anthropic's way of sending the key (server.security.auth reads either).
+DEFAULT_FORWARDED_HEADERS = ("authorization", "x-api-key", "x-user-id", "traceparent", "tracestate")
 TIMEOUT_HEADER = "x-request-timeout"
 
 
@@ -347,4 +348,4 @@ async def _send_json(send: Send, status: int, payload: Any, headers: dict[str, s
 
 async def send_error(send: Send, error: HttpError, style: ErrorStyle) -> None:
     """Answer with ``error``: its HTTP status, headers and the body of the route's error style."""
-    await _send_json(send, error.http_status, error.body(style), error.headers)
+    await _send_json(send, error.status_for(style), error.body(style), error.headers)

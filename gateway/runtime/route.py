@@ -23,6 +23,7 @@ class ErrorStyle(enum.StrEnum):
 
     GOOGLE_RPC_STATUS = "google_rpc_status"
     OPENAI = "openai"
+    ANTHROPIC = "anthropic"
 
 
 @dataclass(frozen=True, slots=True)

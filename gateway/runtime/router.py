@@ -84,4 +84,6 @@ class Router:
                 styles.add(route.error_style)
         if ErrorStyle.OPENAI in styles:
             return ErrorStyle.OPENAI
+        if styles == {ErrorStyle.ANTHROPIC}:  # /v1/messages/...: only Anthropic's routes live there
+            return ErrorStyle.ANTHROPIC
         return ErrorStyle.GOOGLE_RPC_STATUS

@@ -2,8 +2,9 @@
 
 Auth is off unless keys are configured (``--api-keys-file``, ``$PROTOSERVE_API_KEYS``;
 admin keys, ``--admin-keys-file`` / ``$PROTOSERVE_ADMIN_KEYS``, are API keys too).
-Each call carries its key as ``authorization: Bearer <key>`` metadata and
-optionally an ``x-user-id``; there are no sessions.
+Each call carries its key as ``authorization: Bearer <key>`` metadata (or as
+``x-api-key: <key>``, the way Anthropic's clients send it) and optionally an
+``x-user-id``; there are no sessions.
 
 The identity is HMAC-SHA256(server secret, len(key) ∥ key ∥ user_id) in hex
 (server.security.identity_secret keeps the secret): the length prefix keeps ("ab", "c")
@@ -31,6 +32,7 @@ from protoserve.server.security.identity_secret import load_identity_secret
 API_KEYS_ENV = "PROTOSERVE_API_KEYS"
 ADMIN_KEYS_ENV = "PROTOSERVE_ADMIN_KEYS"
 USER_ID_HEADER = "x-user-id"
+API_KEY_HEADER = "x-api-key"
 _BEARER = "bearer "
 
 
@@ -154,11 +156,24 @@ class Authenticator:
             )
         if not self.enabled:
             return self.identity_for("", user_id)
-        header = values.get("authorization", "")
-        if not header.lower().startswith(_BEARER):
-            raise errors.unauthenticated("missing API key: send 'authorization: Bearer <key>' metadata")
-        api_key = header[len(_BEARER) :].strip()
+        api_key = _presented_key(values)
         digest = _digest(api_key)
         if not self._matches(digest, self._digests):
             raise errors.unauthenticated("invalid API key")
         return self.identity_for(api_key, user_id, admin=self._matches(digest, self._admin_digests))
+
+
+def _presented_key(values: dict[str, str]) -> str:
+    """The key a call presents: ``authorization: Bearer <key>``, else ``x-api-key: <key>``."""
+    header = values.get("authorization", "")
+    if header.lower().startswith(_BEARER):
+        return header[len(_BEARER) :].strip()
+    if header:
+        # A key sent in another scheme (Basic, a bare key) would be dropped in favour of x-api-key.
+        raise errors.unauthenticated("the authorization header must be 'Bearer <key>'")
+    api_key = values.get(API_KEY_HEADER, "").strip()
+    if not api_key:
+        raise errors.unauthenticated(
+            "missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>' metadata"
+        )
+    return api_key
