@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -236,7 +237,9 @@ class GatewayServer:
         tracer_provider: TracerProvider | None = None,
         cors_origins: Sequence[str] = (),
         allowed_hosts: Sequence[str] = (),
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """``ssl_context``: serve HTTPS with it (the caller keeps its certificate current); None: HTTP."""
         settings = settings or GatewaySettings()
         app = create_app(
             grpc_target,
@@ -266,6 +269,7 @@ class GatewayServer:
             # A client that answers no ping for as long has read nothing for as long (1011).
             ws_ping_interval=settings.stream_idle_timeout_s,
             ws_ping_timeout=settings.stream_idle_timeout_s,
+            ssl_context_factory=None if ssl_context is None else (lambda _config, _default: ssl_context),
         )
         self._server = _Server(config, handle_signals, app.state.websockets.close_all)
         self._task: asyncio.Task[None] | None = None
@@ -277,8 +281,9 @@ class GatewayServer:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the running server."""
-        return f"http://{self._server.config.host}:{self.port}"
+        """``http://host:port`` (``https``) of the running server."""
+        scheme = "https" if self._server.config.ssl is not None else "http"
+        return f"{scheme}://{self._server.config.host}:{self.port}"
 
     async def start(self) -> None:
         """Bind and start serving; returns once the port accepts connections."""
@@ -342,12 +347,13 @@ async def start_gateway(
     cors_origins: Sequence[str] = (),
     allowed_hosts: Sequence[str] = (),
     stream_idle_timeout_s: float | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Callable[[], Awaitable[None]]:
     """Start the gateway in the running loop and return the coroutine function that stops it.
 
     This is the hook ``protoserve serve --http-port`` calls (server.app.HttpGatewayStarter),
-    passing the server's metrics registry, tracer provider, CORS origins, allowed hosts and
-    stream idle timeout (None: GatewaySettings' default).
+    passing the server's metrics registry, tracer provider, CORS origins, allowed hosts,
+    stream idle timeout (None: GatewaySettings' default) and, with TLS on, its SSLContext.
     """
     settings = GatewaySettings()
     if stream_idle_timeout_s is not None:
@@ -361,6 +367,7 @@ async def start_gateway(
         tracer_provider=tracer_provider,
         cors_origins=cors_origins,
         allowed_hosts=allowed_hosts,
+        ssl_context=ssl_context,
     )
     await server.start()
     return server.stop

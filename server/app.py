@@ -13,9 +13,11 @@ import asyncio
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,7 @@ from protoserve.server.runtime.reflection import enable_reflection
 from protoserve.server.security.auth import Authenticator
 from protoserve.server.security.identity_secret import default_data_dir
 from protoserve.server.security.rate_limit import RateLimiter
+from protoserve.server.security.tls import TlsCertificates, TlsFiles
 from protoserve.server.services.adapter_service import AdapterService, load_startup_adapters
 from protoserve.server.services.embeddings import EmbeddingService, Retrieval, ServedEmbedder
 from protoserve.server.services.inference_service import InferenceService
@@ -73,6 +76,8 @@ from protoserve.v1 import (
 )
 
 if TYPE_CHECKING:
+    import ssl
+
     from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
@@ -104,6 +109,7 @@ class HttpGatewayStarter(Protocol):
     It answers requests whose Host is an IP literal, localhost, ``host`` or one of
     ``allowed_hosts`` (``.name``: a domain and its subdomains; ``"*"``: any), and drops
     streaming clients that read nothing for ``stream_idle_timeout_s`` (None: its default).
+    With ``ssl_context`` it serves HTTPS with it (None: plain HTTP).
     """
 
     def __call__(
@@ -117,6 +123,7 @@ class HttpGatewayStarter(Protocol):
         cors_origins: Sequence[str] = (),
         allowed_hosts: Sequence[str] = (),
         stream_idle_timeout_s: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> Awaitable[Callable[[], Awaitable[None]]]: ...
 
 
@@ -168,6 +175,7 @@ class ServerConfig:
     rag_key_max_bytes: int | None = None  # per API key over its identities; None: rag_max_bytes
     loras: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter loaded at start (--lora)
     max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0: DEFAULT_MAX_LORAS if loras, else off
+    tls: TlsFiles | None = None  # certificate (and client CA) for the gRPC port and the gateway; None: plaintext
 
 
 class ServerApp:
@@ -211,6 +219,9 @@ class ServerApp:
         self.retrieval = Retrieval()  # the embedding model and the RAG store, once loaded
         # The agent's tools: built-ins and the `protoserve.tools` entry points installed here.
         self.tools = ToolRegistry.load()
+        # Read (and checked) now: unusable TLS files are a usage error before anything listens.
+        self.tls = TlsCertificates(config.tls) if config.tls is not None else None
+        self._gateway_socket_dir: str | None = None
         self.http_gateway = http_gateway
         self.engine: AsyncEngine | None = None
         self.port: int | None = None
@@ -274,9 +285,15 @@ class ServerApp:
         host = self.config.host
         check_can_listen(host, self.config.port, "gRPC")
         try:
-            self.port = server.add_insecure_port(f"{host}:{self.config.port}")
+            if self.tls is None:
+                self.port = server.add_insecure_port(f"{host}:{self.config.port}")
+            else:
+                self.port = server.add_secure_port(f"{host}:{self.config.port}", self.tls.grpc_credentials())
         except RuntimeError as exc:  # taken between the check and now
             raise PortUnavailable(f"cannot listen on {host}:{self.config.port} (gRPC): {exc}") from exc
+        gateway_target = self.grpc_target
+        if self.tls is not None and self.http_gateway is not None and self.config.http_port is not None:
+            gateway_target = self._add_gateway_socket(server)
         # After the gRPC bind, so that the same port given twice is refused here too.
         if self.config.metrics_port is not None:
             check_can_listen(host, self.config.metrics_port, "metrics")
@@ -293,7 +310,7 @@ class ServerApp:
         if self.http_gateway is not None and self.config.http_port is not None:
             http_port = self.config.http_port or _free_port(self.config.host)
             self._stop_http = await self.http_gateway(
-                self.grpc_target,
+                gateway_target,
                 self.config.host,
                 http_port,
                 metrics_registry=self.metrics.registry,
@@ -301,9 +318,22 @@ class ServerApp:
                 cors_origins=self.config.cors_origins,
                 allowed_hosts=self.config.allowed_hosts,
                 stream_idle_timeout_s=self.config.stream_idle_timeout_s,
+                ssl_context=self.tls.http_context() if self.tls is not None else None,
             )
             self.http_port = http_port
         return self.port
+
+    def _add_gateway_socket(self, server: grpc.aio.Server) -> str:
+        """A plaintext Unix socket for the in-process gateway's hop to a TLS gRPC port; returns its target.
+
+        Over TCP the gateway would need a client certificate from the client CA under mutual TLS, and
+        the CA that signed the server's certificate (which the server is not given) to verify it. The
+        socket sits in a directory only this user can enter.
+        """
+        self._gateway_socket_dir = tempfile.mkdtemp(prefix="protoserve-grpc-")  # mode 0700
+        target = f"unix:{os.path.join(self._gateway_socket_dir, 'grpc.sock')}"
+        server.add_insecure_port(target)
+        return target
 
     async def load_model(self) -> None:
         """Load the configured model in a worker thread (health keeps answering), then serve it."""
@@ -418,6 +448,9 @@ class ServerApp:
         if self._server is not None:
             await self._server.stop(SERVER_STOP_GRACE_S)
             self._server = None
+        if self._gateway_socket_dir is not None:
+            shutil.rmtree(self._gateway_socket_dir, ignore_errors=True)
+            self._gateway_socket_dir = None
         if self.engine is not None and self._owns_engine:
             await self.engine.shutdown()
         if self.retrieval.store is not None:
@@ -471,6 +504,9 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
         return exit_codes.USAGE
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    if app.tls is not None:
+        # Files that changed are picked up at the next handshake anyway; SIGHUP re-reads them regardless.
+        loop.add_signal_handler(signal.SIGHUP, app.tls.reload)
     try:
         await app.start()
     except PortUnavailable as exc:
@@ -481,6 +517,9 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     if app.metrics_port is not None:
         http += f", metrics on {config.host}:{app.metrics_port}"
     print(f"protoserve listening on {app.grpc_target} (grpc){http}", flush=True)
+    if app.tls is not None:
+        mutual = f", client certificates from {config.tls.client_ca_file}" if app.tls.current.mutual else ""
+        log.info("TLS on the gRPC and HTTP ports (certificate sha256 %s%s)", app.tls.current.fingerprint, mutual)
     log.info("event loop: %s", loop_name(loop))
 
     load = asyncio.create_task(app.load_model())

@@ -38,6 +38,7 @@ from protoserve.server.runtime.event_loop import EventLoopUnavailable, loop_fact
 # answers at once.
 if TYPE_CHECKING:
     from protoserve.server.app import HttpGatewayStarter
+    from protoserve.server.security.tls import TlsFiles
 
 log = logging.getLogger("protoserve")
 
@@ -130,6 +131,16 @@ def _torchrun_worker(args: argparse.Namespace, engine_config: EngineConfig) -> i
     return run_worker_rank(args.model, dtype=args.dtype, quantization=args.quantization, config=engine_config)
 
 
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The --tls-* files, None without them; the files themselves are read (and checked) by the server."""
+    from protoserve.server.security.tls import TlsError, TlsFiles
+
+    try:
+        return TlsFiles.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    except TlsError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from protoserve.server.app import ServerConfig, serve
 
@@ -178,6 +189,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         rag_key_max_bytes=args.rag_key_max_bytes,
         loras=tuple(args.lora),
         max_loras=args.max_loras,
+        tls=_tls_files(args),
     )
     from protoserve.server.observability.request_log import use_json_lines
     from protoserve.server.observability.tracing_setup import configure_tracing

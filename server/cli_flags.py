@@ -395,6 +395,18 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help='per-API-key rpm/tpm overriding the defaults, TOML: [keys."<key>"] rpm = N, tpm = N [none]',
     )
     parser.add_argument(
+        "--tls-cert-file",
+        metavar="PEM",
+        help="serve gRPC and the REST gateway over TLS with this certificate chain (leaf first); re-read "
+        "when the file changes or on SIGHUP, for new connections [off: plaintext]",
+    )
+    parser.add_argument("--tls-key-file", metavar="PEM", help="the unencrypted private key of --tls-cert-file")
+    parser.add_argument(
+        "--tls-client-ca-file",
+        metavar="PEM",
+        help="mutual TLS: refuse, at the handshake, clients without a certificate signed by these CAs [off]",
+    )
+    parser.add_argument(
         "--cors-origin",
         action="append",
         default=[],
