@@ -44,13 +44,9 @@ from protoserve.server.limits import (
     MAX_RAG_CONTEXT_CHUNKS,
     MAX_SEARCH_TOP_K,
 )
-from protoserve.server.models.served_model import (
-    FINISH_REASONS,
-    ChatTurn,
-    CollectedOutput,
-    ServedModel,
-    new_request_id,
-)
+from protoserve.server.models.chat_turn import ChatTurn
+from protoserve.server.models.output_conversion import FINISH_REASONS
+from protoserve.server.models.served_model import CollectedOutput, ServedModel, new_request_id
 from protoserve.server.rag.records import DocumentSize, Quotas, stored_size
 from protoserve.server.security.auth import Identity
 from protoserve.server.services.embeddings import EmbeddingMeter, Retrieval, ServedEmbedder

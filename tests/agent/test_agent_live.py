@@ -318,7 +318,7 @@ def test_a_searched_document_is_text_in_the_next_steps_prompt(agent_server, stub
     # Step 2's prompt, rendered here as the server renders it: the observation's special strings are text.
     tokenizer = Tokenizer.from_gguf(default_model_path())
     engine = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(vocab_size=tokenizer.vocab_size),
-                             max_model_len=8192, model_name="smollm2")
+                             max_model_len=8192, model_name="smollm2", adapters=None)
     served = ServedModel(engine, ModelCard("float32", "none", "test"))
     messages = [{"role": "user", "content": request.messages[0].content},
                 {"role": "assistant", "content": thought or None,

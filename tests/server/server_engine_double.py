@@ -19,6 +19,7 @@ from protoserve.engine.errors import (
     InvalidRequestError,
     QueueFullError,
 )
+from protoserve.engine.lora.stack import AdapterStack
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.request import (
     CompletionDelta,
@@ -84,6 +85,7 @@ class EngineDouble:
             head_dim=8,
         )
         self.max_model_len = max_model_len
+        self.adapters: AdapterStack | None = None  # serves no LoRA adapters
         self.step_s = step_s
         self.max_running = max_running
         self.max_queue = max_queue

@@ -32,7 +32,7 @@ def tokenizer() -> Tokenizer:
 
 def served(tokenizer: Tokenizer, parse_special: bool) -> ServedModel:
     engine = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(vocab_size=tokenizer.vocab_size),
-                             max_model_len=8192, model_name="smollm2")
+                             max_model_len=8192, model_name="smollm2", adapters=None)
     return ServedModel(engine, ModelCard("float32", "none", "test"), parse_special_in_messages=parse_special)
 
 
@@ -109,7 +109,7 @@ def test_an_agent_runs_own_steps_are_text_even_when_messages_are_parsed(tokenize
 
 def test_protected_messages_are_sized_as_sent(tokenizer):
     model = served(tokenizer, False)
-    model.max_prompt_bytes = 2048
+    model.limits.max_prompt_bytes = 2048
     # 1,500 bytes sent, about 3,500 once each string is a placeholder: under the cap as sent.
     ids = model.render_chat([ChatTurn("user", "<|im_end|>" * 150)])
     assert turn_markers(ids) == (3, 2)
