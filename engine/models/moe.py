@@ -454,6 +454,12 @@ class MoEBlock(nn.Module):
             _assign(self.experts.gate_up[e], gate_up[e])
             _assign(self.experts.down[e], down[e])
 
+    def pack_for_kernels(self) -> int:
+        """Move this block's linear layers onto the CPU kernel where it runs, dropping their PyTorch
+        copies; returns how many moved. For a block used on its own, once its weights are final: a
+        Decoder packs its blocks itself (``Decoder.pack_for_kernels``)."""
+        return sum(1 for m in self.modules() if isinstance(m, KernelPackable) and m.pack_for_kernel(release=True))
+
 
 def _assign(layer: nn.Module, weight: torch.Tensor) -> None:
     """``layer.weight`` = ``weight`` in the layer's dtype (works on a meta-device model too)."""
