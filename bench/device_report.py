@@ -58,8 +58,7 @@ def random_smollm2_checkpoint(directory: Path) -> Path:
 
 def run_load(engine, factory: PromptFactory, concurrency: int, prompt_len: int, output_len: int,
              quantization: str) -> LoadFigure:
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
+    from protoserve.engine.api import SamplingParams, TokenizedRequest
 
     n = max(2 * concurrency, 4)
     requests = [TokenizedRequest(request_id=f"load-{concurrency}-{i}", prompt_token_ids=list(factory.prompt(prompt_len)),
@@ -111,10 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
 
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.execution.device import resolve_device
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.loader.load import load_model
+    from protoserve.engine.api import EngineConfig
+    from protoserve.engine.runtime import LLMEngine, load_model, resolve_device
 
     try:
         resolve_device(args.device)

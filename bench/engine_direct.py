@@ -16,8 +16,7 @@ from bench.workload import RequestSpec
 
 if TYPE_CHECKING:
     from bench.resources import Variant
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.loader.load import LoadedModel
+    from protoserve.engine.runtime import LLMEngine, LoadedModel
 
 _ids = itertools.count()
 
@@ -25,8 +24,8 @@ _ids = itertools.count()
 def make_engine(loaded: LoadedModel, variant: Variant, deterministic: bool) -> LLMEngine:
     """An engine with the server's default settings and the variant's K/V storage, in deterministic
     (batch-invariant) or fast mode."""
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.api import EngineConfig
+    from protoserve.engine.runtime import LLMEngine
 
     return LLMEngine(loaded, EngineConfig(deterministic=deterministic, kv_cache_dtype=variant.kv_cache_dtype))
 
@@ -37,8 +36,7 @@ def run_requests(engine: LLMEngine, specs: Sequence[RequestSpec]) -> list[Reques
     All requests are "sent" at the same instant, so the aggregate tokens/s of
     the timelines is the offline throughput (nano-vllm's figure).
     """
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
+    from protoserve.engine.api import SamplingParams, TokenizedRequest
 
     requests = [
         TokenizedRequest(

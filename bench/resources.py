@@ -37,7 +37,7 @@ def use_model(name_or_path: str | None) -> None:
 
 def model_path() -> Path:
     """The checkpoint this run measures."""
-    from protoserve.engine.loader.default_model import default_model_path
+    from protoserve.engine.api import default_model_path
 
     return default_model_path() if _model is None else _model
 
@@ -67,7 +67,7 @@ class Variant:
         """
         import torch
 
-        from protoserve.engine.execution.model_runner import resolve_kv_dtype
+        from protoserve.engine.runtime import resolve_kv_dtype
 
         dtype = DTYPE_LABELS.get(self.dtype, self.dtype)
         if self.quantization == "none":
@@ -141,7 +141,7 @@ ResourceKey = EngineModel | TransformersModel | Server
 
 def load_engine_model(variant: Variant) -> Any:
     """The protoserve model (LoadedModel) of ``variant``, in this process."""
-    from protoserve.engine.loader.load import load_model
+    from protoserve.engine.runtime import load_model
 
     return load_model(_model, dtype=variant.dtype, quantization=variant.quantization, progress=False)
 

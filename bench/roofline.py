@@ -39,7 +39,7 @@ from bench.memory_bandwidth import FIGURE as BANDWIDTH_FIGURE
 from bench.targets import targets_for
 
 if TYPE_CHECKING:
-    from protoserve.engine.models.config import ModelConfig
+    from protoserve.engine.api import ModelConfig
 
 SECTION = "roofline"
 UNIT = "of peak"

@@ -126,11 +126,11 @@ def finish(figures: list[Figure], served: str = "fp32", roofline: RooflineInputs
 def roofline_inputs(profile: Profile) -> RooflineInputs | None:
     """The default model's linear work, the profile's serving workload and this CPU; None (no
     roofline figures, the rest of the report intact) if the model's shape cannot be read."""
-    from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint
+    from protoserve.engine.runtime import read_model_config
     from protoserve.kernels.cpu.extension import cpu_flags
 
     try:
-        config = GGUFCheckpoint(resources.model_path()).config
+        config = read_model_config(resources.model_path())
     except Exception as exc:  # noqa: BLE001 - reported, and the measured figures still print
         log.warning("no roofline figures: the model's shape could not be read (%s)", exc)
         return None

@@ -11,7 +11,6 @@ layer loop (kernels/cpu/step_phases.py). Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -21,33 +20,10 @@ import torch
 def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[str, float] | None = None) -> list[float]:
     """Seconds per FusedStep call over ``steps`` decode steps of ``rows`` sequences; ``phases``, when
     given, gets those steps' seconds per phase added to it."""
-    from protoserve.engine.models import fused_step
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-    from protoserve.kernels.cpu import step_phases
+    from protoserve.engine.api import SamplingParams, TokenizedRequest
+    from protoserve.engine.runtime import timed_fused_steps
 
-    times: list[tuple[int, float]] = []
-    contexts: list[float] = []
-    original = fused_step.FusedStep.__call__
-
-    def timed(self, batch, *args, **kwargs):
-        decode = int(batch.slot_mapping.numel()) == rows
-        split_phases = phases is not None and decode
-        with step_phases.timed() if split_phases else contextlib.nullcontext({}) as split:
-            t0 = time.perf_counter()
-            out = original(self, batch, *args, **kwargs)
-            elapsed = time.perf_counter() - t0
-        # The first decode step is dropped below: its phases are not counted either.
-        if split_phases and any(n == rows for n, _ in times):
-            for name in step_phases.PHASES:
-                phases[name] = phases.get(name, 0.0) + split[name]
-        times.append((int(batch.slot_mapping.numel()), elapsed))
-        if times[-1][0] == rows:
-            contexts.append(float(batch.seq_lens.float().mean()))
-        return out
-
-    fused_step.FusedStep.__call__ = timed
-    try:
+    with timed_fused_steps(phases=phases is not None) as calls:
         gen = torch.Generator().manual_seed(rows)
         ids = []
         # Enough new tokens that every sequence is still decoding once the last prompt is in.
@@ -62,16 +38,18 @@ def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[
                     sampling=SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True),
                 )
             )
-        while engine.has_unfinished() and sum(n == rows for n, _ in times) <= steps:
+        while engine.has_unfinished() and sum(c.num_tokens == rows for c in calls) <= steps:
             engine.step()
         for request_id in ids:
             engine.abort(request_id)
         while engine.has_unfinished():
             engine.step()
-    finally:
-        fused_step.FusedStep.__call__ = original
-    time_decode_steps.mean_context = sum(contexts[1:]) / max(1, len(contexts) - 1)
-    return [t for n, t in times if n == rows][1:]  # decode steps (one token per sequence), first dropped
+    decode = [c for c in calls if c.num_tokens == rows][1:]  # one token per sequence; the first dropped
+    for call in decode if phases is not None else ():
+        for name, seconds in call.phases.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+    time_decode_steps.mean_context = sum(c.mean_seq_len for c in decode) / max(1, len(decode))
+    return [c.seconds for c in decode]
 
 
 def main() -> None:
@@ -85,25 +63,17 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=None, help="K/V cache block size [the engine's]")
     parser.add_argument("--phases", action="store_true", help="also split the decode steps' time by phase")
     args = parser.parse_args()
-    from bench import engine_direct
     from bench.profile import INT4_KV_BF16
     from bench.resources import load_engine_model
+    from protoserve.engine.api import EngineConfig
+    from protoserve.engine.runtime import LLMEngine
 
     torch.set_num_threads(args.threads)
-    if args.block_size is None:
-        engine = engine_direct.make_engine(load_engine_model(INT4_KV_BF16), INT4_KV_BF16, deterministic=True)
-    else:
-        from protoserve.engine.config import EngineConfig
-        from protoserve.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(
-            load_engine_model(INT4_KV_BF16),
-            EngineConfig(
-                deterministic=True, kv_cache_dtype=INT4_KV_BF16.kv_cache_dtype, block_size=args.block_size
-            ),
-        )
-    if args.precision != "exact":
-        engine.runner.model.set_activation_precision(args.precision)
+    config = EngineConfig(deterministic=True, kv_cache_dtype=INT4_KV_BF16.kv_cache_dtype,
+                          activation_precision=args.precision)
+    if args.block_size is not None:
+        config.block_size = args.block_size
+    engine = LLMEngine(load_engine_model(INT4_KV_BF16), config)
     for _ in range(args.rounds):
         for rows in args.rows:
             phases: dict[str, float] | None = {} if args.phases else None

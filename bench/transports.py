@@ -25,7 +25,7 @@ from bench.workload import RequestSpec
 if TYPE_CHECKING:
     import grpc
 
-    from protoserve.engine.async_engine import AsyncEngine
+    from protoserve.engine.runtime import AsyncEngine
 
 REQUEST_TIMEOUT_S = 300.0  # per request: generous, a loaded 2-core box can queue for a long time
 _ids = itertools.count()
@@ -54,8 +54,7 @@ class EngineTransport:
         self.engine = engine
 
     async def stream(self, spec: RequestSpec) -> RequestTimeline:
-        from protoserve.engine.request import TokenizedRequest
-        from protoserve.engine.sampling.sampling_params import SamplingParams
+        from protoserve.engine.api import SamplingParams, TokenizedRequest
 
         request = TokenizedRequest(
             request_id=f"bench-{next(_ids)}",

@@ -70,7 +70,7 @@ def word_pool(vocabulary: Iterable[str]) -> list[str]:
 
 def model_words(model: Path) -> list[str]:
     """The word pool of the model's own vocabulary."""
-    from protoserve.engine.tokenizer.tokenizer import Tokenizer
+    from protoserve.engine.runtime import Tokenizer
 
     tokenizer = Tokenizer.from_path(model)
     return word_pool(tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size))

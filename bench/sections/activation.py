@@ -11,10 +11,7 @@ float32 model's 32-token greedy continuation of a chat prompt (teacher-forced), 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
-
-import torch
 
 from bench import engine_direct
 from bench.context import BenchContext
@@ -67,38 +64,22 @@ def _rate_figures(kind: str, unit: str, rates: dict[str, list[float]]) -> list[F
     return figures
 
 
-def _teacher_forced_logits(model: Any, tokens: list[int]) -> torch.Tensor:
-    """Every position's logits [len(tokens), vocab] of one forward over ``tokens`` (a fresh cache)."""
-    from protoserve.engine.execution.model_runner import build_forward_batch
-    from protoserve.engine.models.kv_cache import PagedKVCache
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-    from protoserve.engine.scheduling.sequence import Sequence
+def _quality_figures(model: Any) -> list[Figure]:
+    from protoserve.engine.runtime import all_position_logits
 
-    c, block = model.config, 16
-    blocks = -(-len(tokens) // block)
-    cache = PagedKVCache(c.num_layers, blocks, block, c.num_kv_heads, c.head_dim, torch.float32)
-    seq = Sequence(seq_id=0, request_id="bench", index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens),
-                   max_len=len(tokens) + 1, sampling=SamplingParams(), generator=torch.Generator(),
-                   num_computed_tokens=0, block_table=list(range(blocks)))
-    batch = build_forward_batch([seq], [len(tokens)], block)
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
-    return model(batch, cache).float()
-
-
-def _quality_figures(loaded: Any, model: Any) -> list[Figure]:
     reference = load_engine_model(FP32)
     tok = reference.tokenizer
     prompt = tok.encode(tok.apply_chat_template(CHAT))
     seq = list(prompt)
     for _ in range(QUALITY_TOKENS):  # the float32 model's greedy continuation
-        seq.append(int(_teacher_forced_logits(reference.model, seq)[-1].argmax()))
+        seq.append(int(all_position_logits(reference.model, seq)[-1].argmax()))
     positions = slice(len(prompt) - 1, len(seq) - 1)
-    ref = _teacher_forced_logits(reference.model, seq)[positions]
+    ref = all_position_logits(reference.model, seq)[positions]
     del reference
     figures = []
     for mode in MODES:
         model.set_activation_precision(mode)
-        out = _teacher_forced_logits(model, seq)[positions]
+        out = all_position_logits(model, seq)[positions]
         agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
         figures.append(Figure(name=f"activation.logit_error.{mode}", value=(out - ref).abs().mean().item(),
                               unit=QUALITY_UNITS["logit_error"], section=SECTION, better="lower",
@@ -118,7 +99,7 @@ def _step(ctx: BenchContext) -> Step:
 
     def run(loaded: Any) -> list[Figure]:
         engine = engine_direct.make_engine(loaded, variant, deterministic=True)
-        model = engine.runner.model
+        model = loaded.model  # the engine's: it runs the loaded model
         p = ctx.profile
         factory = ctx.factory(WORKLOAD)
         rounds = max(1, p.repeats - 1)
@@ -135,7 +116,7 @@ def _step(ctx: BenchContext) -> Step:
                 ttft = engine_direct.run_requests(engine, [RequestSpec(factory.prompt(PREFILL), 1)])[0].ttft
                 prefill[mode].append(PREFILL / ttft)
             figures = _rate_figures("decode_c16", "tok/s", decode) + _rate_figures(f"prefill_{PREFILL}", "tok/s", prefill)
-            return figures + _quality_figures(loaded, model)
+            return figures + _quality_figures(model)
         finally:
             model.set_activation_precision(engine.config.activation_precision)
 

@@ -81,9 +81,7 @@ SIZES = {"smoke": Sizes(16, 2, 4, 1, 4), "default": Sizes(96, 4, 16, 4), "full":
 
 
 def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, constrained: bool) -> list[Any]:
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.constraints.constraint import Constraint
-    from protoserve.engine.sampling.sampling_params import SamplingParams
+    from protoserve.engine.api import Constraint, SamplingParams, TokenizedRequest
 
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     out = []
@@ -169,9 +167,8 @@ def _compile_step(ctx: BenchContext) -> Step:
     first_name, cached_name = f"{SECTION}.compile.first", f"{SECTION}.compile.cached"
 
     def run(loaded: Any) -> list[Figure]:
-        from protoserve.engine.sampling.constraints.compiler import GrammarCompiler
-        from protoserve.engine.sampling.constraints.constraint import Constraint
-        from protoserve.engine.sampling.constraints.masks import MaskFiller
+        from protoserve.engine.api import Constraint
+        from protoserve.engine.runtime import GrammarCompiler, MaskFiller
 
         engine_eos = set(loaded.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         compiler = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine_eos)

@@ -58,25 +58,25 @@ def write_random_adapter(path: Path, config: Any, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from protoserve.engine.lora.adapter import (
-        CONFIG_FILE,
-        PROJECTIONS,
-        WEIGHTS_FILE,
-        projection_shapes,
-        tensor_name,
+    from protoserve.engine.runtime import (
+        ADAPTER_CONFIG_FILE,
+        ADAPTER_WEIGHTS_FILE,
+        LORA_PROJECTIONS,
+        adapter_tensor_name,
+        lora_projection_shapes,
     )
 
     path.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_layers):
-        for proj, (out_f, in_f) in projection_shapes(config).items():
-            tensors[tensor_name(layer, proj, "A")] = torch.randn(rank, in_f, generator=g) / in_f**0.5
-            tensors[tensor_name(layer, proj, "B")] = torch.randn(out_f, rank, generator=g) * 0.02
-    save_file(tensors, path / WEIGHTS_FILE)
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS),
+        for proj, (out_f, in_f) in lora_projection_shapes(config).items():
+            tensors[adapter_tensor_name(layer, proj, "A")] = torch.randn(rank, in_f, generator=g) / in_f**0.5
+            tensors[adapter_tensor_name(layer, proj, "B")] = torch.randn(out_f, rank, generator=g) * 0.02
+    save_file(tensors, path / ADAPTER_WEIGHTS_FILE)
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_PROJECTIONS),
            "bias": "none", "lora_dropout": 0.0}
-    (path / CONFIG_FILE).write_text(json.dumps(cfg))
+    (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(cfg))
     return path
 
 
@@ -86,8 +86,7 @@ def spread(count: int, names: list[str]) -> list[str]:
 
 
 def _requests(prompts: list[tuple[int, ...]], max_tokens: int, adapters: list[str | None]) -> list[Any]:
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
+    from protoserve.engine.api import SamplingParams, TokenizedRequest
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [TokenizedRequest(f"lora-{next(_ids)}", list(p), sp, adapter=a)

@@ -48,8 +48,7 @@ def build_stack(layers: int, seed: int = 0) -> list[Any]:
     """``layers`` random MoE blocks, packed for the CPU kernel where it runs."""
     import torch
 
-    from protoserve.engine.models.linear import KernelPackable
-    from protoserve.engine.models.moe import MoEBlock, MoEConfig
+    from protoserve.engine.runtime import MoEBlock, MoEConfig
 
     g = torch.Generator().manual_seed(seed)
     blocks = []
@@ -62,9 +61,7 @@ def build_stack(layers: int, seed: int = 0) -> list[Any]:
             torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=g) / HIDDEN**0.5,
             torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=g) / INTERMEDIATE**0.5,
         )
-        for m in block.modules():
-            if isinstance(m, KernelPackable):
-                m.pack_for_kernel(release=True)
+        block.pack_for_kernels()
         blocks.append(block)
     return blocks
 
@@ -76,7 +73,7 @@ def grouped_step(blocks: list[Any], x: Any) -> Any:
 
 
 def per_token_step(blocks: list[Any], x: Any) -> Any:
-    from protoserve.engine.models.moe import per_token_forward
+    from protoserve.engine.runtime import per_token_forward
 
     for block in blocks:
         x = x + per_token_forward(block.experts, x, block.route(x, None))

@@ -172,7 +172,7 @@ def _embed_step(ctx: BenchContext, sizes: Sizes) -> Step:
     def run(_: Any) -> list[Figure]:
         from sentence_transformers import SentenceTransformer
 
-        from protoserve.engine.embedding.model import EmbeddingModel
+        from protoserve.engine.runtime import EmbeddingModel
 
         directory = model_dir()
         ours = EmbeddingModel.load()

@@ -250,7 +250,7 @@ def _server_step(ctx: BenchContext) -> Step:
     variant = ctx.profile.serving_variant
 
     def run(server: Any) -> list[Figure]:
-        from protoserve.engine.async_engine import AsyncEngine
+        from protoserve.engine.runtime import AsyncEngine
 
         # The engine the server runs, loaded here too (its thread sleeps while the server is measured).
         loaded = load_engine_model(variant)

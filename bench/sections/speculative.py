@@ -186,9 +186,7 @@ def free_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 def _requests(prompts: Sequence[Sequence[int]], max_tokens: int, method: str | None) -> list[Any]:
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-    from protoserve.engine.speculative.params import SpeculativeParams
+    from protoserve.engine.api import SamplingParams, SpeculativeParams, TokenizedRequest
 
     spec = SpeculativeParams(method=method) if method is not None else None
     return [TokenizedRequest(f"{SECTION}-{next(_ids)}", list(prompt),
@@ -279,7 +277,7 @@ def _ngram_step(sizes: Sizes) -> Step:
 def _draft_step(sizes: Sizes) -> Step:
     def run(loaded: Any) -> list[Figure]:
         from bench import engine_direct
-        from protoserve.engine.loader.load import load_model
+        from protoserve.engine.runtime import load_model
 
         draft = load_model(None, quantization="int4", progress=False, load_tokenizer=False)
         engine = engine_direct.make_engine(loaded, DEFAULT_VARIANT, deterministic=True)

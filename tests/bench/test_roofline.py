@@ -135,13 +135,13 @@ def test_a_probe_that_cannot_be_built_is_a_skipped_figure(monkeypatch) -> None:
 
 
 def test_roofline_inputs_of_the_served_model_or_none(monkeypatch, tmp_path) -> None:
+    from bench import resources
     from bench.profile import DEFAULT
     from bench.run import roofline_inputs
-    from protoserve.engine.loader import default_model
 
     inputs = roofline_inputs(DEFAULT)
     assert inputs is not None and inputs.work == SMOLLM2 and inputs.int8_dot_variant
     assert (inputs.serving_prompt_len, inputs.serving_max_tokens) == (64, 64)
     # A model that cannot be read costs the roofline figures, not the run's report.
-    monkeypatch.setattr(default_model, "default_model_path", lambda: tmp_path / "missing.gguf")
+    monkeypatch.setattr(resources, "model_path", lambda: tmp_path / "missing.gguf")
     assert roofline_inputs(DEFAULT) is None
