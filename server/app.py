@@ -59,7 +59,7 @@ from protoserve.server.services.adapter_service import AdapterService, load_star
 from protoserve.server.services.embeddings import EmbeddingService, Retrieval, ServedEmbedder
 from protoserve.server.services.inference_service import InferenceService
 from protoserve.server.services.metrics_service import MetricsService
-from protoserve.server.services.openai_service import OpenAIService
+from protoserve.server.services.openai.service import OpenAIService
 from protoserve.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -265,7 +265,8 @@ class ServerApp:
         services = (self.models, self.auth, self.inflight, self.readiness)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
         openai_pb2_grpc.add_OpenAIServiceServicer_to_server(
-            OpenAIService(*services, retrieval=self.retrieval), server
+            OpenAIService(self.models, self.auth, self.inflight, self.readiness, retrieval=self.retrieval),
+            server,
         )
         embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(
             EmbeddingService(*services, retrieval=self.retrieval), server
