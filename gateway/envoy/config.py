@@ -75,6 +75,75 @@ class Balancing:
                 raise ValueError(f"Balancing.{name} must be at least 1, got {getattr(self, name)}")
 
 
+@dataclass(frozen=True)
+class EnvoyTls:
+    """TLS at Envoy, from PEM files (a Kubernetes Secret mounted into its pod), read when Envoy starts.
+
+    Clients get ``cert_file``; with ``client_ca_file`` they must present a certificate from it. The
+    replicas (``protoserve serve --tls-cert-file``) are reached over TLS and their certificates checked
+    against ``upstream_ca_file``, for the name ``upstream_server_name`` (also sent as SNI); Envoy presents
+    ``upstream_cert_file`` to replicas that run with ``--tls-client-ca-file``.
+    """
+
+    cert_file: str
+    key_file: str
+    upstream_ca_file: str
+    upstream_server_name: str
+    client_ca_file: str | None = None
+    upstream_cert_file: str | None = None
+    upstream_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.upstream_cert_file is None) != (self.upstream_key_file is None):
+            raise ValueError("EnvoyTls.upstream_cert_file and upstream_key_file go together")
+        if not self.upstream_server_name:
+            raise ValueError("EnvoyTls.upstream_server_name must name the replicas' certificate")
+
+
+TLS_SOCKET = "envoy.transport_sockets.tls"
+TLS_TYPES = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+
+
+def _certificate(cert_file: str, key_file: str) -> dict:
+    return {"certificate_chain": {"filename": cert_file}, "private_key": {"filename": key_file}}
+
+
+def _downstream_tls(tls: EnvoyTls | None) -> str:
+    if tls is None:
+        return "# plaintext: h2c and HTTP/1.1 (TLS: EnvoyTls)"
+    context: dict = {
+        "@type": TLS_TYPES + "DownstreamTlsContext",
+        # gRPC clients negotiate h2, browsers and SDKs either.
+        "common_tls_context": {
+            "alpn_protocols": ["h2", "http/1.1"],
+            "tls_certificates": [_certificate(tls.cert_file, tls.key_file)],
+        },
+    }
+    if tls.client_ca_file is not None:
+        context["common_tls_context"]["validation_context"] = {"trusted_ca": {"filename": tls.client_ca_file}}
+        context["require_client_certificate"] = True
+    return "transport_socket: " + flow_yaml({"name": TLS_SOCKET, "typed_config": context})
+
+
+def _upstream_tls(tls: EnvoyTls | None, alpn: str) -> str:
+    if tls is None:
+        return "# plaintext to the replicas"
+    common: dict = {
+        # The gRPC port speaks h2, the replicas' REST gateways HTTP/1.1.
+        "alpn_protocols": [alpn],
+        "validation_context": {
+            "trusted_ca": {"filename": tls.upstream_ca_file},
+            "match_typed_subject_alt_names": [
+                {"san_type": "DNS", "matcher": {"exact": tls.upstream_server_name}}
+            ],
+        },
+    }
+    if tls.upstream_cert_file is not None and tls.upstream_key_file is not None:
+        common["tls_certificates"] = [_certificate(tls.upstream_cert_file, tls.upstream_key_file)]
+    context = {"@type": TLS_TYPES + "UpstreamTlsContext", "sni": tls.upstream_server_name, "common_tls_context": common}
+    return "transport_socket: " + flow_yaml({"name": TLS_SOCKET, "typed_config": context})
+
+
 LB_POLICIES = ("RING_HASH", "MAGLEV", "ROUND_ROBIN", "LEAST_REQUEST")
 # The caller's identity as the replicas compute it (server/security/auth.py): API key and user id.
 AFFINITY_HEADERS = ("authorization", "x-user-id")
@@ -322,11 +391,13 @@ def render_config(
     otlp_target: str | None = None,
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    tls: EnvoyTls | None = None,
 ) -> str:
     """The Envoy YAML for these ports and replicas (one gRPC target is one replica without a gateway).
 
     ``otlp_target``: host:port of an OTLP/gRPC collector for Envoy's own spans; None records none.
-    ``allowed_hosts`` and ``allowed_origins``: see browser_routes.py.
+    ``allowed_hosts`` and ``allowed_origins``: see browser_routes.py. ``tls``: TLS to clients and to
+    the replicas (None: plaintext both ways).
     """
     replicas = [Replica(grpc_target)] if isinstance(grpc_target, str) else list(grpc_target)
     if not replicas:
@@ -353,6 +424,9 @@ def render_config(
         http_cluster_type=_cluster_type(http_addresses) if http_addresses else "STATIC",
         http_endpoints=block_list([_endpoint(r.http, "Replica.http", r.grpc) for r in gateways], 14),
         otlp_cluster=_otlp_cluster(otlp_target),
+        downstream_tls=_downstream_tls(tls),
+        grpc_upstream_tls=_upstream_tls(tls, "h2"),
+        http_upstream_tls=_upstream_tls(tls, "http/1.1"),
     )
 
 

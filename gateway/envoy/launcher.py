@@ -36,7 +36,14 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2, duration_pb2
 from google.rpc import error_details_pb2
 
-from protoserve.gateway.envoy.config import LB_POLICIES, Balancing, Replica, as_configmap, render_config
+from protoserve.gateway.envoy.config import (
+    LB_POLICIES,
+    Balancing,
+    EnvoyTls,
+    Replica,
+    as_configmap,
+    render_config,
+)
 
 
 def envoy_binary() -> Path:
@@ -82,11 +89,12 @@ class EnvoyGateway:
     admin_port: int
     workdir: Path
     log_path: Path
+    tls: bool = False
 
     @property
     def url(self) -> str:
         """Base URL of the REST listener."""
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}"
 
     def log(self) -> str:
         """The end of Envoy's log, for failure messages."""
@@ -166,6 +174,7 @@ def start_envoy(
     otlp_target: str | None = None,
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    tls: EnvoyTls | None = None,
     timeout: float = 30.0,
 ) -> EnvoyGateway:
     """Start Envoy for ``grpc_target`` (or several replicas) and wait until its listener is ready."""
@@ -188,6 +197,7 @@ def start_envoy(
             otlp_target=otlp_target,
             allowed_hosts=allowed_hosts,
             allowed_origins=allowed_origins,
+            tls=tls,
         )
     )
     log_path = workdir / "envoy.log"
@@ -208,7 +218,7 @@ def start_envoy(
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
-    gateway = EnvoyGateway(process, http_port, admin_port, workdir, log_path)
+    gateway = EnvoyGateway(process, http_port, admin_port, workdir, log_path, tls=tls is not None)
     deadline = time.monotonic() + timeout
     while not _ready(admin_port):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -235,6 +245,29 @@ def _replica_arg(value: str) -> Replica:
         return Replica(grpc, http or None)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--replica: {exc}") from exc
+
+
+def _tls_arg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EnvoyTls | None:
+    """EnvoyTls from the TLS flags, None without any; a partial set is a usage error."""
+    required = ("tls_cert_file", "tls_key_file", "upstream_ca_file", "upstream_server_name")
+    optional = ("tls_client_ca_file", "upstream_cert_file", "upstream_key_file")
+    if not any(getattr(args, name) for name in required + optional):
+        return None
+    missing = ["--" + name.replace("_", "-") for name in required if not getattr(args, name)]
+    if missing:
+        parser.error(f"TLS needs {', '.join(missing)} as well")
+    try:
+        return EnvoyTls(
+            args.tls_cert_file,
+            args.tls_key_file,
+            args.upstream_ca_file,
+            args.upstream_server_name,
+            client_ca_file=args.tls_client_ca_file,
+            upstream_cert_file=args.upstream_cert_file,
+            upstream_key_file=args.upstream_key_file,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -264,6 +297,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--allowed-origin", action="append", default=[], metavar="ORIGIN",
         help="scheme://host[:port] of a page that may send state-changing requests; repeatable [none]",
     )  # fmt: skip
+    tls = parser.add_argument_group("TLS", "files Envoy reads at start (a mounted Secret); all off by default")
+    tls.add_argument("--tls-cert-file", metavar="PEM", help="the certificate clients get")
+    tls.add_argument("--tls-key-file", metavar="PEM", help="its private key")
+    tls.add_argument("--tls-client-ca-file", metavar="PEM", help="clients must present a certificate from these CAs")
+    tls.add_argument("--upstream-ca-file", metavar="PEM", help="the CA the replicas' certificates are checked with")
+    tls.add_argument(
+        "--upstream-server-name", metavar="NAME", help="the DNS name every replica's certificate carries (and SNI)"
+    )
+    tls.add_argument("--upstream-cert-file", metavar="PEM", help="Envoy's client certificate for mutual-TLS replicas")
+    tls.add_argument("--upstream-key-file", metavar="PEM", help="its private key")
     parser.add_argument(
         "--render",
         metavar="DESCRIPTOR_PATH",
@@ -276,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--write-descriptor-set", metavar="PATH", help="write the descriptor set Envoy needs to PATH and exit"
     )
     args = parser.parse_args(argv)
+    envoy_tls = _tls_arg(parser, args)
     replicas: str | list[Replica] = args.replica or args.grpc_target
     balancing = Balancing(lb_policy=args.lb_policy, health_check_interval_s=args.health_check_interval)
     if args.write_descriptor_set:
@@ -296,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             otlp_target=args.otlp_target,
             allowed_hosts=args.allowed_host,
             allowed_origins=args.allowed_origin,
+            tls=envoy_tls,
         )
         launcher = "python -m protoserve.gateway.envoy.launcher"
         command = f"{launcher} " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -316,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         otlp_target=args.otlp_target,
         allowed_hosts=args.allowed_host,
         allowed_origins=args.allowed_origin,
+        tls=envoy_tls,
     ) as gateway:
         print(f"envoy on {gateway.url} -> {replicas} (log: {gateway.log_path})", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
