@@ -12,6 +12,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -44,8 +45,7 @@ from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from protoserve.engine.scheduling.sequence import Sequence
 from protoserve.engine.speculative.draft_model import DraftModelProposer
-from protoserve.engine.speculative.params import SpeculativeParams
-from protoserve.engine.speculative.proposer import NgramProposer, Proposer
+from protoserve.engine.speculative.speculator import Speculator
 from protoserve.engine.stats import EngineStats
 from protoserve.engine.tracing import RequestSpan
 
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
-# Most decoding steps a sequence skips drafting after verifications that accepted nothing.
-MAX_SPEC_COOLDOWN = 32
 GrammarState = Literal["open", "complete", "failed"]  # a constrained choice after its latest token
 
 
@@ -91,8 +89,6 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
-        self.proposer: Proposer = NgramProposer()
-        self.draft_proposer: DraftModelProposer | None = None  # set by enable_draft_model
         self.model_config = loaded.config
         self.quantization = loaded.quantization  # as served: "auto" resolved by the loader
         self.num_parameters = loaded.num_parameters
@@ -118,6 +114,7 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu")
+        self.speculator = Speculator(self.config, self.sampler)
         self.requests: dict[str, RunningRequest] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -156,7 +153,7 @@ class LLMEngine:
         if draft.config.vocab_size != self.vocab_size:
             raise ValueError(f"speculative_model has a vocabulary of {draft.config.vocab_size} tokens, the model "
                              f"{self.vocab_size}: a draft model must share the target's tokenizer")
-        self.draft_proposer = DraftModelProposer(draft, self.config.block_size, self.runner.num_blocks)
+        self.speculator.draft_proposer = DraftModelProposer(draft, self.config.block_size, self.runner.num_blocks)
 
     def enable_lora(self, max_loras: int) -> AdapterStack:
         """Serve LoRA adapters from ``max_loras`` slots (engine/lora); returns the stack to load them into."""
@@ -192,7 +189,7 @@ class LLMEngine:
             bad.append(("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})"))
         bad.extend(adapter_problems(self.adapters, request.adapter))
         spec = sp.speculative
-        if spec is not None and spec.method == "draft" and self.draft_proposer is None:
+        if spec is not None and spec.method == "draft" and self.speculator.draft_proposer is None:
             bad.append(("speculative.method", "\"draft\" needs a draft model, and this server has none "
                                               "(serve --speculative-model)"))
         if sp.n > self.config.max_num_seqs:  # its choices could never run together
@@ -318,7 +315,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
-        self._propose_drafts()
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
         for seq in batch.preempted:
             self.requests[seq.request_id].note_preempted()
@@ -339,88 +336,18 @@ class LLMEngine:
             self._postprocess(seqs, samples)
             for j, seq in enumerate(sampling):
                 if seq.num_draft_tokens:
-                    self._verify(seq, logits[first_row[j] : first_row[j + 1]])
+                    self._verify_drafts(seq, logits[first_row[j] : first_row[j + 1]])
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
 
     # -- speculative decoding ------------------------------------------------
 
-    def speculative_params(self, seq: Sequence) -> SpeculativeParams | None:
-        """The sequence's speculative options: its request's own, else the engine default (never for a
-        constrained request, which may not opt in)."""
-        sp = seq.sampling
-        params = sp.speculative if sp.speculative is not None else (
-            self.config.speculative if sp.constraint is None else None)
-        return params if params is not None and params.enabled else None
-
-    def _propose_drafts(self) -> None:
-        """Draft for every running sequence about to decode (one uncomputed token) with speculation on."""
-        by_model: list[tuple[Sequence, int]] = []
-        limit = self.config.speculative_disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) > limit:
-            return
-        for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending_forks:
-                continue
-            params = self.speculative_params(seq)
-            if params is None:
-                continue
-            if seq.spec_cooldown:
-                seq.spec_cooldown -= 1
-                continue
-            # Each accepted draft plus the final sampled token is output: never run past max_len.
-            room = seq.max_len - seq.num_tokens - 1
-            if room < 1:
-                continue
-            if params.method == "draft":  # refused at admission when there is no draft model
-                if self.draft_proposer is not None:
-                    by_model.append((seq, min(params.num_speculative_tokens, room)))
-                continue
-            drafts = self.proposer.propose(seq, params, room)
-            if drafts:
-                seq.add_drafts(drafts[:room])
-        if self.draft_proposer is not None and (by_model or self.draft_proposer.states):
-            live = {s.seq_id for s in self.scheduler.running}
-            for (seq, _), drafts in zip(by_model, self.draft_proposer.propose_batch(by_model, live), strict=True):
-                if drafts:
-                    seq.add_drafts(drafts)
-
-    def _verify(self, seq: Sequence, rows: torch.Tensor) -> None:
-        """Emit the tokens verification keeps from a draft row's logits ``[1 + drafts, vocab]``.
-
-        Row i is the target's next-token logits after the last sampled token and drafts 1..i. The
-        sampler runs on the rows in order, each as a plain decode step would (penalties, min_tokens,
-        logprobs and Mirostat's mu see exactly the tokens emitted so far, one draw from the
-        sequence's generator per token): draft i+1 is accepted when the token drawn from row i
-        equals it, and the first token that differs ends the row (after all drafts, row k gives a
-        bonus token). For n-gram drafts q is a point mass, and drawing x ~ p and accepting iff
-        x == draft is exactly rejection sampling's rule (accept with probability p(draft), else a
-        token from p with the draft removed, renormalised), so output is the target's distribution;
-        it consumes the same draws as decoding without drafts, so greedy and seeded output are
-        token-for-token what they would be without speculation.
-        """
-        drafts = seq.take_drafts()
-        state = self.requests[seq.request_id]
-        now = time.monotonic()
-        accepted = 0
-        for i in range(len(drafts) + 1):
-            [sample] = self.sampler(rows[i : i + 1], [seq])
-            self._postprocess([seq], [sample], now)
-            matched = i < len(drafts) and sample.token_id == drafts[i]
-            accepted += matched
-            if not matched or seq.is_finished:
-                break
-        self.counters.spec_num_drafts += 1
-        self.counters.spec_draft_tokens += len(drafts)
-        self.counters.spec_accepted_tokens += accepted
-        state.stats.spec_num_drafts += 1
-        state.stats.spec_draft_tokens += len(drafts)
-        state.stats.spec_accepted_tokens += accepted
-        if accepted:
-            seq.spec_misses = 0
-        else:
-            seq.spec_misses += 1
-            seq.spec_cooldown = min(2 ** seq.spec_misses, MAX_SPEC_COOLDOWN)
+    def _verify_drafts(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """Emit what verification keeps of the sequence's drafts (engine/speculative/speculator.py), count it,
+        and give back the K/V written for the rejected ones."""
+        verdict = self.speculator.verify(seq, rows, partial(self._emit, now=time.monotonic()))
+        verdict.count_into(self.counters)
+        verdict.count_into(self.requests[seq.request_id].stats)
         if not seq.is_finished:
             self.scheduler.rollback_drafts(seq)
 
@@ -459,34 +386,38 @@ class LLMEngine:
                 seq.num_pending_forks = 0
         return seqs, rows
 
-    def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult], now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult]) -> None:
+        now = time.monotonic()
         for seq, sample in zip(seqs, samples, strict=True):
-            if seq.is_finished:  # its request failed earlier in this step
-                continue
-            state = self.requests[seq.request_id]
-            choice = state.choices[seq.index]
-            token = sample.token_id
-            token_stop = check_token_stop(token, seq.num_generated + 1, seq.sampling, self.eos_token_ids)
-            grammar: GrammarState = "open"
-            if seq.matcher is not None:
-                grammar = self._advance_grammar(seq, token, consume=token_stop is None)
-                if grammar == "failed":
-                    self._fail_grammar(seq)
-                    continue
-            seq.append_token(token)
-            state.note_token(now)
-            self.counters.generation_tokens += 1
-            self._touched.add(seq.request_id)
-            stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
-            if token_stop is not None:
-                self._finish(seq, *token_stop)
-            elif stop_string is not None:
-                self._finish(seq, FinishReason.STOP, stop_string)
-            elif grammar == "complete":
-                self._finish(seq, FinishReason.STOP)
-            elif seq.num_tokens >= seq.max_len:
-                self._finish(seq, FinishReason.LENGTH)
+            self._emit(seq, sample, now)
+
+    def _emit(self, seq: Sequence, sample: SampleResult, now: float) -> None:
+        """Append a sampled token to its choice's output and end the choice where the token stops it."""
+        if seq.is_finished:  # its request failed earlier in this step
+            return
+        state = self.requests[seq.request_id]
+        choice = state.choices[seq.index]
+        token = sample.token_id
+        token_stop = check_token_stop(token, seq.num_generated + 1, seq.sampling, self.eos_token_ids)
+        grammar: GrammarState = "open"
+        if seq.matcher is not None:
+            grammar = self._advance_grammar(seq, token, consume=token_stop is None)
+            if grammar == "failed":
+                self._fail_grammar(seq)
+                return
+        seq.append_token(token)
+        state.note_token(now)
+        self.counters.generation_tokens += 1
+        self._touched.add(seq.request_id)
+        stop_string = choice.add_token(token, sample.logprobs, render=token_stop is None)
+        if token_stop is not None:
+            self._finish(seq, *token_stop)
+        elif stop_string is not None:
+            self._finish(seq, FinishReason.STOP, stop_string)
+        elif grammar == "complete":
+            self._finish(seq, FinishReason.STOP)
+        elif seq.num_tokens >= seq.max_len:
+            self._finish(seq, FinishReason.LENGTH)
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int, consume: bool) -> GrammarState:

@@ -35,7 +35,7 @@ class SamplingParams:
     ``xtc_probability`` turns on llama.cpp's XTC (engine/sampling/xtc.py) with ``xtc_threshold``.
     ``speculative`` opts the request in to speculative decoding (None: the engine's default, off);
     it changes how many tokens a step yields, never which: every feature but a constraint combines
-    with it exactly (see LLMEngine._verify).
+    with it exactly (see Speculator.verify).
     """
 
     max_tokens: int | None = 16

@@ -7,7 +7,7 @@ were accepted, whose K/V it already wrote, so one token), then drafts greedily, 
 batched single-token forward per draft. What it writes for a draft that is later
 rejected is simply not counted: the next step keeps only the K/V of positions whose
 tokens still match. Drafts are argmax tokens of the draft model; verification keeps
-the target's distribution whatever proposes (LLMEngine._verify).
+the target's distribution whatever proposes (speculator.py, Speculator.verify).
 """
 
 from __future__ import annotations

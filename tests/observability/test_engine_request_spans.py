@@ -86,7 +86,7 @@ def test_a_speculative_requests_span_carries_its_draft_counts(loaded, tracing):
 
     tracer, exporter = tracing
     engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=64))
-    engine.proposer = AlwaysDrafts()
+    engine.speculator.proposer = AlwaysDrafts()
     sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                               speculative=SpeculativeParams(num_speculative_tokens=2))
     request = TokenizedRequest("s", [1, 2, 3, 4, 5], sampling,

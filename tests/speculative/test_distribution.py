@@ -42,7 +42,7 @@ def sample_prefixes(loaded, seeds: range, speculative: SpeculativeParams | None,
     engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=1024,
                                                max_queue=DRAWS))
     if proposer is not None:
-        engine.proposer = proposer
+        engine.speculator.proposer = proposer
     sp = dict(max_tokens=3, temperature=0.6, top_k=6, speculative=speculative)
     done = LLM(engine=engine).run([TokenizedRequest(f"d{s}", PROMPT, SamplingParams(seed=s, **sp)) for s in seeds])
     return Counter(tuple(c.choices[0].token_ids) for c in done), engine.stats()

@@ -94,7 +94,7 @@ def test_output_identical_with_drafts(spec_tiny_loaded, corrupt):
     reqs = varied_requests(12)
     ref_done, ref = reference(spec_tiny_loaded, reqs)
     eng = engine(spec_tiny_loaded)
-    eng.proposer = OracleProposer(ref, corrupt)
+    eng.speculator.proposer = OracleProposer(ref, corrupt)
     done = LLM(engine=eng).run(speculative(reqs))
     for r, a, b in zip(reqs, ref_done, done, strict=True):
         assert tokens(a) == tokens(b), f"{r.request_id} ({r.sampling})"
@@ -120,7 +120,7 @@ def test_speculative_row_beside_plain_rows_and_prefills(spec_tiny_loaded):
     reqs = varied_requests(10, seed=1)
     ref_done, ref = reference(spec_tiny_loaded, reqs[:1], max_num_batched_tokens=4096)
     eng = engine(spec_tiny_loaded, max_num_batched_tokens=24)  # long prompts chunk beside the drafts
-    eng.proposer = OracleProposer(ref, corrupt=3)
+    eng.speculator.proposer = OracleProposer(ref, corrupt=3)
     mixed = speculative(reqs[:1]) + [replace(r, sampling=replace(r.sampling)) for r in reqs[1:]]
     done = LLM(engine=eng).run(mixed)
     assert tokens(done[0]) == tokens(ref_done[0])
@@ -134,7 +134,7 @@ def test_preemption_drops_drafts_and_recomputes(spec_tiny_loaded):
             for i in range(6)]
     ref_done, ref = reference(spec_tiny_loaded, reqs)
     eng = engine(spec_tiny_loaded, max_kv_blocks=40)  # 6 x 60 tokens need 90 blocks of 4
-    eng.proposer = OracleProposer(ref, corrupt=4)
+    eng.speculator.proposer = OracleProposer(ref, corrupt=4)
     done = LLM(engine=eng).run(speculative(reqs))
     assert eng.stats().preemptions_total > 0
     assert eng.stats().spec_decode_num_accepted_tokens > 0
@@ -155,7 +155,7 @@ def test_stop_string_and_stop_token_inside_accepted_drafts(spec_tiny_loaded):
     req = replace(base, sampling=sp)
     [want], _ = reference(spec_tiny_loaded, [req])
     eng = engine(spec_tiny_loaded)
-    eng.proposer = OracleProposer(ref)  # drafts run past the stop: what follows must be dropped
+    eng.speculator.proposer = OracleProposer(ref)  # drafts run past the stop: what follows must be dropped
     [got] = LLM(engine=eng).run(speculative([req]))
     assert want.choices[0].finish_reason == FinishReason.STOP
     assert tokens(got) == tokens(want)
@@ -169,7 +169,7 @@ def test_max_tokens_is_never_overrun(spec_tiny_loaded):
             for i in range(1, 9)]
     _, ref = reference(spec_tiny_loaded, [replace(r, sampling=replace(r.sampling, max_tokens=20)) for r in reqs])
     eng = engine(spec_tiny_loaded)
-    eng.proposer = OracleProposer(ref)
+    eng.speculator.proposer = OracleProposer(ref)
     done = LLM(engine=eng).run(speculative(reqs))
     for r, c in zip(reqs, done, strict=True):
         assert tokens(c)[0] == ref[(r.request_id, 0)][: r.sampling.max_tokens]
@@ -182,7 +182,7 @@ def test_rollback_keeps_prefix_cache_right(spec_tiny_loaded):
     first = TokenizedRequest("a", prompt, SamplingParams(max_tokens=40, temperature=0.0))
     [ref_a], ref = reference(spec_tiny_loaded, [first])
     eng = engine(spec_tiny_loaded)
-    eng.proposer = OracleProposer(ref, corrupt=2)
+    eng.speculator.proposer = OracleProposer(ref, corrupt=2)
     spec8 = SpeculativeParams(num_speculative_tokens=8)
     [a] = LLM(engine=eng).run([replace(first, sampling=replace(first.sampling, speculative=spec8))])
     assert tokens(a) == tokens(ref_a) and a.stats.spec_draft_tokens > a.stats.spec_accepted_tokens > 0
@@ -217,7 +217,7 @@ def test_drafts_back_off_while_nothing_is_accepted(spec_tiny_loaded):
     req = TokenizedRequest("w", list(b"backoff"), SamplingParams(max_tokens=60, temperature=0.0))
     [want], ref = reference(spec_tiny_loaded, [req])
     eng = engine(spec_tiny_loaded)
-    eng.proposer = OracleProposer(ref, corrupt=1)
+    eng.speculator.proposer = OracleProposer(ref, corrupt=1)
     [got] = LLM(engine=eng).run(speculative([req]))
     assert tokens(got) == tokens(want)
     s = got.stats
@@ -250,8 +250,8 @@ def test_draft_model_drafts_change_no_token(spec_tiny_loaded, tiny_int4_draft):
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     eng.step()  # the next step frees the draft model's K/V of finished sequences
-    assert not eng.draft_proposer.states
-    assert eng.draft_proposer.blocks.num_free_blocks == eng.draft_proposer.blocks.num_blocks
+    assert not eng.speculator.draft_proposer.states
+    assert eng.speculator.draft_proposer.blocks.num_free_blocks == eng.speculator.draft_proposer.blocks.num_blocks
 
 
 def test_draft_method_needs_a_draft_model(spec_tiny_loaded):
@@ -267,10 +267,10 @@ def test_no_drafts_above_the_batch_size_limit(spec_tiny_loaded):
     reqs = [TokenizedRequest(f"b{i}", [20 + i] * 8, SamplingParams(max_tokens=12, temperature=0.0)) for i in range(3)]
     ref_done, ref = reference(spec_tiny_loaded, reqs)
     busy = engine(spec_tiny_loaded, speculative_disable_by_batch_size=2)
-    busy.proposer = OracleProposer(ref)
+    busy.speculator.proposer = OracleProposer(ref)
     assert [tokens(c) for c in LLM(engine=busy).run(speculative(reqs))] == [tokens(c) for c in ref_done]
     assert busy.stats().spec_decode_num_drafts == 0  # three running all along
     roomy = engine(spec_tiny_loaded, speculative_disable_by_batch_size=3)
-    roomy.proposer = OracleProposer(ref)
+    roomy.speculator.proposer = OracleProposer(ref)
     LLM(engine=roomy).run(speculative(reqs))
     assert roomy.stats().spec_decode_num_drafts > 0
