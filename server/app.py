@@ -27,7 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protoserve.engine.config import EngineConfig
-from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc
+from protoserve.open_inference import grpc_service_pb2, grpc_service_pb2_grpc
+from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc, responses_pb2, responses_pb2_grpc
 from protoserve.server import exit_codes
 from protoserve.server.agent.service import AgentService
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryError
@@ -46,7 +47,9 @@ from protoserve.server.observability.metrics import ServerMetrics
 from protoserve.server.observability.metrics_http import MetricsHttpServer
 from protoserve.server.observability.telemetry import Telemetry, installed_tracer_provider
 from protoserve.server.observability.usage import UsageLedger
+from protoserve.server.open_inference.service import OpenInferenceService
 from protoserve.server.rag.service import RagService
+from protoserve.server.responses.store import Bounds, ResponseStore
 from protoserve.server.runtime.event_loop import loop_name
 from protoserve.server.runtime.health import Readiness
 from protoserve.server.runtime.ports import PortUnavailable, check_can_listen
@@ -59,6 +62,7 @@ from protoserve.server.services.adapter_service import AdapterService, load_star
 from protoserve.server.services.embeddings import EmbeddingService, Retrieval, ServedEmbedder
 from protoserve.server.services.inference_service import InferenceService
 from protoserve.server.services.metrics_service import MetricsService
+from protoserve.server.services.openai.responses_service import ResponsesService
 from protoserve.server.services.openai.service import OpenAIService
 from protoserve.v1 import (
     adapters_pb2,
@@ -92,11 +96,13 @@ SERVER_STOP_GRACE_S = 2.0
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,
+    responses_pb2.DESCRIPTOR.services_by_name["ResponsesService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     embeddings_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
     rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name,
     adapters_pb2.DESCRIPTOR.services_by_name["AdapterService"].full_name,
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
+    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
 )
 
 
@@ -173,6 +179,8 @@ class ServerConfig:
     rag_max_bytes: int = 256 * 1024 * 1024  # stored bytes (text, chunks, vectors) per identity; 0: no limit
     rag_key_max_documents: int | None = None  # per API key over its identities; None: rag_max_documents
     rag_key_max_bytes: int | None = None  # per API key over its identities; None: rag_max_bytes
+    responses_max_bytes: int = 64 * 1024 * 1024  # stored Responses API responses per identity; 0: no limit
+    responses_key_max_bytes: int | None = None  # per API key over its identities; None: responses_max_bytes
     loras: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter loaded at start (--lora)
     max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0: DEFAULT_MAX_LORAS if loras, else off
     tls: TlsFiles | None = None  # certificate (and client CA) for the gRPC port and the gateway; None: plaintext
@@ -217,6 +225,7 @@ class ServerApp:
         self.inflight = InflightRequests(self.usage, self.telemetry, self.rate_limiter)
         self.readiness = Readiness(SERVICE_NAMES)
         self.retrieval = Retrieval()  # the embedding model and the RAG store, once loaded
+        self.response_store: ResponseStore | None = None  # the Responses API's, opened by start()
         # The agent's tools: built-ins and the `protoserve.tools` entry points installed here.
         self.tools = ToolRegistry.load()
         # Read (and checked) now: unusable TLS files are a usage error before anything listens.
@@ -272,12 +281,19 @@ class ServerApp:
             EmbeddingService(*services, retrieval=self.retrieval), server
         )
         rag_pb2_grpc.add_RagServiceServicer_to_server(RagService(*services, retrieval=self.retrieval), server)
+        self.response_store = self._open_response_store()
+        responses_pb2_grpc.add_ResponsesServiceServicer_to_server(
+            ResponsesService(*services, store=self.response_store), server
+        )
         adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterService(*services), server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentService(*services, registry=self.tools, retrieval=self.retrieval), server
         )
         metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
             MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
+        )
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            OpenInferenceService(*services, retrieval=self.retrieval), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
         enable_reflection(
@@ -413,6 +429,13 @@ class ServerApp:
             self.config.rag_partitions,
         )
 
+    def _open_response_store(self) -> ResponseStore:
+        """The Responses API's stored responses, under the data directory beside RAG's documents."""
+        config = self.config
+        root = Path(config.data_dir).expanduser() if config.data_dir else default_data_dir()
+        key_bytes = config.responses_max_bytes if config.responses_key_max_bytes is None else config.responses_key_max_bytes
+        return ResponseStore(root / "responses", Bounds(config.responses_max_bytes, key_bytes))
+
     async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:
         """Serve a started engine and turn health SERVING; several apps may share one engine."""
         self.engine = engine
@@ -454,6 +477,9 @@ class ServerApp:
             self._gateway_socket_dir = None
         if self.engine is not None and self._owns_engine:
             await self.engine.shutdown()
+        if self.response_store is not None:
+            await asyncio.to_thread(self.response_store.close)
+            self.response_store = None
         if self.retrieval.store is not None:
             await asyncio.to_thread(self.retrieval.store.close)  # writes the index snapshots
             self.retrieval.store = None

@@ -187,6 +187,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         rag_max_bytes=args.rag_max_bytes,
         rag_key_max_documents=args.rag_key_max_documents,
         rag_key_max_bytes=args.rag_key_max_bytes,
+        responses_max_bytes=args.responses_max_bytes,
+        responses_key_max_bytes=args.responses_key_max_bytes,
         loras=tuple(args.lora),
         max_loras=args.max_loras,
         tls=_tls_files(args),

@@ -345,6 +345,21 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "[--rag-max-bytes; a key's rag_max_bytes in --rate-limits-file]",
     )
     parser.add_argument(
+        "--responses-max-bytes",
+        type=_non_negative_int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="bytes of stored Responses API responses (and their input items) each identity may keep; "
+        "0: no limit [67108864]",
+    )
+    parser.add_argument(
+        "--responses-key-max-bytes",
+        type=_non_negative_int,
+        metavar="BYTES",
+        help="bytes of stored responses all identities of one API key may keep together; 0: no limit "
+        "[--responses-max-bytes]",
+    )
+    parser.add_argument(
         "--tool-parser",
         choices=sorted(FORMATS),
         help="the format the model writes tool calls in [read off its chat template: <tool_call> tags are "
