@@ -1,0 +1,1 @@
+"""The Open Inference Protocol (KServe v2 / Triton): its servicer and its tensors."""
