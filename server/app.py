@@ -355,11 +355,11 @@ class ServerApp:
     async def load_model(self) -> None:
         """Load the configured model in a worker thread (health keeps answering), then serve it."""
         from protoserve.engine.async_engine import AsyncEngine
-        from protoserve.engine.loader.default_model import default_model_path
+        from protoserve.engine.loader.catalogue import resolve_model
         from protoserve.engine.loader.errors import ModelLoadError
 
-        # None lets the engine name the default model itself; the card still records the file.
-        path = self.config.model_path or default_model_path()
+        # The engine resolves the name again (and applies the card's sampling values); the card records the file.
+        path = (await asyncio.to_thread(resolve_model, self.config.model_path)).path
         if self.config.model_name is not None and len(self.config.model_name) > MAX_MODEL_NAME_CHARS:
             raise ModelLoadError(path, f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
         engine = await asyncio.to_thread(

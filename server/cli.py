@@ -1,4 +1,5 @@
-"""The ``protoserve`` command: ``serve`` runs the gRPC server, ``generate`` runs one prompt locally."""
+"""The ``protoserve`` command: ``serve`` runs the gRPC server, ``generate`` runs one prompt locally,
+``models`` lists the installed models."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from protoserve.server.cli_flags import (
     SPECULATIVE_MAX_BATCH,
     build_parser,
 )
+from protoserve.server.cli_models import list_models
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
 from protoserve.server.models.chat_turn import CHAT_ROLES, ChatTurn
 from protoserve.server.models.sampling_mapping import default_problems
@@ -273,7 +275,7 @@ def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
 
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from protoserve.engine.async_engine import AsyncEngine
-    from protoserve.engine.loader.default_model import default_model_path
+    from protoserve.engine.loader.catalogue import resolve_model
     from protoserve.server.models.served_model import ModelCard, ServedModel, new_request_id
 
     worker = await asyncio.to_thread(_torchrun_worker, args, engine_config)
@@ -300,8 +302,8 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     bad = sampling.validate()
     if bad:
         raise invalid_argument([(_flag(f), p) for f, p in bad])
-    path = args.model or default_model_path()
     try:
+        path = (await asyncio.to_thread(resolve_model, args.model)).path
         engine = await asyncio.to_thread(
             AsyncEngine.from_pretrained,
             args.model,
@@ -357,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefer_passive_omp_wait()  # before anything imports torch: this process runs the engine
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "models":
+        return list_models(args)
     if args.log_level not in LOG_LEVELS:  # argparse checks a given flag, not $PROTOSERVE_LOG_LEVEL
         parser.error(f"log level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
     logging.basicConfig(

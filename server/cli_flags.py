@@ -21,6 +21,7 @@ from protoserve.engine.loader.auto_quantization import AUTO
 from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.server import exit_codes
 from protoserve.server.calls.stream_write_timeout import DEFAULT_STREAM_IDLE_TIMEOUT_S
+from protoserve.server.cli_models import add_models_flags
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
 from protoserve.server.models.adapter_input import adapter_name_problem
 from protoserve.server.models.chat_turn import CHAT_ROLES
@@ -125,7 +126,12 @@ def _lora_spec(value: str) -> tuple[str, str]:
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The model and engine flags both commands take."""
-    parser.add_argument("--model", metavar="PATH", help="GGUF file or Hugging Face directory [default model]")
+    parser.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help="an installed model's name (see `protoserve models`), a GGUF file or a Hugging Face directory "
+        "[smollm2-135m-instruct]",
+    )
     parser.add_argument("--model-name", help="name clients use for the model [from the checkpoint]")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype [float32]")
     parser.add_argument(
@@ -221,12 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"protoserve {_version()}", help="print the version and exit"
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="serve or generate")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="serve, generate or models")
 
     add_serve_flags(sub.add_parser("serve", help="run the gRPC server (and the REST gateway when available)"))
     add_generate_flags(
         sub.add_parser("generate", help="generate from one prompt without a server, streaming to stdout")
     )
+    add_models_flags(sub.add_parser("models", help="list the installed models (and a running server's)"))
     return parser
 
 

@@ -20,6 +20,7 @@ import torch
 
 from protoserve.engine.execution.device import resolve_device
 from protoserve.engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
+from protoserve.engine.loader.catalogue import EMBEDDING, resolve_model
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.heap import release_freed_memory
 from protoserve.engine.loader.hf_checkpoint import (
@@ -90,7 +91,8 @@ def load_model(
     """Load a model for serving.
 
     ``path``: a ``.gguf`` file, a Hugging Face directory (config.json +
-    safetensors), or None for the default SmolLM2-135M-Instruct GGUF.
+    safetensors), an installed model's short name (engine/loader/catalogue.py),
+    or None for the default, SmolLM2-135M-Instruct.
     ``quantization``: ``none``, ``int8`` (per output channel), ``int4``
     (groups of ``group_size`` input columns) or ``auto``: the checkpoint's own
     precision (engine/loader/auto_quantization.py; int8 where the layers'
@@ -117,11 +119,10 @@ def load_model(
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     torch_dtype = DTYPES[dtype]
     started = time.perf_counter()
-    if path is None:
-        from protoserve.engine.loader.default_model import default_model_path
-
-        path = default_model_path()
-    source = Path(path)
+    resolved = resolve_model(path)
+    if resolved.kind == EMBEDDING:
+        raise ModelLoadError(resolved.name, "is an embedding model, not a generative one (serve it with --embedding-model)")
+    source = resolved.path
 
     from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
@@ -152,6 +153,8 @@ def load_model(
         sampling_defaults = gguf_sampling_defaults(gguf.reader, source)
     else:
         raise ModelLoadError(source, "no such file or directory")
+    # The card's values fill in what the file leaves out; the file's own win.
+    sampling_defaults = {**resolved.card_sampling_defaults, **sampling_defaults}
     family_template = families.get(config.architecture).chat_template
     if tokenizer is not None and not tokenizer.has_chat_template and family_template is not None:
         tokenizer.set_chat_template(family_template)  # the checkpoint has none: the family's published one
