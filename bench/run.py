@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         metavar="NAME|PATH",
-        help=f"measure this model instead of the default SmolLM2 GGUF: a checkpoint path or one of "
-        f"{', '.join(resources.PACKAGED_MODELS)} (installed by make install); transformers loads the same file",
+        help="measure this model instead of the default SmolLM2 GGUF: a checkpoint path or an installed "
+        "model's short name (`protoserve models`, e.g. gemma3-270m); transformers loads the same file",
     )
     parser.add_argument("--json-out", metavar="FILE", help="also write all results to FILE")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, here and in the server [2]")

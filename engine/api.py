@@ -31,6 +31,7 @@ from protoserve.engine.errors import (
 )
 from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
 from protoserve.engine.loader.auto_quantization import AUTO
+from protoserve.engine.loader.catalogue import ResolvedModel, catalogue, resolve_model
 from protoserve.engine.loader.default_model import default_model_path
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.models.config import ModelConfig
@@ -82,6 +83,7 @@ __all__ = [
     "RequestOutput",
     "RequestStats",
     "RequestTrace",
+    "ResolvedModel",
     "SamplingParams",
     "SpeculativeParams",
     "Tenant",
@@ -89,6 +91,8 @@ __all__ = [
     "TokenLogprob",
     "TokenizedRequest",
     "TooManyChunks",
+    "catalogue",
     "default_model_path",
     "prefer_passive_omp_wait",
+    "resolve_model",
 ]
