@@ -42,6 +42,8 @@ from protoserve.engine.sampling.sampler import Sampler, SampleResult
 from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.engine.sampling.stop_checker import check_token_stop
 from protoserve.engine.scheduling.block_manager import BlockManager
+from protoserve.engine.scheduling.forks import fork_pending_choices
+from protoserve.engine.scheduling.logits_rows import DraftRows, SampleRow, StepRows
 from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from protoserve.engine.scheduling.sequence import Sequence
 from protoserve.engine.speculative.draft_model import DraftModelProposer
@@ -317,74 +319,60 @@ class LLMEngine:
         start = time.monotonic()
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
-        for seq in batch.preempted:
-            self.requests[seq.request_id].note_preempted()
+        self._note_schedule(batch, start)
         if not batch.is_empty:
-            self._note_scheduled(batch, start)
-            sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]  # before computed counts move
-            masks = self._start_masks(sampling)
+            rows = StepRows.of(batch)
+            masks = self._start_masks(rows.plain)
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
             self.scheduler.finish_step(batch)
-            bitmask = masks.result() if masks is not None else None  # before forks copy the matchers it reads
-            # Each sampling sequence owns 1 + drafts logits rows, in order; plain rows take their first.
-            first_row = list(itertools.accumulate((1 + s.num_draft_tokens for s in sampling), initial=0))
-            plain = [j for j, s in enumerate(sampling) if not s.num_draft_tokens]
-            seqs, rows = self._fork_choices([sampling[j] for j in plain])
-            masks_rows = [plain[r] for r in rows]
-            samples = self.sampler(logits[[first_row[j] for j in masks_rows]], seqs,
-                                   bitmask[masks_rows] if bitmask is not None else None)
+            seqs, samples = self._sample(rows.plain, logits, masks)
             self._postprocess(seqs, samples)
-            for j, seq in enumerate(sampling):
-                if seq.num_draft_tokens:
-                    self._verify_drafts(seq, logits[first_row[j] : first_row[j + 1]])
+            self._verify_drafts(rows.drafted, logits)
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
 
-    # -- speculative decoding ------------------------------------------------
-
-    def _verify_drafts(self, seq: Sequence, rows: torch.Tensor) -> None:
-        """Emit what verification keeps of the sequence's drafts (engine/speculative/speculator.py), count it,
-        and give back the K/V written for the rejected ones."""
-        verdict = self.speculator.verify(seq, rows, partial(self._emit, now=time.monotonic()))
-        verdict.count_into(self.counters)
-        verdict.count_into(self.requests[seq.request_id].stats)
-        if not seq.is_finished:
-            self.scheduler.rollback_drafts(seq)
-
-    def _start_masks(self, sampling: list[Sequence]) -> Future[torch.Tensor] | None:
-        """Start filling the grammar masks of this step's constrained rows; they fill while the forward runs.
-
-        A row's mask depends only on its matcher, which took last step's token already; the
-        choices forked off a row this step start at the grammar's start, as the row itself does.
-        """
-        if self._masks is None or all(s.matcher is None for s in sampling):
-            return None
-        return self._masks.start([s.matcher for s in sampling])
-
-    def _note_scheduled(self, batch: ScheduledBatch, now: float) -> None:
+    def _note_schedule(self, batch: ScheduledBatch, now: float) -> None:
+        """Note on each request what the scheduler did to its sequences: preempted, or scheduled."""
+        for seq in batch.preempted:
+            self.requests[seq.request_id].note_preempted()
         for seq in batch.seqs:
             state = self.requests[seq.request_id]
             state.note_scheduled(now, batch.prefix_hit_tokens.get(seq.seq_id) if seq.index == 0 else None)
             state.note_blocks(self.runner.block_bytes)
 
-    def _fork_choices(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-        """A request's first logits are shared by its n choices: fork the rest off here, same logits row."""
-        seqs, rows = [], []
-        for row, seq in enumerate(sampling):
-            seqs.append(seq)
-            rows.append(row)
-            if seq.num_pending_forks:
-                state = self.requests[seq.request_id]
-                for index in range(1, seq.num_pending_forks + 1):
-                    # The parent has taken no token yet: a copy of its matcher is a fresh one.
-                    matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
-                    child = self._new_seq(state, index, seq.max_len, arrival=seq.arrival_order,
-                                          matcher=matcher)
-                    self.scheduler.fork(seq, child)
-                    seqs.append(child)
-                    rows.append(row)
-                seq.num_pending_forks = 0
-        return seqs, rows
+    def _start_masks(self, plain: list[SampleRow]) -> Future[torch.Tensor] | None:
+        """Start filling the grammar masks of this step's constrained rows; they fill while the forward runs.
+
+        A row's mask depends only on its matcher, which took last step's token already; the
+        choices forked off a row this step start at the grammar's start, as the row itself does.
+        """
+        if self._masks is None or all(r.seq.matcher is None for r in plain):
+            return None
+        return self._masks.start([r.seq.matcher for r in plain])
+
+    def _sample(self, plain: list[SampleRow], logits: torch.Tensor,
+                masks: Future[torch.Tensor] | None) -> tuple[list[Sequence], list[SampleResult]]:
+        """One token for each plain row, and for each choice forked off it (scheduling/forks.py)."""
+        bitmask = masks.result() if masks is not None else None  # before forks copy the matchers it reads
+        rows = fork_pending_choices(plain, self.scheduler, self._new_choice)
+        seqs = [r.seq for r in rows]
+        row_masks = bitmask[[r.mask_row for r in rows]] if bitmask is not None else None
+        return seqs, self.sampler(logits[[r.logits_row for r in rows]], seqs, row_masks)
+
+    def _new_choice(self, parent: Sequence, index: int, matcher: LLMatcher | None) -> Sequence:
+        return self._new_seq(self.requests[parent.request_id], index, parent.max_len, arrival=parent.arrival_order,
+                             matcher=matcher)
+
+    def _verify_drafts(self, drafted: list[DraftRows], logits: torch.Tensor) -> None:
+        """Emit what verification keeps of each row's drafts (engine/speculative/speculator.py), count it,
+        and give back the K/V written for the rejected ones."""
+        for row in drafted:
+            seq = row.seq
+            verdict = self.speculator.verify(seq, logits[row.rows], partial(self._emit, now=time.monotonic()))
+            verdict.count_into(self.counters)
+            verdict.count_into(self.requests[seq.request_id].stats)
+            if not seq.is_finished:
+                self.scheduler.rollback_drafts(seq)
 
     def _postprocess(self, seqs: list[Sequence], samples: list[SampleResult]) -> None:
         now = time.monotonic()
