@@ -76,10 +76,16 @@ def check_agent_run(output: str) -> None:
     assert any("answer" in e for e in events), events
 
 
+def check_responses_call(output: str) -> None:
+    """The Responses API example: a second turn on previous_response_id answers with text."""
+    assert output.strip(), "the second response printed no text"
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "What is the capital of France?": check_first_call,
     "client.chat.completions.create(": check_openai_stream,
     "/v1/agent/runs": check_agent_run,
+    "client.responses.create(": check_responses_call,
 }
 
 
