@@ -12,7 +12,7 @@ compiled under their upstream names, with their own folder as the include
 root, so their descriptors are byte for byte those ``tritonclient`` ships and
 both load into one process; their modules go to ``protoserve/open_inference/``
 (with their imports of each other pointed there, as tritonclient does for its
-copy).
+copy). Their REST routes come from ``http_rules.yaml`` beside them.
 
 It needs only ``grpcio-tools`` and the repository's ``proto/`` and
 ``third_party/googleapis/``, so setup.py can load it by file path inside an
@@ -35,6 +35,7 @@ GENERATED_PACKAGE = Path("protoserve") / "generated"
 VENDOR_DIR = Path("vendor")
 OPEN_INFERENCE_ROOT = VENDOR_DIR / "triton"
 OPEN_INFERENCE_PACKAGE = "protoserve.open_inference"
+OPEN_INFERENCE_HTTP_RULES = "http_rules.yaml"
 
 
 def proto_files(proto_root: Path) -> list[str]:
@@ -83,8 +84,10 @@ def generate(repo: Path, out: Path, *, plugin_path: Path | None = None, python: 
             f"exec '{python}' -m protoserve.gateway.protoc_gen_gateway\n"
         )
         launcher.chmod(launcher.stat().st_mode | stat.S_IXUSR)
-        _protoc(protoc, [*includes, f"--plugin=protoc-gen-gateway={launcher}", f"--gateway_out={out / 'python'}",
-                         *proto_files(proto_root)])
+        _protoc(protoc, [*includes, f"-I{oip_root}", f"--plugin=protoc-gen-gateway={launcher}",
+                         f"--gateway_opt=http_rules={oip_root / OPEN_INFERENCE_HTTP_RULES}",
+                         f"--gateway_opt=vendored_package={OPEN_INFERENCE_PACKAGE}",
+                         f"--gateway_out={out / 'python'}", *proto_files(proto_root), *vendored_files(oip_root)])
 
 
 def _generate_vendored(protoc, root: Path, out: Path, package: str) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from google.protobuf.compiler import plugin_pb2
 
 from protoserve.gateway.generator.api import Api, GeneratorError
+from protoserve.gateway.generator.http_rules import HttpRulesError, load_http_rules
 from protoserve.gateway.generator.openapi import render_openapi
 from protoserve.gateway.generator.routes_module import render_routes_module
 
@@ -28,6 +30,10 @@ DEFAULT_PARAMETERS = {
     "openapi": "protoserve/generated/openapi.json",
     "title": "protoserve",
     "version": "v1",
+    # A google.api.Service YAML of HTTP rules for methods without annotations (vendored protos), and
+    # the Python package their modules are generated into ("": none).
+    "http_rules": "",
+    "vendored_package": "",
 }
 
 
@@ -49,12 +55,13 @@ def generate(request: plugin_pb2.CodeGeneratorRequest) -> plugin_pb2.CodeGenerat
     )
     try:
         options = parse_parameters(request.parameter)
-        api = Api(request.proto_file, request.file_to_generate)
+        rules = load_http_rules(Path(options["http_rules"])) if options["http_rules"] else None
+        api = Api(request.proto_file, request.file_to_generate, rules)
         outputs: Mapping[str, str] = {
-            options["routes"]: render_routes_module(api),
+            options["routes"]: render_routes_module(api, options["vendored_package"]),
             options["openapi"]: render_openapi(api, options["title"], options["version"]),
         }
-    except GeneratorError as exc:
+    except (GeneratorError, HttpRulesError) as exc:
         response.error = str(exc)
         return response
     for name, content in outputs.items():

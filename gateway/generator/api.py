@@ -20,9 +20,10 @@ from typing import Any
 
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message_factory
 
+from protoserve.gateway.generator.http_rules import HttpRulesError, HttpRuleTable
 from protoserve.gateway.runtime.json_codec import InvalidJson, parse_message
 from protoserve.gateway.runtime.path_template import PathTemplate
-from protoserve.gateway.runtime.route import ErrorStyle, Framing
+from protoserve.gateway.runtime.route import BodyCodec, ErrorStyle, Framing
 
 HTTP_RULE_EXTENSION = "google.api.http"
 GATEWAY_RULE_EXTENSION = "protoserve.options.v1.gateway"
@@ -86,6 +87,7 @@ class Binding:
     path: PathTemplate
     body: str
     response_body: str
+    codec: BodyCodec = BodyCodec.PROTO_JSON
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,7 @@ class RouteSpec:
     reject_unknown_fields: bool
     ignored_fields: tuple[str, ...]
     stream: StreamSpec | None
+    codec: BodyCodec = BodyCodec.PROTO_JSON
 
     @property
     def operation_id(self) -> str:
@@ -204,7 +207,14 @@ def proto3_optional_fields(message: descriptor.Descriptor) -> frozenset[str]:
 class Api:
     """Services and routes of the files protoc asked the plugin to generate."""
 
-    def __init__(self, request_files: Sequence[descriptor_pb2.FileDescriptorProto], generate: Sequence[str]):
+    def __init__(
+        self,
+        request_files: Sequence[descriptor_pb2.FileDescriptorProto],
+        generate: Sequence[str],
+        http_rules: HttpRuleTable | None = None,
+    ):
+        """``http_rules``: rules for methods without annotations (vendored protos; see generator.http_rules)."""
+        self.http_rules = http_rules
         self.pool = descriptor_pool.DescriptorPool()
         for file in request_files:  # protoc sends dependencies before their dependents
             self.pool.Add(file)
@@ -272,13 +282,17 @@ class Api:
         method.CopyToProto(proto)
         options = self._options_class.FromString(proto.options.SerializeToString())
         bindings: list[Binding] = []
+        rule, table = None, None
         if self._http_ext is not None and options.HasExtension(self._http_ext):
             rule = options.Extensions[self._http_ext]
-            bindings.append(self._binding(method, rule))
+        elif self.http_rules is not None and method.full_name in self.http_rules.rules:
+            rule, table = self.http_rules.rules[method.full_name], self.http_rules
+        if rule is not None:
+            bindings.append(self._binding(method, rule, table))
             for extra in rule.additional_bindings:
                 if extra.additional_bindings:
                     raise GeneratorError(f"{method.full_name}: additional bindings cannot nest")
-                bindings.append(self._binding(method, extra))
+                bindings.append(self._binding(method, extra, table))
         gateway = GatewayOptions()
         if self._gateway_ext is not None and options.HasExtension(self._gateway_ext):
             rule = options.Extensions[self._gateway_ext]
@@ -303,7 +317,7 @@ class Api:
             )
         return ApiMethod(method, tuple(bindings), gateway)
 
-    def _binding(self, method: descriptor.MethodDescriptor, rule) -> Binding:
+    def _binding(self, method: descriptor.MethodDescriptor, rule, table: HttpRuleTable | None = None) -> Binding:
         where = method.full_name
         pattern = rule.WhichOneof("pattern")
         if pattern is None:
@@ -316,7 +330,14 @@ class Api:
             path = PathTemplate.parse(template)
         except ValueError as exc:
             raise GeneratorError(f"{where}: {exc}") from None
-        if method.client_streaming:
+        codec = BodyCodec.PROTO_JSON
+        if table is not None:
+            try:
+                codec = table.codec(template)
+            except HttpRulesError as exc:
+                raise GeneratorError(f"{where}: {exc}") from None
+        if method.client_streaming and codec is not BodyCodec.OIP_GENERATE:
+            # The generate extension sends its one request on the stream; nothing else can.
             raise GeneratorError(f"{where}: client-streaming methods cannot be served over HTTP/JSON")
         request = method.input_type
         for variable in path.variables:
@@ -335,22 +356,24 @@ class Api:
             raise GeneratorError(
                 f"{where}: response_body {rule.response_body!r} is not in {method.output_type.full_name}"
             )
-        return Binding(http_method, path, rule.body, rule.response_body)
+        return Binding(http_method, path, rule.body, rule.response_body, codec)
 
     def _route(self, method: ApiMethod, binding: Binding, index: int) -> RouteSpec:
         stream = None
         if method.options.stream_method:
             stream = self._stream_spec(method, binding)
         self._check_ignored_fields(method, binding)
+        kserve = binding.codec is not BodyCodec.PROTO_JSON
         return RouteSpec(
             method=method,
             binding=binding,
             binding_index=index,
             framing=method.options.framing,
-            error_style=method.options.error_style,
+            error_style=ErrorStyle.KSERVE if kserve else method.options.error_style,
             reject_unknown_fields=method.options.reject_unknown_fields,
             ignored_fields=method.options.ignored_fields,
             stream=stream,
+            codec=binding.codec,
         )
 
     @staticmethod

@@ -23,7 +23,7 @@ from protoserve.gateway.generator.api import (
     proto3_optional_fields,
     resolve_field_path,
 )
-from protoserve.gateway.runtime.route import ErrorStyle, Framing
+from protoserve.gateway.runtime.route import BodyCodec, ErrorStyle, Framing
 
 FD = descriptor.FieldDescriptor
 OPENAI_ERROR_SCHEMA = "OpenAIErrorResponse"
@@ -488,11 +488,17 @@ def build_openapi(api: Api, title: str, version: str) -> dict[str, Any]:
     """The OpenAPI document of every route of ``api``."""
     builder = _SchemaBuilder(api)
     paths: dict[str, dict[str, Any]] = {}
+    documented = set()
     for route in api.routes:
+        if route.codec is not BodyCodec.PROTO_JSON:
+            continue  # its body is not its messages' JSON (the Open Inference Protocol's REST forms)
         path = paths.setdefault(route.binding.path.openapi_path(), {})
         path[route.binding.http_method.lower()] = _operation(builder, route)
+        documented.add(route.method.descriptor.containing_service.full_name)
     tags = []
     for service in api.services:
+        if service.full_name not in documented:
+            continue
         tag = {"name": service.name}
         if api.comments.get(service.full_name):
             tag["description"] = api.comments.get(service.full_name)

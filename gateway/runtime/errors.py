@@ -135,6 +135,8 @@ class HttpError(Exception):
             return {"error": self.openai_error()}
         if style is ErrorStyle.ANTHROPIC:
             return {"type": "error", "error": self.anthropic_error()}
+        if style is ErrorStyle.KSERVE:
+            return {"error": self.status.message}
         return status_to_json(self.status)
 
     def stream_event(self, style: ErrorStyle) -> dict[str, Any]:
@@ -143,6 +145,8 @@ class HttpError(Exception):
             return {"error": self.openai_error()}
         if style is ErrorStyle.ANTHROPIC:
             return {"error": self.anthropic_error()}
+        if style is ErrorStyle.KSERVE:
+            return {"error": self.status.message}
         return {"error": status_to_json(self.status)}
 
     def anthropic_error(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl
 import grpc
 from google.rpc import code_pb2
 
+from protoserve.gateway.open_inference.routes import OpenInferenceRoutes
 from protoserve.gateway.runtime import framing
 from protoserve.gateway.runtime.binding import Call, bind_request
 from protoserve.gateway.runtime.channel import SharedChannel
@@ -31,7 +32,7 @@ from protoserve.gateway.runtime.errors import HttpError, from_rpc_error, gateway
 from protoserve.gateway.runtime.json_codec import dumps, message_to_json
 from protoserve.gateway.runtime.media_type import body_type_error
 from protoserve.gateway.runtime.metrics import GatewayMetrics
-from protoserve.gateway.runtime.route import ErrorStyle, Framing, Route
+from protoserve.gateway.runtime.route import BodyCodec, ErrorStyle, Framing, Route
 from protoserve.gateway.runtime.router import Router, RoutingError
 from protoserve.gateway.runtime.tracing import TRACE_HEADERS, HttpTracing
 
@@ -104,6 +105,8 @@ class GatewayHandler:
         self.settings = settings
         self.tracing = tracing or HttpTracing(None)
         self.metrics = metrics
+        # The Open Inference Protocol's routes, whose bodies are not their messages' JSON.
+        self.open_inference = OpenInferenceRoutes(self)
         forwarded = frozenset(name.lower().encode() for name in settings.forwarded_headers)
         # A tracing gateway sends its own span's context instead of the client's headers.
         self._forwarded = forwarded - TRACE_HEADERS if self.tracing.enabled else forwarded
@@ -144,6 +147,9 @@ class GatewayHandler:
             route = match.route
             exchange.route = route
             style = route.error_style
+            if route.codec is not BodyCodec.PROTO_JSON:
+                await self.open_inference.serve(route, match.path_values, scope, receive, send)
+                return
             body = await self._read_json_body(scope, receive) if route.body else b""
             query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             call = bind_request(route, match.path_values, query, body)
@@ -171,6 +177,10 @@ class GatewayHandler:
         if error is not None:
             raise error
         return body
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The whole request body, within the size limit (413 past it)."""
+        return await self._read_body(scope, receive)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes

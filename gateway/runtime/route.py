@@ -24,6 +24,18 @@ class ErrorStyle(enum.StrEnum):
     GOOGLE_RPC_STATUS = "google_rpc_status"
     OPENAI = "openai"
     ANTHROPIC = "anthropic"
+    KSERVE = "kserve"  # {"error": "<message>"}: the Open Inference Protocol's REST errors
+
+
+class BodyCodec(enum.StrEnum):
+    """How a route's HTTP body maps to its messages: proto3 JSON, or one of the Open Inference
+    Protocol's REST forms (gateway/open_inference/), whose bodies are not its messages' JSON."""
+
+    PROTO_JSON = "proto_json"
+    OIP_STATUS = "oip_status"  # no body; 200 when the answer's one bool is true, else 400
+    OIP_METADATA = "oip_metadata"  # JSON with integer shapes
+    OIP_INFER = "oip_infer"  # tensors as JSON data or the binary tensor data extension
+    OIP_GENERATE = "oip_generate"  # Triton's generate extension (SSE when the method streams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +77,4 @@ class Route:
     # Unknown top-level body fields accepted and dropped despite reject_unknown_fields.
     ignored_fields: tuple[str, ...] = ()
     stream: StreamTarget | None = None
+    codec: BodyCodec = BodyCodec.PROTO_JSON

@@ -84,6 +84,8 @@ class Router:
                 styles.add(route.error_style)
         if ErrorStyle.OPENAI in styles:
             return ErrorStyle.OPENAI
+        if styles == {ErrorStyle.KSERVE}:
+            return ErrorStyle.KSERVE  # /v2/...: a KServe client reads {"error": ...} only
         if styles == {ErrorStyle.ANTHROPIC}:  # /v1/messages/...: only Anthropic's routes live there
             return ErrorStyle.ANTHROPIC
         return ErrorStyle.GOOGLE_RPC_STATUS

@@ -231,12 +231,14 @@ def test_oversized_bodies_are_413_with_or_without_content_length(http, fake_back
 
 
 def test_unknown_routes_and_wrong_methods(http):
-    missing = http.get("/v2/nothing")
+    missing = http.get("/v9/nothing")
     assert missing.status_code == 404 and missing.json() == {
         "code": 5,
-        "message": "no route for GET /v2/nothing",
+        "message": "no route for GET /v9/nothing",
         "details": [{"@type": ERROR_INFO, "reason": "ROUTE_NOT_FOUND", "domain": "protoserve"}],
     }
+    # Under /v2 live the Open Inference Protocol's routes: a KServe client reads {"error": ...}.
+    assert http.get("/v2/nothing").json() == {"error": "no route for GET /v2/nothing"}
     openai_missing = http.post("/v1/chat/nothing", json={})
     assert openai_missing.status_code == 404
     assert openai_missing.json()["error"]["type"] == "not_found_error"

@@ -20,6 +20,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
 from grpc_tools import protoc
 
+from protoserve.gateway import codegen
 from protoserve.gateway.generator.openapi import API_KEY_SCHEME, KEY_SECURITY, USER_ID_SCHEME
 from protoserve.gateway.protoc_gen_gateway import generate
 from protoserve.gateway.runtime.binding import bind_request
@@ -28,7 +29,10 @@ from protoserve.gateway.runtime.route import ErrorStyle, Framing
 
 REPO = Path(__file__).resolve().parents[2]
 GEN = REPO / "gen"
-PROTO_FILES = sorted(str(p.relative_to(REPO / "proto")) for p in (REPO / "proto").rglob("*.proto"))
+OIP_ROOT = REPO / "proto" / "vendor" / "triton"
+# Ours, then the vendored Open Inference Protocol files under their upstream names (gateway/codegen.py).
+PROTO_FILES = [*codegen.proto_files(REPO / "proto"), *codegen.vendored_files(OIP_ROOT)]
+REAL_OPTIONS = f"http_rules={OIP_ROOT / 'http_rules.yaml'},vendored_package={codegen.OPEN_INFERENCE_PACKAGE}"
 INCLUDES = [
     f"-I{REPO / 'proto'}",
     f"-I{Path(sys.prefix) / 'lib' / 'python3.11' / 'site-packages'}",
@@ -65,8 +69,13 @@ def _compile(tmp_path: Path, source: str, name: str = "gwtest/v1/test.proto", py
 
 
 def _real_request(parameter: str = "") -> plugin_pb2.CodeGeneratorRequest:
+    """What codegen sends the plugin: our descriptor set, the vendored files, codegen's options (then ``parameter``)."""
+    from protoserve.open_inference import grpc_service_pb2, model_config_pb2
+
     fds = descriptor_pb2.FileDescriptorSet.FromString((GEN / "python/protoserve/generated/protoserve.binpb").read_bytes())
-    return _request_from_set(fds, PROTO_FILES, parameter)
+    for module in (model_config_pb2, grpc_service_pb2):
+        module.DESCRIPTOR.CopyToProto(fds.file.add())
+    return _request_from_set(fds, PROTO_FILES, ",".join(filter(None, (REAL_OPTIONS, parameter))))
 
 
 def _files(response: plugin_pb2.CodeGeneratorResponse) -> dict[str, str]:
