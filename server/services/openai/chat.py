@@ -10,8 +10,9 @@ from protoserve.engine.request import Choice
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_CHAT_MESSAGES
 from protoserve.server.models.chat_turn import ChatTurn
+from protoserve.server.models.served_model import ServedModel
 from protoserve.server.services.openai.chat_stream import ChatChunks
-from protoserve.server.services.openai.chunked import ChoiceStream, ChunkedSurface, ChunkShape
+from protoserve.server.services.openai.chunked import ChoiceStream, ChunkedSurface, Reply
 from protoserve.server.services.openai.outputs import (
     chat_logprobs,
     finish_reason_text,
@@ -28,7 +29,6 @@ from protoserve.server.services.openai.translation import (
     converted_sampling,
     output_constraint,
     python_value,
-    stream_field_violations,
 )
 from protoserve.server.tool_calls.parsers import parse_output
 from protoserve.server.tool_calls.request import message_tool_calls, tool_call_id, tool_choice, tool_specs
@@ -133,17 +133,17 @@ def _message(
 class ChatCompletions(ChunkedSurface):
     """The chat completions surface: validation, the unary response and the stream's choices."""
 
-    shape = ChunkShape(
-        "chatcmpl",
-        "chat.completion",
-        oa.CreateChatCompletionResponse,
-        "chat.completion.chunk",
-        oa.CreateChatCompletionStreamResponse,
-    )
+    id_prefix = "chatcmpl"
+    response = Reply(oa.CreateChatCompletionResponse, "chat.completion")
+    chunk = Reply(oa.CreateChatCompletionStreamResponse, "chat.completion.chunk")
 
-    async def prepare(self, req: oa.CreateChatCompletionRequest, *, streaming: bool) -> PreparedRequest:
-        served, adapter = self.models.resolve(req.model)
-        violations = stream_field_violations(req, streaming)
+    async def validate(
+        self,
+        req: oa.CreateChatCompletionRequest,
+        served: ServedModel,
+        adapter: str | None,
+        violations: Violations,
+    ) -> PreparedRequest:
         turns = chat_turns(req, violations)
         fields = _sampling_fields(req, violations)
         tools = _tools_asked(req, violations)

@@ -13,25 +13,25 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import Message
 
 from protoserve.engine.request import CompletionDelta, RequestOutput
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.models.served_model import ServedModel
 from protoserve.server.security.auth import Identity
 from protoserve.server.services.openai.outputs import usage
 from protoserve.server.services.openai.preparation import PreparedRequest
 from protoserve.server.services.openai.streaming import EngineRunner, Generation
+from protoserve.server.services.openai.translation import Violations, stream_field_violations
 
 
 @dataclass(frozen=True)
-class ChunkShape:
-    """What tells the completions and the chat completions responses apart around their choices."""
+class Reply:
+    """One of a surface's reply messages: its proto type and the ``object`` string it carries."""
 
-    id_prefix: str  # of the response id
-    response_object: str  # the ``object`` of the unary response
-    response_type: type[oa.CreateCompletionResponse] | type[oa.CreateChatCompletionResponse]
-    chunk_object: str  # the ``object`` of a streamed chunk
-    chunk_type: type[oa.CreateCompletionStreamResponse] | type[oa.CreateChatCompletionStreamResponse]
+    type: type[Message]
+    object: str
 
 
 class ChoiceStream(Protocol):
@@ -49,15 +49,25 @@ class ChoiceStream(Protocol):
 class ChunkedSurface(ABC):
     """A surface's unary run and its stream; subclasses read their request and make their choices."""
 
-    shape: ChunkShape
+    id_prefix: str  # of the response id: ``{id_prefix}-…``
+    response: Reply  # the unary response
+    chunk: Reply  # a streamed chunk
 
     def __init__(self, models: ModelRegistry, runner: EngineRunner) -> None:
         self.models = models
         self.runner = runner
 
-    @abstractmethod
     async def prepare(self, req: Any, *, streaming: bool) -> PreparedRequest:
         """The validated request (``streaming`` False refuses stream-only fields)."""
+        served, adapter = self.models.resolve(req.model)
+        return await self.validate(req, served, adapter, stream_field_violations(req, streaming))
+
+    @abstractmethod
+    async def validate(
+        self, req: Any, served: ServedModel, adapter: str | None, violations: Violations
+    ) -> PreparedRequest:
+        """``req`` checked for ``served`` (``adapter``: the LoRA adapter its ``model`` named), after
+        ``violations`` already found; INVALID_ARGUMENT naming them all when there are any."""
 
     @abstractmethod
     def choices(self, generation: Generation) -> list[Any]:
@@ -70,9 +80,9 @@ class ChunkedSurface(ABC):
     async def create(self, request: Any, context: grpc.aio.ServicerContext, identity: Identity) -> Any:
         """Validate a unary request, run it to its end and answer with every choice."""
         prepared = await self.prepare(request, streaming=False)
-        generation = await self.runner.complete(context, identity, prepared, self.shape.id_prefix)
-        return self.shape.response_type(
-            object=self.shape.response_object,
+        generation = await self.runner.complete(context, identity, prepared, self.id_prefix)
+        return self.response.type(
+            object=self.response.object,
             choices=self.choices(generation),
             usage=usage(generation.results),
             **generation.envelope(),
@@ -84,14 +94,12 @@ class ChunkedSurface(ABC):
         """Validate a stream request's ``request`` and write its chunks."""
         inner = request.request
         prepared = await self.prepare(inner, streaming=True)
-        generation = Generation.start(prepared, self.shape.id_prefix)
+        generation = Generation.start(prepared, self.id_prefix)
         stream = self.choice_stream(prepared)
         envelope = generation.envelope()
 
-        def chunk(choices: list[Any], totals: oa.Usage | None = None) -> Any:
-            return self.shape.chunk_type(
-                object=self.shape.chunk_object, choices=choices, usage=totals, **envelope
-            )
+        def chunk_of(choices: list[Any], totals: oa.Usage | None = None) -> Any:
+            return self.chunk.type(object=self.chunk.object, choices=choices, usage=totals, **envelope)
 
         started = False
 
@@ -100,11 +108,11 @@ class ChunkedSurface(ABC):
             if not started:
                 started = True
                 for choice in stream.opening():
-                    await context.write(chunk([choice]))
+                    await context.write(chunk_of([choice]))
             for delta in output.deltas:
                 for choice in stream.choices(index, delta):
-                    await context.write(chunk([choice]))
+                    await context.write(chunk_of([choice]))
 
         await self.runner.run(context, identity, generation, write)
         if inner.stream_options.include_usage:
-            await context.write(chunk([], usage(generation.results)))
+            await context.write(chunk_of([], usage(generation.results)))

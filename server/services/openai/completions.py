@@ -13,7 +13,7 @@ from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_COMPLETION_PROMPTS
 from protoserve.server.models.served_model import ServedModel
-from protoserve.server.services.openai.chunked import ChoiceStream, ChunkedSurface, ChunkShape
+from protoserve.server.services.openai.chunked import ChoiceStream, ChunkedSurface, Reply
 from protoserve.server.services.openai.outputs import (
     OffsetTracker,
     completion_logprobs,
@@ -32,7 +32,6 @@ from protoserve.server.services.openai.translation import (
     converted_sampling,
     output_constraint,
     python_value,
-    stream_field_violations,
 )
 
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` range is 0-5
@@ -94,17 +93,17 @@ def _logprob_violations(req: oa.CreateCompletionRequest) -> Violations:
 class Completions(ChunkedSurface):
     """The completions surface: validation, the unary response and the stream's choices."""
 
-    shape = ChunkShape(
-        "cmpl",
-        "text_completion",
-        oa.CreateCompletionResponse,
-        "text_completion",
-        oa.CreateCompletionStreamResponse,
-    )
+    id_prefix = "cmpl"
+    response = Reply(oa.CreateCompletionResponse, "text_completion")
+    chunk = Reply(oa.CreateCompletionStreamResponse, "text_completion")
 
-    async def prepare(self, req: oa.CreateCompletionRequest, *, streaming: bool) -> PreparedRequest:
-        served, adapter = self.models.resolve(req.model)
-        violations = stream_field_violations(req, streaming)
+    async def validate(
+        self,
+        req: oa.CreateCompletionRequest,
+        served: ServedModel,
+        adapter: str | None,
+        violations: Violations,
+    ) -> PreparedRequest:
         prompts = await _prompts(served, req, violations)
         violations += _logprob_violations(req)
         constraint, paths = output_constraint(req, violations)
