@@ -42,7 +42,12 @@ def test_every_flag_of_every_command_has_help() -> None:
         for action in parser._actions
         if not (action.help or "").strip() or action.help == argparse.SUPPRESS
     ]
-    assert [path for path, _ in parsers(build_parser())] == ["protoserve", "protoserve serve", "protoserve generate"]
+    assert [path for path, _ in parsers(build_parser())] == [
+        "protoserve",
+        "protoserve serve",
+        "protoserve generate",
+        "protoserve models",
+    ]
     assert not undocumented, undocumented
 
 
