@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protoserve.anthropic.v1 import messages_pb2, messages_pb2_grpc
 from protoserve.engine.config import EngineConfig
 from protoserve.open_inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc, responses_pb2, responses_pb2_grpc
@@ -59,6 +60,7 @@ from protoserve.server.security.identity_secret import default_data_dir
 from protoserve.server.security.rate_limit import RateLimiter
 from protoserve.server.security.tls import TlsCertificates, TlsFiles
 from protoserve.server.services.adapter_service import AdapterService, load_startup_adapters
+from protoserve.server.services.anthropic.service import MessagesService
 from protoserve.server.services.embeddings import EmbeddingService, Retrieval, ServedEmbedder
 from protoserve.server.services.inference_service import InferenceService
 from protoserve.server.services.metrics_service import MetricsService
@@ -96,6 +98,7 @@ SERVER_STOP_GRACE_S = 2.0
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,
+    messages_pb2.DESCRIPTOR.services_by_name["MessagesService"].full_name,
     responses_pb2.DESCRIPTOR.services_by_name["ResponsesService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     embeddings_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
@@ -277,6 +280,7 @@ class ServerApp:
             OpenAIService(self.models, self.auth, self.inflight, self.readiness, retrieval=self.retrieval),
             server,
         )
+        messages_pb2_grpc.add_MessagesServiceServicer_to_server(MessagesService(*services), server)
         embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(
             EmbeddingService(*services, retrieval=self.retrieval), server
         )

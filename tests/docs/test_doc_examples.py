@@ -81,11 +81,18 @@ def check_responses_call(output: str) -> None:
     assert output.strip(), "the second response printed no text"
 
 
+def check_messages_call(output: str) -> None:
+    """The Anthropic Messages example: the reply's text, why it stopped and its output tokens."""
+    words = output.split()
+    assert len(words) >= 3 and words[-2] in ("end_turn", "max_tokens") and int(words[-1]) > 0, output
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "What is the capital of France?": check_first_call,
     "client.chat.completions.create(": check_openai_stream,
     "/v1/agent/runs": check_agent_run,
     "client.responses.create(": check_responses_call,
+    "client.messages.create(": check_messages_call,
 }
 
 

@@ -1,6 +1,6 @@
 """Hypothesis over every RPC's request message against a live gRPC server.
 
-Each method of InferenceService, OpenAIService and MetricsService gets
+Each method of InferenceService, OpenAIService, MessagesService and MetricsService gets
 arbitrary request messages (tests/fuzz/proto_strategies.py), raw bytes, and
 valid messages' bytes truncated or with a byte flipped, over a real channel
 with a short deadline, from two tenants in turn. Whatever a client sends, the answer is a status that
@@ -22,12 +22,14 @@ from hypothesis import strategies as st
 from proto_strategies import messages
 from valid_requests import field_schemas, strategy
 
+from protoserve.anthropic.v1 import messages_pb2
 from protoserve.openai.v1 import openai_pb2
 from protoserve.v1 import inference_pb2, metrics_pb2
 
 SERVICES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"],
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"],
+    messages_pb2.DESCRIPTOR.services_by_name["MessagesService"],
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"],
 )
 METHODS = [method for service in SERVICES for method in service.methods]

@@ -91,6 +91,9 @@ def field_schemas(model: str) -> dict[str, dict[str, Any]]:
 REQUIRED = {
     "protoserve.openai.v1.CreateCompletionRequest": ["prompt", "max_tokens"],
     "protoserve.openai.v1.CreateChatCompletionRequest": ["messages", "max_tokens"],
+    "protoserve.anthropic.v1.CreateMessageRequest": ["model", "messages", "max_tokens"],
+    "protoserve.anthropic.v1.CountMessageTokensRequest": ["model", "messages"],
+    "protoserve.anthropic.v1.MessageParam": ["role", "content"],
     "protoserve.v1.GenerateRequest": ["sampling"],
     "protoserve.v1.SamplingParams": ["max_tokens"],
     "protoserve.openai.v1.ChatCompletionRequestMessage": ["role", "content"],
@@ -108,6 +111,8 @@ ONE_OF = {
 # Lists the server takes non-empty, and how long a valid one is here (a Batch of many is slow).
 LIST_SIZES = {
     "protoserve.openai.v1.CreateChatCompletionRequest": {"messages": (1, 4)},
+    "protoserve.anthropic.v1.CreateMessageRequest": {"messages": (1, 4)},
+    "protoserve.anthropic.v1.CountMessageTokensRequest": {"messages": (1, 4)},
     "protoserve.v1.ChatInput": {"messages": (1, 4)},
     "protoserve.v1.BatchRequest": {"requests": (1, 3)},
 }

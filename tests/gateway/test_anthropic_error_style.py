@@ -14,6 +14,8 @@ from google.rpc import code_pb2, error_details_pb2
 from protoserve.gateway.runtime import framing
 from protoserve.gateway.runtime.errors import HttpError, gateway_error
 from protoserve.gateway.runtime.route import ErrorStyle, Framing
+from protoserve.gateway.runtime.router import Router, RoutingError
+from protoserve.generated.routes import ROUTES
 
 
 def _error(code: int, reason: str, http_status: int | None = None) -> HttpError:
@@ -61,3 +63,17 @@ def test_a_failed_anthropic_stream_ends_with_an_error_event():
         b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"engine failed"}}\n\n'
     )
 
+
+def test_messages_routes_and_paths_below_them_answer_in_anthropic_style():
+    router = Router(ROUTES)
+    for path in ("/v1/messages", "/v1/messages:stream", "/v1/messages/count_tokens"):
+        assert router.resolve("POST", path).route.error_style is ErrorStyle.ANTHROPIC
+    with pytest.raises(RoutingError) as unknown:
+        router.resolve("POST", "/v1/messages/batches")
+    assert unknown.value.style is ErrorStyle.ANTHROPIC
+    with pytest.raises(RoutingError) as wrong_method:
+        router.resolve("GET", "/v1/messages")
+    assert wrong_method.value.http_status == 405 and wrong_method.value.style is ErrorStyle.ANTHROPIC
+    with pytest.raises(RoutingError) as elsewhere:
+        router.resolve("POST", "/v1/nope")  # a tie with OpenAI's routes stays OpenAI's
+    assert elsewhere.value.style is ErrorStyle.OPENAI
