@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
@@ -214,6 +214,10 @@ def _hint(field: FieldDescriptor, plan: _Plan) -> st.SearchStrategy[Any] | None:
     hint = plan.hints.get(field.full_name, plan.hints.get(field.name))
     if hint is not None and field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.full_name == _VALUE:
         return hint.map(_as_value)  # a hint for a Value field is plain JSON
+    if hint is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
+        # A hint for another message field is its JSON form (Responses' `text`).
+        message_class = GetMessageClass(field.message_type)
+        return hint.map(lambda value: json_format.ParseDict(value, message_class()))
     return hint
 
 

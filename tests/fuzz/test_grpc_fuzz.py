@@ -23,13 +23,14 @@ from proto_strategies import messages
 from valid_requests import field_schemas, strategy
 
 from protoserve.anthropic.v1 import messages_pb2
-from protoserve.openai.v1 import openai_pb2
+from protoserve.openai.v1 import openai_pb2, responses_pb2
 from protoserve.v1 import inference_pb2, metrics_pb2
 
 SERVICES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"],
     openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"],
     messages_pb2.DESCRIPTOR.services_by_name["MessagesService"],
+    responses_pb2.DESCRIPTOR.services_by_name["ResponsesService"],
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"],
 )
 METHODS = [method for service in SERVICES for method in service.methods]

@@ -69,6 +69,21 @@ def field_schemas(model: str) -> dict[str, dict[str, Any]]:
         "protoserve.v1.DetokenizeRequest.token_ids": TOKEN_IDS,
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
+        "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
+        "protoserve.openai.v1.CreateResponseRequest.input": TEXT,
+        "protoserve.openai.v1.CreateResponseRequest.include": {"type": "array", "items": TEXT, "maxItems": 0},
+        "truncation": {"enum": ["disabled"]},
+        # Not the bare `text` above: here it is the output's form, a message.
+        "protoserve.openai.v1.CreateResponseRequest.text": {
+            "type": "object",
+            "properties": {
+                "format": {
+                    "type": "object",
+                    "properties": {"type": {"enum": ["text", "json_object"]}},
+                    "required": ["type"],
+                },
+            },
+        },
         "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
         "n": {"type": "integer", "minimum": 1, "maximum": 3},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
@@ -94,6 +109,7 @@ REQUIRED = {
     "protoserve.anthropic.v1.CreateMessageRequest": ["model", "messages", "max_tokens"],
     "protoserve.anthropic.v1.CountMessageTokensRequest": ["model", "messages"],
     "protoserve.anthropic.v1.MessageParam": ["role", "content"],
+    "protoserve.openai.v1.CreateResponseRequest": ["input", "max_output_tokens"],
     "protoserve.v1.GenerateRequest": ["sampling"],
     "protoserve.v1.SamplingParams": ["max_tokens"],
     "protoserve.openai.v1.ChatCompletionRequestMessage": ["role", "content"],
