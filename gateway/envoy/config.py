@@ -146,9 +146,20 @@ def _upstream_tls(tls: EnvoyTls | None, alpn: str) -> str:
 
 LB_POLICIES = ("RING_HASH", "MAGLEV", "ROUND_ROBIN", "LEAST_REQUEST")
 # The caller's identity as the replicas compute it (server/security/auth.py): API key and user id.
-AFFINITY_HEADERS = ("authorization", "x-user-id")
-# OpenAIService's HTTP paths (proto/protoserve/openai/v1/openai.proto): proxied to the replicas' gateways.
-OPENAI_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models")
+# (x-api-key: Anthropic's clients send the key there; the server reads it when no authorization is sent.)
+AFFINITY_HEADERS = ("authorization", "x-api-key", "x-user-id")
+# Paths proxied to the replicas' gateways rather than transcoded by Envoy: OpenAI's routes, the Responses
+# and Messages APIs (their SSE events and, for Messages, Anthropic's error bodies are the gateway's), and
+# the Open Inference Protocol's REST side (KServe's tensor JSON and binary bodies, not proto JSON).
+GATEWAY_PREFIXES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/v1/responses",
+    "/v1/messages",
+    "/v2/",
+)
 WEBSOCKET_PATH = "/v1/ws/completions"
 # Unary calls that never run the model: a short timeout turns a wedged replica into a quick error.
 SHORT_GRPC_METHODS = (
@@ -306,7 +317,7 @@ def _routes(browser: BrowserRules) -> list[dict]:
             "typed_per_filter_config": no_transcoding,
         }
     ]
-    for prefix in OPENAI_PREFIXES:
+    for prefix in GATEWAY_PREFIXES:
         # Completions stream as SSE for as long as they generate: no overall timeout, an idle one.
         routes.append(
             {

@@ -149,7 +149,8 @@ def test_health_checks_outlier_detection_and_safe_retries(descriptor):
         assert not retry_on & {"reset", "5xx", "gateway-error", "retriable-4xx"}, route
     by_match = {r["match"].get("path") or r["match"]["prefix"]: r for r in _routes(config)}
     assert by_match["/v1/ws/completions"]["route"]["upgrade_configs"] == [{"upgrade_type": "websocket"}]
-    assert by_match["/v1/chat/completions"]["route"]["cluster"] == "protoserve_http"
+    for prefix in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v2/"):
+        assert by_match[prefix]["route"]["cluster"] == "protoserve_http", prefix
     assert by_match["/grpc.health.v1.Health/Check"]["route"]["timeout"] == "10s"
     generation = by_match["/"]["route"]
     assert generation["timeout"] == "0s" and generation["max_stream_duration"] == {
