@@ -1,5 +1,9 @@
 """LLMEngine: continuous batching, one ``step()`` at a time: schedule -> forward -> sample -> postprocess.
 
+Speculative drafts are proposed before the schedule and verified after the forward
+(engine/speculative/speculator.py); a request's ``n`` choices fork off its first when the
+prompt's logits arrive (engine/scheduling/forks.py).
+
 Single-threaded by design; AsyncEngine drives it from its own thread. It knows
 nothing about gRPC: requests come in as TokenizedRequest, results go out as
 RequestOutput, refusals as the exceptions in engine.errors.
@@ -13,7 +17,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +41,7 @@ from protoserve.engine.sampling.constraints.compiler import (
     matcher_error,
 )
 from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.sampling.constraints.grammar_state import GrammarState, advance_grammar
 from protoserve.engine.sampling.constraints.masks import MaskFiller
 from protoserve.engine.sampling.sampler import Sampler, SampleResult
 from protoserve.engine.sampling.sampling_params import ContextPolicy
@@ -55,7 +60,6 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
-GrammarState = Literal["open", "complete", "failed"]  # a constrained choice after its latest token
 
 
 @dataclass
@@ -245,14 +249,13 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
         # The adapter first: a refusal for want of a slot must come before another request is shed.
-        if req.adapter is not None:  # pinned until the request leaves (_collect_outputs)
+        if req.adapter is not None:  # pinned until the request leaves (_retire)
             self.adapters.acquire(req.adapter)
         shed = []
         if len(self.scheduler.waiting) >= self.config.max_queue:
             victim = self.scheduler.shed_for(req.tenant)
             if victim is None:
-                if req.adapter is not None:
-                    self.adapters.release(req.adapter)
+                self._release_adapter(req)
                 raise QueueFullError(len(self.scheduler.waiting))
             shed.append(self._drop_shed(victim.request_id))
         state = RunningRequest(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
@@ -274,10 +277,14 @@ class LLMEngine:
         state = self.requests.pop(request_id)
         if state.span is not None:
             state.span.shed()
-        if state.request.adapter is not None:
-            self.adapters.release(state.request.adapter)
+        self._release_adapter(state.request)
         self._touched.discard(request_id)
         return request_id
+
+    def _release_adapter(self, req: TokenizedRequest) -> None:
+        """Unpin the request's adapter (pinned by add_request), so its slot may be reused."""
+        if req.adapter is not None:
+            self.adapters.release(req.adapter)
 
     def _prompt_text(self, token_ids: list[int]) -> str:
         """The prompt as text, for traces that opted in to content capture."""
@@ -389,7 +396,7 @@ class LLMEngine:
         token_stop = check_token_stop(token, seq.num_generated + 1, seq.sampling, self.eos_token_ids)
         grammar: GrammarState = "open"
         if seq.matcher is not None:
-            grammar = self._advance_grammar(seq, token, consume=token_stop is None)
+            grammar = advance_grammar(seq.matcher, token, consume=token_stop is None)
             if grammar == "failed":
                 self._fail_grammar(seq)
                 return
@@ -406,18 +413,6 @@ class LLMEngine:
             self._finish(seq, FinishReason.STOP)
         elif seq.num_tokens >= seq.max_len:
             self._finish(seq, FinishReason.LENGTH)
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int, consume: bool) -> GrammarState:
-        """Feed the sequence's matcher the token (unless it is a stop token, which ends the choice):
-        "open", "complete" (only EOS may follow) or "failed"."""
-        matcher = seq.matcher
-        assert matcher is not None
-        # A matcher that failed while computing this step's mask left only EOS allowed: that EOS is
-        # the grammar engine's failure, not the end of an output that satisfies the constraint.
-        if matcher.is_error() or (consume and not matcher.consume_token(token)):
-            return "failed"
-        return "complete" if consume and matcher.is_stopped() else "open"
 
     def _fail_grammar(self, seq: Sequence) -> None:
         """End the sequence's request with the grammar engine's failure (a limit hit on the path the
@@ -452,20 +447,24 @@ class LLMEngine:
         for request_id in sorted(self._touched, key=lambda rid: (rank(self.requests[rid].request.tenant), rid)):
             state = self.requests[request_id]
             out = state.make_output(now)
-            if out is not None:
-                outputs.append(out)
-                if state.span is not None:
-                    state.span.output(out)
-            if out is not None and out.finished:
-                if state.span is not None:
-                    state.span.finish(out.stats, [c.finish_reason for c in state.choices], out.error)
-                del self.requests[request_id]
-                if state.request.adapter is not None:
-                    self.adapters.release(state.request.adapter)
-                if not state.cancelled:
-                    self.counters.finished += 1
+            if out is None:
+                continue
+            outputs.append(out)
+            if state.span is not None:
+                state.span.output(out)
+            if out.finished:
+                self._retire(state, out)
         self._touched.clear()
         return outputs
+
+    def _retire(self, state: RunningRequest, last: RequestOutput) -> None:
+        """The request's last output is out: its trace span ends, the engine forgets it, its adapter is unpinned."""
+        if state.span is not None:
+            state.span.finish(last.stats, [c.finish_reason for c in state.choices], last.error)
+        del self.requests[state.request.request_id]
+        self._release_adapter(state.request)
+        if not state.cancelled:
+            self.counters.finished += 1
 
     # -- stats ---------------------------------------------------------------
 

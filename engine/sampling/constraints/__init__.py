@@ -2,6 +2,7 @@
 
 ``constraint.py`` is the plain data a request carries; ``compiler.py`` turns it
 into an llguidance grammar once per text and tokenizer (cached); ``masks.py``
-computes each constrained row's allowed-token bitmask for the sampler.
+computes each constrained row's allowed-token bitmask for the sampler;
+``grammar_state.py`` feeds a choice's matcher each token it takes.
 Only ``constraint.py`` is imported without llguidance.
 """
