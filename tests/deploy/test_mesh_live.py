@@ -89,6 +89,24 @@ def test_websocket_streams_through_envoy_to_the_identity_s_replica(mesh):
         assert mesh.served(home, user) == before + 2
 
 
+def test_responses_messages_and_v2_pass_through_envoy_as_the_gateway_serves_them(mesh):
+    url = mesh.envoy.url
+    responses = {"model": mesh.model, "input": "Hi", "max_output_tokens": 4, "stream": True}
+    with httpx.stream("POST", url + "/v1/responses", json=responses, timeout=60) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("event: ") for line in reply.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+    messages = {"model": mesh.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    with httpx.stream("POST", url + "/v1/messages", json={**messages, "stream": True}, timeout=60) as reply:
+        events = [line.removeprefix("event: ") for line in reply.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop", events
+    del messages["max_tokens"]
+    refused = httpx.post(url + "/v1/messages", json=messages, timeout=60)
+    assert refused.status_code == 400 and refused.json()["type"] == "error", refused.text
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(url + "/v2/health/live", timeout=10).status_code == 200
+
+
 def test_one_trace_spans_envoy_gateway_grpc_and_engine(mesh):
     traceparent = f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01"
     body = {"model": mesh.model, "prompt": "trace me", "max_tokens": 2}
