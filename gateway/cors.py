@@ -26,6 +26,27 @@ from starlette.responses import Response
 MAX_AGE_S = 600
 # Response headers a page may read: the back-off of a 429/503 and the request id.
 EXPOSED_HEADERS = ("retry-after", "x-request-id")
+# Headers the official OpenAI and Anthropic JavaScript SDKs send from a browser on every call: their
+# telemetry, the API version and the browser opt-in. The gateway reads none of them (nor does anything
+# depend on them), but a preflight refusing them would fail every SDK call from a page.
+SDK_REQUEST_HEADERS = (
+    "anthropic-version",
+    "anthropic-dangerous-direct-browser-access",
+    "openai-organization",
+    "openai-project",
+    "x-stainless-arch",
+    "x-stainless-async",
+    "x-stainless-helper-method",
+    "x-stainless-lang",
+    "x-stainless-os",
+    "x-stainless-package-version",
+    "x-stainless-read-timeout",
+    "x-stainless-retry-count",
+    "x-stainless-runtime",
+    "x-stainless-runtime-version",
+    "x-stainless-stream-helper",
+    "x-stainless-timeout",
+)
 # What a browser sends as Origin: scheme://host[:port], nothing after it.
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$", re.IGNORECASE)
 
@@ -57,12 +78,13 @@ class _CorsMiddleware(CORSMiddleware):
 def cors_middleware(
     origins: Sequence[str], methods: Iterable[str], request_headers: Iterable[str]
 ) -> Middleware:
-    """The middleware allowing ``origins`` to use ``methods`` with ``request_headers`` (plus the safelisted)."""
+    """The middleware allowing ``origins`` to use ``methods`` with ``request_headers`` (plus the safelisted
+    and the SDKs' own, SDK_REQUEST_HEADERS)."""
     return Middleware(
         _CorsMiddleware,
         allow_origins=list(check_origins(origins)),
         allow_methods=sorted(set(methods)),
-        allow_headers=sorted({h.lower() for h in request_headers}),
+        allow_headers=sorted({h.lower() for h in (*request_headers, *SDK_REQUEST_HEADERS)}),
         expose_headers=list(EXPOSED_HEADERS),
         allow_credentials=False,
         max_age=MAX_AGE_S,

@@ -57,6 +57,10 @@ def test_preflight_is_204_with_origin_methods_headers_and_max_age(cors_gateway):
     assert methods == {"GET"} | {route.http_method for route in generated_routes()} == DOCUMENTED_METHODS
     allowed = set(reply.headers["access-control-allow-headers"].replace(" ", "").lower().split(","))
     assert {"authorization", "content-type", "x-user-id", "x-request-timeout"} <= allowed
+    # What the official JavaScript SDKs send from a page (openai-node, @anthropic-ai/sdk).
+    sdk = "x-api-key, anthropic-version, anthropic-dangerous-direct-browser-access, x-stainless-lang, x-stainless-os"
+    from_sdk = preflight(cors_gateway, "/v1/messages", headers=sdk)
+    assert from_sdk.status_code == 204, from_sdk.text
     assert reply.headers["access-control-max-age"] == "600"
     assert "origin" in reply.headers["vary"].lower()
     assert "access-control-allow-credentials" not in reply.headers  # bearer keys, never cookies
