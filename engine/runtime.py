@@ -40,6 +40,7 @@ from protoserve.engine.models.moe import MoEBlock, MoEConfig, per_token_forward
 from protoserve.engine.parallel.launch import run_worker_rank, torchrun_worker_rank
 from protoserve.engine.sampling.constraints.compiler import GrammarCompiler
 from protoserve.engine.sampling.constraints.masks import MaskFiller
+from protoserve.engine.tokenizer.chat_template import ChatTemplateError
 from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "AdapterInfo",
     "AdapterStack",
     "AsyncEngine",
+    "ChatTemplateError",
     "Completion",
     "EmbeddingModel",
     "EmbeddingWorker",

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protoserve.anthropic.v1 import messages_pb2, messages_pb2_grpc
-from protoserve.engine.config import EngineConfig
+from protoserve.engine.api import EngineConfig
 from protoserve.open_inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc, responses_pb2, responses_pb2_grpc
 from protoserve.server import exit_codes
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
-    from protoserve.engine.async_engine import AsyncEngine
+    from protoserve.engine.runtime import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -358,9 +358,8 @@ class ServerApp:
 
     async def load_model(self) -> None:
         """Load the configured model in a worker thread (health keeps answering), then serve it."""
-        from protoserve.engine.async_engine import AsyncEngine
-        from protoserve.engine.loader.catalogue import resolve_model
-        from protoserve.engine.loader.errors import ModelLoadError
+        from protoserve.engine.api import ModelLoadError, resolve_model
+        from protoserve.engine.runtime import AsyncEngine
 
         # The engine resolves the name again (and applies the card's sampling values); the card records the file.
         path = (await asyncio.to_thread(resolve_model, self.config.model_path)).path
@@ -392,10 +391,8 @@ class ServerApp:
 
     async def load_retrieval(self) -> None:
         """Load the embedding model and open the RAG store (indexes rebuilt from SQLite if need be)."""
-        from protoserve.engine.embedding.default_model import DEFAULT_EMBEDDING_PACKAGE
-        from protoserve.engine.embedding.model import EmbeddingModel
-        from protoserve.engine.embedding.worker import EmbeddingWorker
-        from protoserve.engine.loader.errors import ModelLoadError
+        from protoserve.engine.api import DEFAULT_EMBEDDING_PACKAGE, ModelLoadError
+        from protoserve.engine.runtime import EmbeddingModel, EmbeddingWorker
         from protoserve.server.rag.store import Quotas, RagStore
 
         if self.config.embedding_model is None and importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE) is None:
@@ -557,7 +554,7 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
-        from protoserve.engine.loader.errors import ModelLoadError
+        from protoserve.engine.api import ModelLoadError
 
         exc = load.exception()
         # A bad path or checkpoint, or an option it cannot take (ValueError, e.g. --max-model-len

@@ -14,13 +14,17 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from protoserve.engine.config import EngineConfig
-from protoserve.engine.errors import EngineError
-from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
-from protoserve.engine.loader.errors import ModelLoadError
-from protoserve.engine.request import RequestStats, TokenizedRequest
-from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
-from protoserve.engine.speculative.params import SpeculativeParams
+from protoserve.engine.api import (
+    ContextPolicy,
+    EngineConfig,
+    EngineError,
+    ModelLoadError,
+    RequestStats,
+    SamplingParams,
+    SpeculativeParams,
+    TokenizedRequest,
+    prefer_passive_omp_wait,
+)
 from protoserve.server import exit_codes
 from protoserve.server.cli_flags import (
     DEFAULT_NGRAM_TOKENS,
@@ -126,7 +130,7 @@ def _sampling_defaults(args: argparse.Namespace) -> dict[str, float | int]:
 
 def _torchrun_worker(args: argparse.Namespace, engine_config: EngineConfig) -> int | None:
     """Under torchrun, a rank other than 0 serves rank 0's steps, not requests: its exit code; else None."""
-    from protoserve.engine.parallel.launch import run_worker_rank, torchrun_worker_rank
+    from protoserve.engine.runtime import run_worker_rank, torchrun_worker_rank
 
     if not torchrun_worker_rank():
         return None
@@ -274,8 +278,8 @@ def _print_stats(stats: RequestStats | None, num_prompt_tokens: int) -> None:
 
 
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    from protoserve.engine.async_engine import AsyncEngine
-    from protoserve.engine.loader.catalogue import resolve_model
+    from protoserve.engine.api import resolve_model
+    from protoserve.engine.runtime import AsyncEngine
     from protoserve.server.models.served_model import ModelCard, ServedModel, new_request_id
 
     worker = await asyncio.to_thread(_torchrun_worker, args, engine_config)

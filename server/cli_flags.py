@@ -10,15 +10,16 @@ import importlib.metadata
 import os
 from typing import NoReturn
 
-from protoserve.engine.config import (
+from protoserve.engine.api import (
     ACTIVATION_PRECISIONS,
+    AUTO,
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATION_MODES,
+    ContextPolicy,
+    SamplingParams,
 )
-from protoserve.engine.loader.auto_quantization import AUTO
-from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
 from protoserve.server import exit_codes
 from protoserve.server.calls.stream_write_timeout import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from protoserve.server.cli_models import add_models_flags

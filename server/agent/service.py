@@ -18,8 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from protoserve.engine.request import FinishReason, TokenizedRequest
-from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.api import ContextPolicy, FinishReason, SamplingParams, TokenizedRequest
 from protoserve.server import errors
 from protoserve.server.agent.loop import (
     DEFAULT_MAX_STEPS,

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protoserve.engine.request import FinishReason, RequestOutput, RequestStats, Tenant, TokenizedRequest
+from protoserve.engine.api import FinishReason, RequestOutput, RequestStats, Tenant, TokenizedRequest
 from protoserve.server import errors
 from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.calls.request_scope import current_scope
@@ -40,7 +40,7 @@ from protoserve.server.security.auth import Identity
 from protoserve.server.security.rate_limit import RateLimiter, reserved_tokens
 
 if TYPE_CHECKING:
-    from protoserve.engine.async_engine import AsyncEngine
+    from protoserve.engine.runtime import AsyncEngine
     from protoserve.server.observability.telemetry import Telemetry
 
 # How many finished (identity, request id) pairs to remember so that a late

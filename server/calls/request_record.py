@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protoserve.engine.request import FinishReason, RequestStats
-from protoserve.engine.tracing import TEXT_COMPLETION
+from protoserve.engine.api import TEXT_COMPLETION, FinishReason, RequestStats
 from protoserve.server import errors
 
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import Message
 
-from protoserve.engine.tracing import CHAT, TEXT_COMPLETION
+from protoserve.engine.api import CHAT, TEXT_COMPLETION
 from protoserve.openai.v1 import openai_pb2
 from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.errors import ServiceError

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protoserve.engine.errors import ContextLengthError
-from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.api import ContextLengthError, ContextPolicy, SamplingParams
 from protoserve.server import errors
 from protoserve.server.limits import (
     MAX_CHAT_MESSAGES,
@@ -29,7 +28,7 @@ from protoserve.server.models.sampling_mapping import Violation
 from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from protoserve.engine.tokenizer.tokenizer import Tokenizer
+    from protoserve.engine.runtime import Tokenizer
 
 CONTEXT_POLICIES: dict[int, ContextPolicy] = {
     pb.CONTEXT_POLICY_UNSPECIFIED: ContextPolicy.ALLOW_CONTEXT_STOP,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protoserve.engine.request import (
+from protoserve.engine.api import (
     Choice,
     CompletionDelta,
     FinishReason,
@@ -23,7 +23,7 @@ from protoserve.engine.request import (
 from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from protoserve.engine.tokenizer.tokenizer import Tokenizer
+    from protoserve.engine.runtime import Tokenizer
 
 FINISH_REASONS: dict[FinishReason | None, int] = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.api import ContextPolicy
 from protoserve.server import errors
 from protoserve.server.models.chat_turn import ChatTurn
 from protoserve.server.models.input_validation import PromptLimits
@@ -32,7 +32,7 @@ from protoserve.server.tool_calls.rendering import (
 )
 
 if TYPE_CHECKING:
-    from protoserve.engine.tokenizer.tokenizer import Tokenizer
+    from protoserve.engine.runtime import Tokenizer
 
 T = TypeVar("T")
 
@@ -169,7 +169,7 @@ class PromptRenderer:
             ]
         # Imported here: the tokenizer package pulls in torch, and the server must bind
         # and answer health checks before anything that slow is imported.
-        from protoserve.engine.tokenizer.chat_template import ChatTemplateError
+        from protoserve.engine.runtime import ChatTemplateError
 
         try:
             rendered = self.tokenizer.apply_chat_template(

@@ -13,11 +13,8 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from protoserve.engine.errors import InvalidRequestError
-from protoserve.engine.lora.stack import adapter_problems
-from protoserve.engine.request import TokenizedRequest
-from protoserve.engine.sampling.constraints.constraint import Constraint
-from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.api import Constraint, ContextPolicy, InvalidRequestError, TokenizedRequest
+from protoserve.engine.runtime import adapter_problems
 from protoserve.server import errors
 from protoserve.server.models.chat_turn import ChatTurn
 from protoserve.server.models.input_validation import (
@@ -35,7 +32,7 @@ from protoserve.server.models.sampling_mapping import (
 from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from protoserve.engine.async_engine import AsyncEngine
+    from protoserve.engine.runtime import AsyncEngine
 
 
 @dataclass

@@ -36,9 +36,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
-from protoserve.engine.sampling.sampling_params import SamplingParams
-from protoserve.engine.speculative.params import SpeculativeParams
+from protoserve.engine.api import Constraint, ConstraintKind, SamplingParams, SpeculativeParams
 from protoserve.server import errors
 from protoserve.server.limits import (
     MAX_CONSTRAINT_CHARS,

@@ -37,8 +37,7 @@ from protoserve.server.tool_calls.rendering import ToolTemplate
 from protoserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from protoserve.engine.async_engine import AsyncEngine
-    from protoserve.engine.lora.stack import AdapterStack
+    from protoserve.engine.runtime import AdapterStack, AsyncEngine
 
 # What the services import from here, wherever it is defined.
 __all__ = ["INLINE_TOKENIZE_CHARS", "CollectedOutput", "ModelCard", "ServedModel", "new_request_id"]

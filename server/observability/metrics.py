@@ -73,7 +73,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protoserve.engine.request import RequestStats
+from protoserve.engine.api import RequestStats
 from protoserve.server.calls.request_record import CANCELLED, ERROR, LENGTH, STOP, RequestRecord
 from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.observability.metric_windows import LatencyStats, LatencyWindow, RateWindow

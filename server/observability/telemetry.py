@@ -11,8 +11,7 @@ from __future__ import annotations
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from protoserve.engine.request import RequestStats
-from protoserve.engine.tracing import RequestTrace
+from protoserve.engine.api import RequestStats, RequestTrace
 from protoserve.server.calls.request_record import RequestRecord
 from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.observability.metrics import ServerMetrics

@@ -26,9 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from protoserve.engine.embedding.errors import TooManyChunks
-from protoserve.engine.request import TokenizedRequest
-from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.api import ContextPolicy, TokenizedRequest, TooManyChunks
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.limits import (
@@ -56,7 +54,7 @@ from protoserve.v1 import rag_pb2 as rpb
 from protoserve.v1 import rag_pb2_grpc
 
 if TYPE_CHECKING:
-    from protoserve.engine.embedding.chunking import TextChunk
+    from protoserve.engine.api import TextChunk
     from protoserve.server.rag.store import ChunkHit as StoredHit
     from protoserve.server.rag.store import RagStore
 

@@ -51,7 +51,7 @@ from protoserve.server.errors import ServiceError
 from protoserve.v1 import inference_pb2
 
 if TYPE_CHECKING:
-    from protoserve.engine.request import TokenizedRequest
+    from protoserve.engine.api import TokenizedRequest
     from protoserve.server.security.auth import Authenticator, Identity
 
 # A bucket refills from empty in one minute, so one untouched that long is full:

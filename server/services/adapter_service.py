@@ -16,8 +16,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from protoserve.engine.lora.adapter import AdapterError
-from protoserve.engine.lora.stack import AdapterInfo, AdapterInUseError, AdapterStack, UnknownAdapterError
+from protoserve.engine.runtime import (
+    AdapterError,
+    AdapterInfo,
+    AdapterInUseError,
+    AdapterStack,
+    UnknownAdapterError,
+)
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.models.adapter_input import adapter_load_problems
@@ -27,7 +32,7 @@ from protoserve.v1 import adapters_pb2 as pb
 from protoserve.v1 import adapters_pb2_grpc, inference_pb2
 
 if TYPE_CHECKING:
-    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.runtime import LLMEngine
 
 
 def permission_denied(message: str) -> errors.ServiceError:
@@ -113,7 +118,7 @@ DEFAULT_MAX_LORAS = 4
 def load_startup_adapters(engine: LLMEngine, loras: Sequence[tuple[str, str]], max_loras: int) -> None:
     """Turn LoRA on (``max_loras`` slots, DEFAULT_MAX_LORAS when 0) and load each ``--lora NAME=PATH``;
     a bad one stops the start with ModelLoadError naming it."""
-    from protoserve.engine.loader.errors import ModelLoadError
+    from protoserve.engine.api import ModelLoadError
 
     stack = engine.enable_lora(max_loras or DEFAULT_MAX_LORAS)
     for name, path in loras:

@@ -30,8 +30,7 @@ from protoserve.v1 import inference_pb2 as pb
 if TYPE_CHECKING:
     import numpy as np
 
-    from protoserve.engine.embedding.model import EmbeddingModel
-    from protoserve.engine.embedding.worker import EmbeddingWorker
+    from protoserve.engine.runtime import EmbeddingModel, EmbeddingWorker
     from protoserve.server.calls.inflight import InflightRequests
     from protoserve.server.rag.store import RagStore
     from protoserve.server.security.auth import Identity

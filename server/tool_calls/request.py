@@ -13,7 +13,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.api import Constraint
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_TOOLS
 from protoserve.server.models.sampling_mapping import struct_data

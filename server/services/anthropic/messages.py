@@ -13,8 +13,7 @@ import secrets
 import grpc
 
 from protoserve.anthropic.v1 import messages_pb2 as am
-from protoserve.engine.request import RequestOutput
-from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.api import ContextPolicy, RequestOutput
 from protoserve.server import errors
 from protoserve.server.limits import MAX_STOP_STRINGS
 from protoserve.server.models.model_registry import ModelRegistry

@@ -17,7 +17,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from protoserve.anthropic.v1 import messages_pb2 as am
-from protoserve.engine.request import Choice, CompletionDelta, FinishReason
+from protoserve.engine.api import Choice, CompletionDelta, FinishReason
 from protoserve.server.models.sampling_mapping import json_text
 from protoserve.server.tool_calls.parsers import CallArguments, CallStart, Content, StreamedOutput
 from protoserve.server.tool_calls.request import ToolPlan

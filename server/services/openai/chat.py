@@ -6,7 +6,7 @@ calls (in the model family's format), whole for the unary response and increment
 
 from __future__ import annotations
 
-from protoserve.engine.request import Choice
+from protoserve.engine.api import Choice
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_CHAT_MESSAGES
 from protoserve.server.models.chat_turn import ChatTurn

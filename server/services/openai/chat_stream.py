@@ -3,7 +3,7 @@ pieces of its calls as the parser finds them), then an empty delta with its fini
 
 from __future__ import annotations
 
-from protoserve.engine.request import CompletionDelta
+from protoserve.engine.api import CompletionDelta
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.services.openai.outputs import chat_logprobs, finish_reason_text
 from protoserve.server.services.openai.preparation import PreparedRequest

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import Message
 
-from protoserve.engine.request import CompletionDelta, RequestOutput
+from protoserve.engine.api import CompletionDelta, RequestOutput
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.models.served_model import ServedModel

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protoserve.engine.request import Choice, CompletionDelta
-from protoserve.engine.sampling.sampling_params import ContextPolicy
+from protoserve.engine.api import Choice, CompletionDelta, ContextPolicy
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.limits import MAX_COMPLETION_PROMPTS
 from protoserve.server.models.served_model import ServedModel

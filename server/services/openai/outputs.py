@@ -7,7 +7,7 @@ import hashlib
 
 from google.protobuf import struct_pb2
 
-from protoserve.engine.request import FinishReason, PositionLogprobs
+from protoserve.engine.api import FinishReason, PositionLogprobs
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server.models.served_model import CollectedOutput, ServedModel
 

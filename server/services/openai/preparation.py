@@ -13,8 +13,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from protoserve.engine.request import TokenizedRequest
-from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.api import ContextPolicy, SamplingParams, TokenizedRequest
 from protoserve.server.models.chat_turn import ChatTurn
 from protoserve.server.models.served_model import ServedModel
 from protoserve.server.security.auth import Identity

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf import json_format, struct_pb2
 
-from protoserve.engine.request import FinishReason, RequestOutput
-from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.api import Constraint, FinishReason, RequestOutput
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import responses_pb2 as rs
 from protoserve.server import errors

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from protoserve.engine.request import RequestOutput
+from protoserve.engine.api import RequestOutput
 from protoserve.server.calls.inflight import InflightRequests
 from protoserve.server.models.served_model import CollectedOutput, new_request_id
 from protoserve.server.security.auth import Identity

@@ -11,7 +11,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.api import Constraint
 from protoserve.server import errors
 from protoserve.server.limits import MAX_LOGIT_BIAS_ENTRIES, OPENAI_MAX_STOP_STRINGS
 from protoserve.server.models.sampling_mapping import Violation, json_text

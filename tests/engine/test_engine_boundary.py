@@ -1,12 +1,15 @@
-"""The bench reaches the engine through its public modules only (``protoserve.engine.api`` and
-``protoserve.engine.runtime``), so the engine's internals can move without breaking it."""
+"""Code outside the engine (the bench, the server, the gateway) reaches it through its public modules
+only (``protoserve.engine.api`` and ``protoserve.engine.runtime``), so the engine's internals can move
+without breaking them."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 ENGINE = "protoserve.engine"
 PUBLIC = {f"{ENGINE}.api", f"{ENGINE}.runtime"}
 
@@ -47,12 +50,13 @@ def test_the_check_sees_every_form_of_import() -> None:
     ]
 
 
-def test_bench_imports_only_the_engines_public_modules() -> None:
-    files = sorted(BENCH.rglob("*.py"))
-    assert len(files) > 20, f"found only {len(files)} bench modules under {BENCH}"
+@pytest.mark.parametrize("layer", ["bench", "server", "gateway"])
+def test_only_the_engines_public_modules_are_imported(layer: str) -> None:
+    files = sorted((REPO / layer).rglob("*.py"))
+    assert len(files) > 20, f"found only {len(files)} modules under {layer}/"
     offenders = [
-        f"{path.relative_to(BENCH.parent)}:{line} imports {module}"
+        f"{path.relative_to(REPO)}:{line} imports {module}"
         for path in files
         for line, module in internal_imports(path.read_text())
     ]
-    assert not offenders, "bench/ must import protoserve.engine.api or .runtime only:\n" + "\n".join(offenders)
+    assert not offenders, f"{layer}/ must import protoserve.engine.api or .runtime only:\n" + "\n".join(offenders)
