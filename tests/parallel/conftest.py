@@ -4,6 +4,8 @@ Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms, head_dim 32) are tes
 (decoder_test_helpers.make_hf_checkpoint: 4 query heads, 2 KV heads, intermediate 128). ``llama`` is
 Llama with ``attention_bias`` (q/k/v and o_proj biases: a row-parallel bias must count once) and
 GQA 4/2, initialised as those are; ``odd_heads`` has 3 heads, which 2 ranks cannot split.
+``gemma3-kv1`` and ``gemma3-kv2`` are tests/models' tiny Gemma 3 (q/k norms, sandwich norms, local
+and global layers) with 4 query heads over 1 and 2 KV heads: KV heads replicated at TP=2 and TP=4.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from decoder_test_helpers import TINY, make_hf_checkpoint  # noqa: E402
+from family_checkpoints import hf_config  # noqa: E402
+
+GEMMA3_KV_HEADS = {"gemma3-kv1": 1, "gemma3-kv2": 2}
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +38,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
                     _llama(directory)
                 elif family == "odd_heads":
                     _odd_heads(directory)
+                elif family in GEMMA3_KV_HEADS:
+                    _gemma3(directory, GEMMA3_KV_HEADS[family])
                 else:
                     make_hf_checkpoint(family, directory)
             built[family] = directory
@@ -59,6 +66,19 @@ def _odd_heads(directory: Path) -> None:
     config = LlamaConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=1, num_attention_heads=3,
                          num_key_value_heads=3, vocab_size=256, max_position_embeddings=128)
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+def _gemma3(directory: Path, kv_heads: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config("gemma3")
+    config.num_key_value_heads = kv_heads
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # as family_checkpoints.make_checkpoint: Gemma's norms hold w of x * (1 + w)
+        for name, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

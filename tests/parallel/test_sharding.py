@@ -13,23 +13,58 @@ from protoserve.engine.config import EngineConfig
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.parallel.row_parallel import RowParallel
 from protoserve.engine.parallel.runner import make_runner
-from protoserve.engine.parallel.sharding import check_shardable, shard_decoder
+from protoserve.engine.parallel.shard_plan import check_shardable, plan_shard, supported_sizes
+from protoserve.engine.parallel.sharding import shard_decoder
 from protoserve.engine.parallel.step_channel import decode, encode
 
 
-def _load(path, quantization="none", rank=None):
-    shard = None if rank is None else functools.partial(shard_decoder, rank=rank, world_size=2)
+def _load(path, quantization="none", rank=None, world_size=2):
+    shard = None if rank is None else functools.partial(shard_decoder, rank=rank, world_size=world_size)
     return load_model(str(path), quantization=quantization, progress=False, load_tokenizer=False, shard=shard)
 
 
-@pytest.mark.parametrize(("size", "field"), [(3, "num_heads"), (4, "num_kv_heads")])
-def test_refuses_a_size_that_does_not_divide_the_heads(checkpoint, size, field):
+def test_refuses_a_size_that_does_not_divide_the_query_heads(checkpoint):
     loaded = _load(checkpoint("qwen2"))  # 4 heads, 2 KV heads
     model = loaded.model
     qkv = model.layers[0].self_attn.qkv_proj
-    with pytest.raises(ValueError, match=f"does not divide the model's {field}"):
-        shard_decoder(model, 0, size)
+    with pytest.raises(ValueError, match=r"does not divide the model's num_heads \(4\); "
+                                         r"tensor_parallel_size this model takes: 1, 2, 4$"):
+        shard_decoder(model, 0, 3)
     assert model.config is loaded.config and model.layers[0].self_attn.qkv_proj is qkv  # untouched
+
+
+def test_refuses_smollm2_over_two_ranks(checkpoint):
+    """SmolLM2-135M's shape: 9 query heads cannot be split over 2 ranks, whatever happens to its 3 KV heads."""
+    config = dataclasses.replace(_load(checkpoint("qwen2")).config, num_heads=9, num_kv_heads=3,
+                                 intermediate_size=1536)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size 2 does not divide the model's num_heads \(9\); "
+                                         r"tensor_parallel_size this model takes: 1, 3$"):
+        check_shardable(config, 2)
+
+
+def test_refuses_kv_heads_neither_split_nor_replicated(checkpoint):
+    config = dataclasses.replace(_load(checkpoint("qwen2")).config, num_heads=12, num_kv_heads=4,
+                                 intermediate_size=144)
+    assert supported_sizes(config) == [1, 2, 4, 12]  # 6 divides the 12 query heads, not the 4 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 6 does not divide the model's num_kv_heads \(4\), "
+                                         "nor is it a multiple of them"):
+        check_shardable(config, 6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 1), (4, 2), (8, 2), (12, 4), (16, 16)])
+def test_plan_keeps_the_kv_heads_a_ranks_query_heads_read(checkpoint, heads, kv_heads):
+    config = dataclasses.replace(_load(checkpoint("qwen2")).config, num_heads=heads, num_kv_heads=kv_heads,
+                                 intermediate_size=heads * 16)
+    group = heads // kv_heads  # query heads per KV head
+    for size in supported_sizes(config):
+        plans = [plan_shard(config, rank, size) for rank in range(size)]
+        assert [h for p in plans for h in p.q_heads] == list(range(heads))  # query heads split, in order
+        assert [p.kv_replicas for p in plans] == [max(1, size // kv_heads)] * size
+        for p in plans:
+            assert len(p.kv_heads) == max(1, kv_heads // size)
+            assert {h // group for h in p.q_heads} <= set(p.kv_heads)
+        holders = [sum(h in p.kv_heads for p in plans) for h in range(kv_heads)]
+        assert holders == [max(1, size // kv_heads)] * kv_heads  # each KV head on `replicas` ranks
 
 
 def test_refuses_an_intermediate_size_that_does_not_divide(checkpoint):
@@ -44,6 +79,31 @@ def test_refuses_moe(checkpoint):
                                  moe_intermediate_size=64)
     with pytest.raises(ValueError, match="MoE layers is not built"):
         check_shardable(config, 2)
+
+
+def _weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+    layer = model.get_submodule(name)
+    layer.unpack_from_kernel()  # the float weight the kernel pack released
+    return layer.weight
+
+
+@pytest.mark.parametrize(("family", "size"), [("gemma3-kv1", 2), ("gemma3-kv1", 4), ("gemma3-kv2", 4)])
+def test_replicated_kv_rows_are_copies_of_the_unsharded_head(checkpoint, family, size):
+    path = checkpoint(family)
+    full = _load(path).model
+    c = full.config
+    ranks = [_load(path, rank=rank, world_size=size).model for rank in range(size)]
+    d, q_local = c.head_dim, c.num_heads // size
+    group = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        name = f"layers.{i}.self_attn.qkv_proj"
+        q, k, v = _weight(full, name).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+        for rank, m in enumerate(ranks):
+            assert (m.config.num_heads, m.config.num_kv_heads) == (q_local, 1)
+            head = rank * q_local // group  # the KV head this rank's query heads read
+            rq, rk, rv = _weight(m, name).split([q_local * d, d, d])
+            assert torch.equal(rq, q[rank * q_local * d : (rank + 1) * q_local * d])
+            assert torch.equal(rk, k[head * d : (head + 1) * d]) and torch.equal(rv, v[head * d : (head + 1) * d])
 
 
 def _codes(layer: torch.nn.Module) -> tuple[torch.Tensor, ...]:
