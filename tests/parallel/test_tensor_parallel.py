@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from kv_pools import rank_kv_pools
 
 from protoserve.engine.config import EngineConfig
 from protoserve.engine.llm_engine import LLMEngine
@@ -73,10 +74,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _compare(path, tol: float, **options) -> LLMEngine:
-    """TP=1 and TP=2 give the same logits (within tol) and tokens; returns the open TP=2 engine."""
+def _compare(path, tol: float, tp: int = 2, **options) -> LLMEngine:
+    """TP=1 and TP=tp give the same logits (within tol) and tokens; returns the open TP=tp engine."""
     ref_steps, ref_tokens = _generate(_engine(path, 1, **options))
-    engine = _engine(path, 2, **options)
+    engine = _engine(path, tp, **options)
     steps, tokens = _generate(engine)
     assert tokens == ref_tokens and all(len(t) == GREEDY_TOKENS for t in tokens.values())
     assert len(steps) == len(ref_steps)
@@ -102,6 +103,25 @@ def test_qwen3_tp2_equals_tp1(checkpoint):
 
 def test_qwen2_int8_tp2_equals_tp1(checkpoint):
     _compare(checkpoint("qwen2"), 1e-2, quantization="int8", kv_cache_dtype="float32").runner.close()
+
+
+@pytest.mark.parametrize(("family", "tp"), [("gemma3-kv1", 2), ("gemma3-kv1", 4), ("gemma3-kv2", 4)])
+def test_replicated_kv_heads_equal_tp1(checkpoint, family, tp):
+    """Fewer KV heads than ranks: each rank keeps a copy of the KV head its query heads read."""
+    engine = _compare(checkpoint(family), FLOAT_TOL, tp)
+    assert engine.runner.kv_cache.num_kv_heads == 1 and len(engine.runner.group.workers) == tp - 1
+    engine.runner.close()
+
+
+def test_replicated_kv_heads_hold_the_same_bits_on_their_ranks(checkpoint, tmp_path):
+    """2 KV heads over 4 ranks: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1, bit for bit."""
+    pools = rank_kv_pools(str(checkpoint("gemma3-kv2")), 4, "none", tmp_path)
+    for pool in ("k", "v"):
+        for layer in range(len(pools[0][pool])):
+            per_rank = [p[pool][layer] for p in pools]
+            assert all(t.shape[2] == 1 and t.count_nonzero() > 0 for t in per_rank)
+            assert torch.equal(per_rank[0], per_rank[1]) and torch.equal(per_rank[2], per_rank[3])
+            assert not torch.equal(per_rank[0], per_rank[2])  # two heads, not one copied four times
 
 
 def test_refusal_stops_the_spawned_worker(checkpoint):
