@@ -35,6 +35,7 @@ from bench.sections import (
     activation,
     affinity,
     constrained,
+    conversation,
     decode,
     fairness,
     isolation,
@@ -66,6 +67,7 @@ SECTIONS = {
     "activation": activation.steps,
     "peer_serving": peer_serving.steps,
     "peer_engine": peer_engine.steps,
+    "conversation": conversation.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")

@@ -41,17 +41,21 @@ class ChatSpec:
         return [{"role": "system", "content": self.system}, {"role": "user", "content": self.user}]
 
     def body(self, model: str) -> dict[str, Any]:
-        """The OpenAI chat request: greedy, streamed with a usage chunk, EOS ignored (both servers honour
-        ``ignore_eos``), so each answer is exactly ``max_tokens`` tokens."""
-        return {
-            "model": model,
-            "messages": self.messages(),
-            "max_tokens": self.max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        return chat_body(model, self.messages(), self.max_tokens)
+
+
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """The OpenAI chat request: greedy, streamed with a usage chunk, EOS ignored (both servers honour
+    ``ignore_eos``), so each answer is exactly ``max_tokens`` tokens."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def word_pool(vocabulary: Iterable[str]) -> list[str]:

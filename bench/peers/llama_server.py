@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,16 +24,18 @@ START_TIMEOUT_S = 120.0
 
 
 def server_command(
-    binary: Path, model: Path, threads: int, port: int, parallel: int = PARALLEL, context: int = CONTEXT
+    binary: Path, model: Path, threads: int, port: int, parallel: int = PARALLEL, context: int = CONTEXT,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The command line: the model, slots, context, threads (prompt and generation alike), loopback."""
+    """The command line: the model, slots, context, threads (prompt and generation alike), loopback;
+    ``extra_args`` last (a section's own flags, e.g. ``--cache-reuse``)."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     if parallel < 1 or context < parallel:
         raise ValueError(f"need 1 <= parallel <= context, got parallel={parallel} context={context}")
     return [
         str(binary), "-m", str(model), "-np", str(parallel), "-c", str(context),
-        "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
 
 
