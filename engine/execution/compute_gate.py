@@ -10,12 +10,17 @@ background unit gets one turn, so indexing keeps moving while streams decode, on
 and a decode step waits at most one unit. With the engine idle, background work runs back to back.
 
 One gate per process (``CPU_GATE``): every engine and embedding model in a process shares its cores.
+A server with several models has an engine (a decode loop, a thread) per model; their forwards take
+the cores in the order they asked for them. Each engine asks again only after its forward and its
+sampling, so while two engines have work they alternate, one forward each: each model gets half the
+steps, and a step of one waits at most one step of the other (and one background unit).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,12 +29,14 @@ ENGINE_ACTIVE_S = 0.5
 
 
 class ComputeGate:
-    """Mutual exclusion between engine forwards and background units, engine first, alternating."""
+    """Mutual exclusion between engine forwards and background units, engine first, alternating;
+    engine forwards in the order they asked."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy = False
         self._engine_waiting = 0
+        self._engine_queue: deque[object] = deque()  # a token per waiting forward, in asking order
         self._background_waiting = 0
         self._background_turn = False  # set when an engine forward ends with background work waiting
         self._engine_started = float("-inf")  # monotonic time of the last engine forward's start
@@ -46,10 +53,17 @@ class ComputeGate:
     @contextmanager
     def engine(self) -> Iterator[None]:
         """Hold the cores for one engine forward."""
+        ticket = object()
         with self._cond:
             self._engine_waiting += 1
-            while self._busy or (self._background_turn and self._background_waiting):
+            self._engine_queue.append(ticket)
+            while (
+                self._busy
+                or (self._background_turn and self._background_waiting)
+                or self._engine_queue[0] is not ticket
+            ):
                 self._cond.wait()
+            self._engine_queue.popleft()
             self._engine_waiting -= 1
             self._busy = True
             self._engine_started = time.monotonic()

@@ -92,3 +92,28 @@ def test_a_waiting_engine_goes_before_a_waiting_background_unit():
     for thread in (holder, background, engine):
         thread.join(10)
     assert order == ["E", "B"]
+
+
+def test_engines_take_turns_in_the_order_they_asked():
+    """Two engines (a decode loop each) with work: one forward each, in turn, neither twice in a row."""
+    gate = ComputeGate()
+    log: list[str] = []
+    finished: set[str] = set()
+
+    def decode_loop(name: str, other: str) -> None:
+        for _ in range(30):
+            with gate.engine():
+                log.append(name)
+                # Hold the cores until the other engine asks for them (or is done): each release
+                # then finds it waiting, as a busy model's decode loop is.
+                until(lambda: gate.waiting()[0] > 0 or other in finished)
+        finished.add(name)
+
+    threads = [threading.Thread(target=decode_loop, args=pair) for pair in (("A", "B"), ("B", "A"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    sequence = "".join(log)
+    assert sequence.count("A") == sequence.count("B") == 30
+    assert "AA" not in sequence and "BB" not in sequence, sequence
