@@ -1,7 +1,8 @@
 """The entry points of tensor parallelism for LLMEngine.from_pretrained (and a torchrun CLI).
 
 ``join_tensor_parallel`` runs before the model loads: at ``tensor_parallel_size`` 1 it does
-nothing; otherwise it joins the ranks (from torchrun's environment, or as rank 0 spawning the
+nothing; otherwise it refuses a model the ranks cannot split (from its config alone, before any
+rank starts or loads weights), then joins the ranks (from torchrun's environment, or as rank 0 spawning the
 others) and returns the function that shards the loaded model for this rank, which load_model
 applies between quantization and packing. ``serve_worker_rank`` runs once the engine is built:
 on rank 0 it returns at once; on any other rank it serves rank 0's steps until the shutdown
@@ -21,8 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from protoserve.engine.config import EngineConfig
+from protoserve.engine.loader.checkpoint_config import read_model_config
 from protoserve.engine.parallel import ranks
 from protoserve.engine.parallel.runner import TensorParallelRunner
+from protoserve.engine.parallel.shard_plan import check_shardable
 from protoserve.engine.parallel.sharding import shard_decoder
 from protoserve.engine.parallel.spawn import WorkerSpec, spawn_workers
 
@@ -40,6 +43,7 @@ def join_tensor_parallel(model_path: str | os.PathLike[str] | None, dtype: str, 
     size = config.tensor_parallel_size
     if size == 1:
         return None
+    check_shardable(read_model_config(model_path), size)
     env = ranks.rank_env()
     if env is not None:
         if env.world_size != size:

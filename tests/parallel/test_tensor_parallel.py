@@ -124,9 +124,16 @@ def test_replicated_kv_heads_hold_the_same_bits_on_their_ranks(checkpoint, tmp_p
             assert not torch.equal(per_rank[0], per_rank[2])  # two heads, not one copied four times
 
 
-def test_refusal_stops_the_spawned_worker(checkpoint):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's num_heads \(3\)"):
-        _engine(checkpoint("odd_heads"), 2)
+@pytest.mark.parametrize(("family", "tp", "quantization", "error"), [
+    # Read off the config before any rank starts.
+    ("odd_heads", 2, "none", r"^tensor_parallel_size 2 does not divide the model's num_heads \(3\); "
+                             r"tensor_parallel_size this model takes: 1$"),
+    # Found only while slicing the quantized layers, once the workers run: they are stopped.
+    ("llama", 4, "int4", r"o_proj: int4 groups of 32 input columns do not split at a rank's columns"),
+])
+def test_refusal_stops_the_spawned_workers(checkpoint, family, tp, quantization, error):
+    with pytest.raises(ValueError, match=error):
+        _engine(checkpoint(family), tp, quantization=quantization)
     assert ranks.current() is None and not torch.distributed.is_initialized()
     assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("protoserve-tp")]
 
