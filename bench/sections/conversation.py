@@ -39,7 +39,7 @@ from typing import Any
 
 from bench import resources
 from bench.context import BenchContext
-from bench.figures import Figure, Target, skipped
+from bench.figures import Better, Figure, Target, skipped
 from bench.load_generator import run_clients
 from bench.load_result import LoadResult
 from bench.peers import llamacpp
@@ -75,6 +75,12 @@ CACHE_REUSE = 256  # llama-server's --cache-reuse: shortest chunk it shifts into
 # recomputing a prefix the cache still held (the pool is sized to hold every conversation).
 TTFT_TARGET = Target(0.1, "lower")
 RECOMPUTE_TARGET = Target(0.0, "lower")
+# protoserve / llama-server: (ratio, of which figure after conversation.<server>.u<N>, better, target)
+RATIOS: tuple[tuple[str, str, Better, Target | None], ...] = (
+    ("ratio", "", "higher", None),
+    ("ttft_ratio", ".ttft_p50", "lower", TTFT_TARGET),
+    ("ttft_ratio.turn1", ".turn1.ttft_p50", "lower", None),
+)
 LOG_WAIT_S = 2.0  # a finished request's log line is written as its call closes
 
 
@@ -108,7 +114,7 @@ def server_figure_names(server: str, users: int) -> list[tuple[str, str]]:
 
 
 def ratio_names(users: int) -> list[tuple[str, str]]:
-    return [(_name(kind, f"u{users}"), "x") for kind in ("ratio", "ttft_ratio", "ttft_ratio.turn1")]
+    return [(_name(kind, f"u{users}"), "x") for kind, *_ in RATIOS]
 
 
 def figure_names(sizes: ConversationSizes) -> list[tuple[str, str]]:
@@ -265,28 +271,12 @@ def server_figures(server: str, users: int, level: ServerLevel, pool: int) -> li
 
 
 def ratio_figures(users: int, ours: Sequence[Figure], theirs: Sequence[Figure]) -> list[Figure]:
-    a, b = (
-        {f.name.removeprefix(_name(OURS)): f for f in ours},
-        {f.name.removeprefix(_name(PEER)): f for f in theirs},
-    )
-    key = f".u{users}"
+    """protoserve / llama-server of each figure in RATIOS."""
+    a = {f.name.removeprefix(_name(OURS, f"u{users}")): f for f in ours}
+    b = {f.name.removeprefix(_name(PEER, f"u{users}")): f for f in theirs}
     return [
-        ratio_figure(_name("ratio", f"u{users}"), SECTION, a[key], b[key]),
-        ratio_figure(
-            _name("ttft_ratio", f"u{users}"),
-            SECTION,
-            a[f"{key}.ttft_p50"],
-            b[f"{key}.ttft_p50"],
-            "lower",
-            TTFT_TARGET,
-        ),
-        ratio_figure(
-            _name("ttft_ratio.turn1", f"u{users}"),
-            SECTION,
-            a[f"{key}.turn1.ttft_p50"],
-            b[f"{key}.turn1.ttft_p50"],
-            "lower",
-        ),
+        ratio_figure(_name(kind, f"u{users}"), SECTION, a[of], b[of], better, target)
+        for kind, of, better, target in RATIOS
     ]
 
 
