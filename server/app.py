@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from protoserve.server.calls.stream_write_timeout import (
 )
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
 from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.models.model_spec import ModelSpec, engine_config_for
 from protoserve.server.models.sampling_mapping import served_defaults
 from protoserve.server.models.served_model import ModelCard, ServedModel
 from protoserve.server.observability.metrics import ServerMetrics
@@ -140,8 +142,8 @@ class HttpGatewayStarter(Protocol):
 class ServerConfig:
     """Everything ``protoserve serve`` can be told."""
 
-    model_path: str | None = None  # None: the default model
-    model_name: str | None = None  # None: derived by the engine from the checkpoint
+    # The generative models, the default first (server/models/model_spec.py: their names and KV shares).
+    models: tuple[ModelSpec, ...] = (ModelSpec(),)
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
     http_port: int | None = 8000  # None: no REST gateway
@@ -175,7 +177,8 @@ class ServerConfig:
     # tool results and retrieved documents stay text either way.
     parse_special_in_messages: bool = False
     embeddings: bool = True  # load an embedding model (EmbeddingService, /v1/embeddings, RAG)
-    embedding_model: str | None = None  # its directory; None: the packaged all-MiniLM-L6-v2
+    embedding_model: str | None = None  # its directory or catalogue name; None: the packaged all-MiniLM-L6-v2
+    embedding_names: tuple[str, ...] = ()  # its name then its aliases (--embedding-model-name); (): its own
     rag_partitions: int = 16  # identity mod N picks a caller's partition (its directory and indexes)
     rag_index: str = "flat"  # "flat" (exact) or "hnsw"
     rag_max_documents: int = 10_000  # per identity; 0: no limit
@@ -235,12 +238,12 @@ class ServerApp:
         self.tls = TlsCertificates(config.tls) if config.tls is not None else None
         self._gateway_socket_dir: str | None = None
         self.http_gateway = http_gateway
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | None = None  # the default model's
+        self._engines: list[AsyncEngine] = []  # the engines this app loaded, to shut down with it
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http: MetricsHttpServer | None = None
-        self._owns_engine = False
         self._stop_http: Callable[[], Awaitable[None]] | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -276,14 +279,9 @@ class ServerApp:
         )
         services = (self.models, self.auth, self.inflight, self.readiness)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
-        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(
-            OpenAIService(self.models, self.auth, self.inflight, self.readiness, retrieval=self.retrieval),
-            server,
-        )
+        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(*services), server)
         messages_pb2_grpc.add_MessagesServiceServicer_to_server(MessagesService(*services), server)
-        embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(
-            EmbeddingService(*services, retrieval=self.retrieval), server
-        )
+        embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(EmbeddingService(*services), server)
         rag_pb2_grpc.add_RagServiceServicer_to_server(RagService(*services, retrieval=self.retrieval), server)
         self.response_store = self._open_response_store()
         responses_pb2_grpc.add_ResponsesServiceServicer_to_server(
@@ -296,9 +294,7 @@ class ServerApp:
         metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
             MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
         )
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            OpenInferenceService(*services, retrieval=self.retrieval), server
-        )
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceService(*services), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
         enable_reflection(
             (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server
@@ -357,41 +353,55 @@ class ServerApp:
         return target
 
     async def load_model(self) -> None:
-        """Load the configured model in a worker thread (health keeps answering), then serve it."""
+        """Load the configured models in worker threads (health keeps answering), then serve them.
+
+        Health turns SERVING once every model is in: a probe that says ready means every name routes.
+        """
+        for spec in self.config.models:
+            await self._load_generative(spec)
+        if self.config.embeddings:
+            await self.load_retrieval()
+        await self.readiness.set_serving()
+
+    async def _load_generative(self, spec: ModelSpec) -> None:
+        """Load one generative model on an engine of its own and serve it under its names."""
         from protoserve.engine.api import ModelLoadError, resolve_model
         from protoserve.engine.runtime import AsyncEngine
 
+        started = time.monotonic()
         # The engine resolves the name again (and applies the card's sampling values); the card records the file.
-        path = (await asyncio.to_thread(resolve_model, self.config.model_path)).path
-        if self.config.model_name is not None and len(self.config.model_name) > MAX_MODEL_NAME_CHARS:
-            raise ModelLoadError(path, f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
+        resolved = await asyncio.to_thread(resolve_model, spec.source)
+        if spec.name is not None and len(spec.name) > MAX_MODEL_NAME_CHARS:
+            raise ModelLoadError(resolved.path, f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
         engine = await asyncio.to_thread(
             AsyncEngine.from_pretrained,
-            self.config.model_path,
+            spec.source,
             dtype=self.config.dtype,
             quantization=self.config.quantization,
-            config=self.config.engine,
+            config=engine_config_for(spec, self.config.engine, len(self.config.models)),
             progress=self.config.progress,
-            model_name=self.config.model_name,
+            model_name=spec.name,
         )
+        self._engines.append(engine)
         if self.config.loras or self.config.max_loras:
             await asyncio.to_thread(load_startup_adapters, engine.engine, self.config.loras, self.config.max_loras)
         engine.start()
-        self._owns_engine = True
-        if self.config.embeddings:
-            await self.load_retrieval()
         card = ModelCard(
             dtype=self.config.dtype,
             quantization=engine.quantization,
-            source=os.fspath(path),
+            source=os.fspath(resolved.path),
             kv_cache_dtype=engine.kv_cache_dtype,
             sampling_defaults=engine.sampling_defaults,
         )
-        await self.attach_engine(engine, card)
+        aliases = spec.aliases
+        if not spec.names and resolved.name and resolved.name != engine.model_name:
+            aliases = (resolved.name,)  # the catalogue's short name it was asked for by
+        await self.attach_engine(engine, card, aliases=aliases, serving=False)
+        self.metrics.observe_load(engine.model_name, time.monotonic() - started)
 
     async def load_retrieval(self) -> None:
         """Load the embedding model and open the RAG store (indexes rebuilt from SQLite if need be)."""
-        from protoserve.engine.api import DEFAULT_EMBEDDING_PACKAGE, ModelLoadError
+        from protoserve.engine.api import DEFAULT_EMBEDDING_PACKAGE, ModelLoadError, resolve_model
         from protoserve.engine.runtime import EmbeddingModel, EmbeddingWorker
         from protoserve.server.rag.store import Quotas, RagStore
 
@@ -403,7 +413,14 @@ class ServerApp:
                 DEFAULT_EMBEDDING_PACKAGE,
             )
             return
-        model = await asyncio.to_thread(EmbeddingModel.load, self.config.embedding_model)
+        started = time.monotonic()
+        source, aliases = self.config.embedding_model, self.config.embedding_names[1:]
+        if source is not None and not Path(source).exists():
+            resolved = await asyncio.to_thread(resolve_model, source)  # a catalogue name
+            source = os.fspath(resolved.path)
+            if not self.config.embedding_names and resolved.name:
+                aliases = (resolved.name,)
+        model = await asyncio.to_thread(EmbeddingModel.load, source)
         root = Path(self.config.data_dir).expanduser() if self.config.data_dir else default_data_dir()
         config = self.config
         key_documents = config.rag_max_documents if config.rag_key_max_documents is None else config.rag_key_max_documents
@@ -421,11 +438,18 @@ class ServerApp:
         except (RuntimeError, OSError) as exc:
             # Another server holding the directory, or one it cannot write: the operator's to fix.
             raise ModelLoadError(root / "rag", f"cannot open the RAG store: {exc}") from None
-        self.retrieval.embedder = ServedEmbedder(model, EmbeddingWorker(model))
+        name = self.config.embedding_names[0] if self.config.embedding_names else None
+        embedder = ServedEmbedder(
+            model, EmbeddingWorker(model), name=name, aliases=aliases, source=source or model.name
+        )
+        self.models.add_embedder(embedder)
+        self.retrieval.embedder = embedder
         self.retrieval.store = store
+        self.metrics.add_model(embedder.name)
+        self.metrics.observe_load(embedder.name, time.monotonic() - started)
         log.info(
             "embedding model %s ready; RAG data in %s (%d partitions)",
-            model.name,
+            embedder.name,
             root / "rag",
             self.config.rag_partitions,
         )
@@ -437,14 +461,20 @@ class ServerApp:
         key_bytes = config.responses_max_bytes if config.responses_key_max_bytes is None else config.responses_key_max_bytes
         return ResponseStore(root / "responses", Bounds(config.responses_max_bytes, key_bytes))
 
-    async def attach_engine(self, engine: AsyncEngine, card: ModelCard) -> None:
-        """Serve a started engine and turn health SERVING; several apps may share one engine."""
-        self.engine = engine
+    async def attach_engine(
+        self, engine: AsyncEngine, card: ModelCard, *, aliases: tuple[str, ...] = (), serving: bool = True
+    ) -> None:
+        """Serve a started engine under its name and ``aliases``, and turn health SERVING unless
+        ``serving`` is False (more models to come); several apps may share one engine."""
+        if self.engine is None:
+            self.engine = engine
         defaults = served_defaults(card.sampling_defaults, self.config.sampling_defaults, engine.model_name)
         self.models.add(ServedModel(engine, card, defaults, tool_parser=self.config.tool_parser,
-                                    parse_special_in_messages=self.config.parse_special_in_messages))
+                                    parse_special_in_messages=self.config.parse_special_in_messages,
+                                    aliases=aliases))
         self.metrics.add_model(engine.model_name)
-        await self.readiness.set_serving()
+        if serving:
+            await self.readiness.set_serving()
         log.info("model %s ready (context %d tokens)", engine.model_name, engine.max_model_len)
 
     async def drain(self, grace_period_s: float | None = None) -> bool:
@@ -476,8 +506,9 @@ class ServerApp:
         if self._gateway_socket_dir is not None:
             shutil.rmtree(self._gateway_socket_dir, ignore_errors=True)
             self._gateway_socket_dir = None
-        if self.engine is not None and self._owns_engine:
-            await self.engine.shutdown()
+        for engine in self._engines:
+            await engine.shutdown()
+        self._engines.clear()
         if self.response_store is not None:
             await asyncio.to_thread(self.response_store.close)
             self.response_store = None
@@ -574,8 +605,8 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
         return 0
     # Health is SERVING now: "listening" came first (probes get answers while the model
     # loads), so this is the line that says requests will be answered.
-    assert app.engine is not None
-    print(f"protoserve ready: serving {app.engine.model_name} on {app.grpc_target} (grpc){http}", flush=True)
+    served = ", ".join(m.name for m in app.models.listing())
+    print(f"protoserve ready: serving {served} on {app.grpc_target} (grpc){http}", flush=True)
     await stopping
     await app.drain()
     log.info("stopped")

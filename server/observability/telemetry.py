@@ -81,10 +81,11 @@ class Telemetry:
 
     def _model_label(self, record: RequestRecord) -> str:
         """A loaded model's name, so that no label value comes from the caller: the model that
-        served the request, else the one it named, else (refused before a model was chosen, or
-        naming one that is not loaded) the default model."""
-        names = self.models.names
+        served the request, else the one it named (by name or alias, of either kind), else (refused
+        before a model was chosen, or naming one that is not loaded) the default model."""
         for name in (record.served_model, record.model):
-            if name in names:
-                return name
+            canonical = self.models.canonical(name) if name else None
+            if canonical is not None:
+                return canonical
+        names = self.models.names
         return names[0] if names else ""

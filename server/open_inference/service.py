@@ -28,7 +28,7 @@ from protoserve.server.open_inference import embedding_tensors, llm_tensors
 from protoserve.server.open_inference.llm_tensors import LlmCall
 from protoserve.server.open_inference.tensors import TensorSpec, bytes_output, decode_inputs, fp32_output
 from protoserve.server.security.auth import Identity
-from protoserve.server.services.embeddings import Retrieval, ServedEmbedder
+from protoserve.server.services.embeddings import ServedEmbedder
 from protoserve.server.services.inference_service import call_deadline, check_request_id
 from protoserve.v1 import inference_pb2
 
@@ -63,9 +63,8 @@ def _server_version() -> str:
 class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     """The Open Inference Protocol over the served LLMs and the embedding model."""
 
-    def __init__(self, *services, retrieval: Retrieval) -> None:
+    def __init__(self, *services) -> None:
         super().__init__(*services)
-        self.retrieval = retrieval
         self.version = _server_version()
 
     # ---- health and metadata -------------------------------------------------------------
@@ -82,10 +81,11 @@ class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenc
         """Whether that model (and version) is served now; an unknown one is not ready (a probe: no key)."""
         if not self.readiness.serving or request.version not in ("", MODEL_VERSION):
             return oip.ModelReadyResponse(ready=False)
-        names = set(self.models.names)
-        if self.retrieval.embedder is not None:
-            names.add(self.retrieval.embedder.name)
-        return oip.ModelReadyResponse(ready=request.name in names)
+        try:
+            self.models.describe(request.name)
+        except errors.ServiceError:
+            return oip.ModelReadyResponse(ready=False)
+        return oip.ModelReadyResponse(ready=True)
 
     @errors.reports_errors
     async def ServerMetadata(self, request: oip.ServerMetadataRequest, context) -> oip.ServerMetadataResponse:
@@ -162,14 +162,8 @@ class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenc
                version_field: str = "model_version") -> ServedModel | ServedEmbedder:
         if not name:
             raise errors.invalid_argument([(name_field, "is required")])
-        embedder = self.retrieval.embedder
-        if embedder is not None and name == embedder.name:
-            model: ServedModel | ServedEmbedder = embedder
-        elif name in self.models.names or not self.models.names:
-            model = self.models.get(name)
-        else:
-            available = [*self.models.names, *([embedder.name] if embedder is not None else [])]
-            raise errors.model_not_found(name, available)
+        # Either kind, by name or alias: the tensors it takes follow from the model it names.
+        model = self.models.describe(name)
         if version not in ("", MODEL_VERSION):
             raise errors.ServiceError(
                 grpc.StatusCode.NOT_FOUND,

@@ -13,12 +13,15 @@ fairly between callers by the tenant each call names (the caller's identity).
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
+from protoserve.engine.api import ModelKind
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.limits import MAX_EMBEDDING_INPUT_BYTES, MAX_EMBEDDING_INPUTS
@@ -96,15 +99,29 @@ class EmbeddingMeter:
 
 
 class ServedEmbedder:
-    """One loaded embedding model behind its worker thread."""
+    """One loaded embedding model behind its worker thread, as the API names it."""
 
-    def __init__(self, model: EmbeddingModel, worker: EmbeddingWorker) -> None:
+    def __init__(
+        self,
+        model: EmbeddingModel,
+        worker: EmbeddingWorker,
+        *,
+        name: str | None = None,
+        aliases: tuple[str, ...] = (),
+        source: str = "",
+    ) -> None:
+        """``name``: what requests and responses call it (``--embedding-model-name``), else the model's own;
+        ``source``: the directory it was loaded from."""
         self.model = model
         self.worker = worker
+        self.name = name or model.name
+        self.aliases = aliases
+        self.source = source
+        self.loaded_at = time.time()
 
     @property
-    def name(self) -> str:
-        return self.model.name
+    def kind(self) -> str:
+        return ModelKind.EMBEDDING.value
 
     @property
     def dimensions(self) -> int:
@@ -118,10 +135,19 @@ class ServedEmbedder:
         """A meter for one call of ``identity`` to this model (see EmbeddingMeter)."""
         return EmbeddingMeter(inflight, identity, request=request)
 
-    def check_model(self, name: str) -> None:
-        """NOT_FOUND for a model name that is not this one (empty names this one)."""
-        if name and name != self.name:
-            raise errors.model_not_found(name, [self.name])
+    def model_info(self, *, with_path: bool) -> pb.ModelInfo:
+        """ListModels/GetModel description; ``source`` as ServedModel.model_info gives it."""
+        return pb.ModelInfo(
+            name=self.name,
+            architecture="bert",
+            max_model_len=self.max_tokens,
+            vocab_size=self.model.vocab_size,
+            dtype="float32",
+            quantization="none",
+            source=self.source if with_path else os.path.basename(os.path.normpath(self.source)),
+            kind=self.kind,
+            aliases=self.aliases,
+        )
 
     async def embed_texts(
         self, texts: Sequence[str], path: str, *, tenant: str = "", charge: Charge | None = None
@@ -203,22 +229,17 @@ def embeddings_disabled() -> errors.ServiceError:
 
 
 class EmbeddingService(AdmittingServicer, embeddings_pb2_grpc.EmbeddingServiceServicer):
-    """Embed over the server's embedding model."""
-
-    def __init__(self, *services, retrieval: Retrieval) -> None:
-        super().__init__(*services)
-        self.retrieval = retrieval
+    """Embed over the embedding model the request names (the server's first one when it names none)."""
 
     @errors.reports_errors
     async def Embed(self, request: epb.EmbedRequest, context: grpc.aio.ServicerContext) -> epb.EmbedResponse:
         """One unit vector per input, in input order."""
         identity = self._admit(context)
-        embedder = self.retrieval.embedder
+        embedder = self.models.embedder(request.model)
         if embedder is None:
             raise embeddings_disabled()
         meter = embedder.meter(self.inflight, identity)
         meter.admit()
-        embedder.check_model(request.model)
         if request.texts and request.token_ids:
             raise errors.invalid_argument([("token_ids", "set texts or token_ids, not both")])
         try:

@@ -147,17 +147,17 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
 
     @errors.reports_errors
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        """Every loaded model, the default first."""
+        """Every loaded model, the default first, embedding models after the generative ones."""
         with_path = self.auth.is_operator(self._admit(context))
-        return pb.ListModelsResponse(models=[f.model_info(with_path=with_path) for f in self.models.all()])
+        return pb.ListModelsResponse(models=[f.model_info(with_path=with_path) for f in self.models.listing()])
 
     @errors.reports_errors
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext):
-        """One loaded model by name."""
+        """One loaded model, of any kind, by name or alias."""
         with_path = self.auth.is_operator(self._admit(context))
         if not request.name:
             raise errors.invalid_argument([("name", "is required")])
-        return pb.GetModelResponse(model=self.models.get(request.name).model_info(with_path=with_path))
+        return pb.GetModelResponse(model=self.models.describe(request.name).model_info(with_path=with_path))
 
     @errors.reports_errors
     async def CheckHealth(self, request: pb.CheckHealthRequest, context: grpc.aio.ServicerContext):

@@ -26,7 +26,8 @@ def base_url(live_server) -> str:
 
 def test_get_model_shows_the_cards_sampling_values(live_server):
     with live_server.sync_channel() as channel:
-        (info,) = inference_pb2_grpc.InferenceServiceStub(channel).ListModels(pb.ListModelsRequest()).models
+        # The chat model; the embedding model is listed after it.
+        info, _ = inference_pb2_grpc.InferenceServiceStub(channel).ListModels(pb.ListModelsRequest()).models
     assert info.sampling_defaults.temperature == pytest.approx(0.2)
     assert info.sampling_defaults.top_p == pytest.approx(0.9)
 

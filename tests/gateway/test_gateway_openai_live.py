@@ -40,7 +40,8 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 def test_models_list_and_retrieve(client, model):
     listed = client.models.list()
-    assert [m.id for m in listed.data] == [model]
+    # The chat model, then the embedding model (issue 46: every served model is listed).
+    assert [m.id for m in listed.data] == [model, "all-MiniLM-L6-v2"]
     assert listed.data[0].object == "model" and listed.data[0].owned_by == "protoserve"
     retrieved = client.models.retrieve(model)
     assert retrieved.id == model and retrieved.created == listed.data[0].created

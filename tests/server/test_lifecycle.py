@@ -76,7 +76,7 @@ def test_ready_line_comes_once_health_is_serving(spawn_server):
         else:
             assert status == SERVING, (status, printed)
     assert printed[0].startswith("protoserve listening on ") and printed.index(ready) > 0
-    assert ready.strip() == f"protoserve ready: serving SmolLM2-135M-Instruct on {server.grpc_target} (grpc), " \
+    assert ready.strip() == f"protoserve ready: serving SmolLM2-135M-Instruct, all-MiniLM-L6-v2 on {server.grpc_target} (grpc), " \
         f"http on 127.0.0.1:{server.http_port}"
     server.stop()
     assert len([line for line in server.stdout_lines if line.startswith("protoserve ready:")]) == 1

@@ -22,6 +22,7 @@ from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, h
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
 from protoserve.server.app import ServerApp, ServerConfig
+from protoserve.server.models.model_spec import ModelSpec
 from protoserve.server.models.sampling_mapping import served_defaults
 from protoserve.server.security.auth import Authenticator
 from protoserve.v1 import inference_pb2 as pb
@@ -67,7 +68,7 @@ def tiny_model(tmp_path_factory) -> tuple[Path, int]:
 
 
 async def serving(model_dir: Path, **defaults: float) -> ServerApp:
-    config = ServerConfig(model_path=str(model_dir), port=0, http_port=None, grace_period_s=1.0, progress=False,
+    config = ServerConfig(models=(ModelSpec(str(model_dir)),), port=0, http_port=None, grace_period_s=1.0, progress=False,
                           quantization="none", sampling_defaults=defaults,
                           # Several apps of this module are up at once; a RAG store opens in one at a time.
                           embeddings=False)

@@ -10,8 +10,9 @@ from google.protobuf import struct_pb2
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.server import errors
 from protoserve.server.calls.inflight import InflightRequests
+from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.security.auth import Identity
-from protoserve.server.services.embeddings import Retrieval, ServedEmbedder, embeddings_disabled
+from protoserve.server.services.embeddings import ServedEmbedder, embeddings_disabled
 from protoserve.server.services.openai.translation import Violations, as_token_ids, python_value
 
 if TYPE_CHECKING:
@@ -59,21 +60,20 @@ def _embedding_value(vector: np.ndarray, encoding_format: str) -> struct_pb2.Val
 
 
 class Embeddings:
-    """The embeddings surface, on the server's embedding model (refused when none is loaded)."""
+    """The embeddings surface, on the embedding model ``model`` names (refused when none is loaded)."""
 
-    def __init__(self, inflight: InflightRequests, retrieval: Retrieval) -> None:
+    def __init__(self, inflight: InflightRequests, models: ModelRegistry) -> None:
         self.inflight = inflight
-        self.retrieval = retrieval
+        self.models = models
 
     async def create(
         self, request: oa.CreateEmbeddingRequest, identity: Identity
     ) -> oa.CreateEmbeddingResponse:
-        embedder = self.retrieval.embedder
+        embedder = self.models.embedder(request.model)
         if embedder is None:
             raise embeddings_disabled()
         meter = embedder.meter(self.inflight, identity)
         meter.admit()  # a request of the caller's rpm; its tokens are charged before the model runs
-        embedder.check_model(request.model)
         violations = _option_violations(request, embedder)
         value = python_value(request.input) if request.HasField("input") else None
         texts, ids = embedding_inputs(value, violations)

@@ -18,7 +18,6 @@ from protoserve.server.calls.inflight import InflightRequests
 from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.runtime.health import Readiness
 from protoserve.server.security.auth import Authenticator
-from protoserve.server.services.embeddings import Retrieval
 from protoserve.server.services.openai.chat import ChatCompletions
 from protoserve.server.services.openai.completions import Completions
 from protoserve.server.services.openai.embeddings import Embeddings
@@ -35,14 +34,12 @@ class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
         auth: Authenticator,
         inflight: InflightRequests,
         readiness: Readiness,
-        *,
-        retrieval: Retrieval,
     ) -> None:
         super().__init__(models, auth, inflight, readiness)
         runner = EngineRunner(inflight)
         self.completions = Completions(models, runner)
         self.chat = ChatCompletions(models, runner)
-        self.embeddings = Embeddings(inflight, retrieval)
+        self.embeddings = Embeddings(inflight, models)
         self.model_list = Models(models)
 
     @errors.reports_errors

@@ -1,0 +1,165 @@
+"""Several models in one server: `serve --model smollm2-135m-instruct --model gemma3-270m` plus the
+embedding model under an OpenAI name, checked through the official openai client, langchain-openai,
+gRPC and /metrics: the listing, routing by name and alias, wrong-kind errors, greedy output equal to a
+server serving the model alone, concurrent streams over both engines, and per-model metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import numpy as np
+import openai
+import pytest
+from grpc_status_helpers import failure_of
+from langchain_openai import OpenAIEmbeddings
+
+from protoserve.v1 import embeddings_pb2, embeddings_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+SMOL, GEMMA, MINILM = "smollm2-135m-instruct", "gemma3-270m", "all-MiniLM-L6-v2"
+PROMPTS = ("What is the capital of France?", "Name three colours.")
+
+
+@pytest.fixture(scope="module")
+def multi(spawn_server):
+    return spawn_server(
+        "--model", SMOL, "--model", GEMMA,
+        "--served-model-name", f"{SMOL},smol",
+        "--embedding-model-name", f"{MINILM},text-embedding-3-small",
+    )
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0)
+
+
+def greedy_answers(server, model: str) -> list[str]:
+    oa = client(server)
+    return [
+        oa.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=16
+        ).choices[0].message.content
+        for p in PROMPTS
+    ]
+
+
+def test_the_openai_client_lists_every_model_with_its_kind(multi):
+    models = {m.id: m for m in client(multi).models.list()}
+    assert list(models) == [SMOL, GEMMA, MINILM]
+    assert [models[n].model_extra["kind"] for n in models] == ["chat", "chat", "embedding"]
+    assert models[MINILM].model_extra["aliases"] == ["text-embedding-3-small"]
+    assert models[SMOL].model_extra["aliases"] == ["smol"]
+    assert models[GEMMA].model_extra["max_model_len"] > models[MINILM].model_extra["max_model_len"] == 256
+    # An alias retrieves its model.
+    assert client(multi).models.retrieve("text-embedding-3-small").id == MINILM
+
+
+def test_get_model_by_alias_and_list_models_over_grpc(multi):
+    with multi.sync_channel() as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        listed = stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10).models
+        got = stub.GetModel(inference_pb2.GetModelRequest(name="smol"), timeout=10).model
+    assert [(m.name, m.kind) for m in listed] == [(SMOL, "chat"), (GEMMA, "chat"), (MINILM, "embedding")]
+    assert (got.name, list(got.aliases), got.kind) == (SMOL, ["smol"], "chat")
+    # The catalogue's sampling values for each chat model, not one model's for both.
+    assert got.sampling_defaults.temperature == pytest.approx(0.2)
+    assert listed[1].sampling_defaults.top_k == 64
+
+
+def test_greedy_chat_matches_each_model_served_alone(multi, live_server, spawn_server):
+    gemma_alone = spawn_server("--model", GEMMA, "--no-embedding-model")
+    assert greedy_answers(multi, SMOL) == greedy_answers(live_server, "")
+    assert greedy_answers(multi, "smol") == greedy_answers(live_server, "")
+    assert greedy_answers(multi, GEMMA) == greedy_answers(gemma_alone, GEMMA)
+    gemma_alone.stop()
+
+
+def test_embeddings_through_langchain_under_the_openai_name(multi):
+    texts = ["Paris is the capital of France.", "Photosynthesis makes sugar from light."]
+    embeddings = OpenAIEmbeddings(
+        model="text-embedding-3-small",
+        base_url=f"http://127.0.0.1:{multi.http_port}/v1",
+        api_key="unused",
+        check_embedding_ctx_length=False,  # its tiktoken pre-split is for OpenAI's own models
+    )
+    vectors = np.array(embeddings.embed_documents(texts))
+    with multi.sync_channel() as channel:
+        native = embeddings_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+            embeddings_pb2.EmbedRequest(model=MINILM, texts=texts), timeout=30
+        )
+    assert vectors.shape == (2, 384)
+    np.testing.assert_allclose(vectors, [e.values for e in native.embeddings], atol=1e-5)
+
+
+def test_a_request_of_the_wrong_kind_is_400_naming_model(multi):
+    oa = client(multi)
+    with pytest.raises(openai.BadRequestError) as chat_to_embedder:
+        oa.chat.completions.create(model="text-embedding-3-small", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as embed_from_chat:
+        oa.embeddings.create(model=GEMMA, input="hi")
+    with pytest.raises(openai.NotFoundError):
+        oa.embeddings.create(model="no-such-model", input="hi")
+    for raised in (chat_to_embedder, embed_from_chat):
+        assert raised.value.body["param"] == "model", raised.value.body
+    assert "is an embedding model" in chat_to_embedder.value.body["message"]
+    assert "is a chat model and does not embed" in embed_from_chat.value.body["message"]
+
+
+async def test_a_request_of_the_wrong_kind_is_invalid_argument_over_grpc(multi):
+    async with multi.channel() as channel:
+        generate = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.GenerateRequest(model=MINILM, prompt="hi"), timeout=30
+        )
+        embed = embeddings_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+            embeddings_pb2.EmbedRequest(model="smol", texts=["hi"]), timeout=30
+        )
+        for call in (generate, embed):
+            failure = await failure_of(call)
+            assert failure.code == grpc.StatusCode.INVALID_ARGUMENT, failure
+            assert failure.fields == {"model"}, failure
+
+
+async def test_concurrent_streams_over_both_models_all_complete(multi):
+    oa = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{multi.http_port}/v1", api_key="unused", max_retries=0)
+
+    async def stream(model: str, i: int) -> tuple[str, str, str | None]:
+        chunks = await oa.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            max_tokens=24, temperature=0.7, seed=i, stream=True,
+        )
+        text, finish, served = "", None, ""
+        async for chunk in chunks:
+            served = chunk.model
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return served, text, finish
+
+    results = await asyncio.gather(*(stream((SMOL, GEMMA)[i % 2], i) for i in range(8)))
+    assert [served for served, _, _ in results] == [SMOL, GEMMA] * 4
+    assert all(text and finish in ("stop", "length") for _, text, finish in results), results
+
+
+def metric(text: str, name: str, model: str) -> float:
+    match = re.search(rf'^{name}\{{[^}}]*model_name="{re.escape(model)}"[^}}]*\}} (\S+)$', text, re.M)
+    assert match, f"{name} for {model} missing"
+    return float(match.group(1))
+
+
+def test_metrics_are_per_model_with_loaded_models_and_load_times(multi):
+    import httpx
+
+    url = f"http://127.0.0.1:{multi.http_port}/metrics"
+    before = httpx.get(url, timeout=10).text
+    client(multi).chat.completions.create(
+        model=GEMMA, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+    )
+    after = httpx.get(url, timeout=10).text
+    generated = "protoserve_generation_tokens_total"
+    assert metric(after, generated, GEMMA) > metric(before, generated, GEMMA)
+    assert metric(after, generated, SMOL) == metric(before, generated, SMOL)
+    for model, kind in ((SMOL, "chat"), (GEMMA, "chat"), (MINILM, "embedding")):
+        assert f'protoserve_model_loaded{{kind="{kind}",model_name="{model}"}} 1.0' in after
+        assert metric(after, "protoserve_model_load_seconds_count", model) == 1
+        assert metric(after, "protoserve_model_load_seconds_sum", model) > 0
