@@ -24,6 +24,9 @@ modes). These PyTorch paths are its fallback on other machines (or with
 
 Both handle grouped-query attention and an optional sliding window with the
 Hugging Face convention: query at position p sees key j iff p - window < j <= p.
+Scores soft-capped as Gemma 2's (``cap * tanh(scores / cap)``, before the mask) are
+taken by ``tiled_attention`` and ``sdpa_attention`` only: SDPA has no such step, so
+a soft-capped model attends on the tiled path in both modes.
 Scores, softmax and accumulation run in float32 whatever the cache dtype.
 """
 
@@ -130,8 +133,14 @@ def build_tile_plan(
     return TilePlan(rows_t, valid, pair_tile_t, pair_slots, pair_visible, chunks)
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)`` (Gemma 2's attention-logit soft-capping); the scores as they are when None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def tiled_attention(
-    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: TilePlan, scale: float
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: TilePlan, scale: float,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Batch-invariant attention. q [T, H, D]; k/v_slots [num_slots, KVH, D] (the cache, flattened)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -149,7 +158,7 @@ def tiled_attention(
         slots = plan.pair_slots[p0:p1]
         kb = k_slots[slots].float().transpose(1, 2)  # [P, KVH, KEY_BLOCK, D]
         vb = v_slots[slots].float().transpose(1, 2)
-        scores = torch.matmul(qt[pair_tile], kb.transpose(-1, -2))  # [P, KVH, rows, KEY_BLOCK]
+        scores = soft_cap(torch.matmul(qt[pair_tile], kb.transpose(-1, -2)), logit_softcap)  # [P, KVH, rows, KEY_BLOCK]
         hidden = ~plan.pair_visible[p0:p1]  # [P, QUERY_TILE, KEY_BLOCK]
         hidden = hidden[:, None, :, None, :].expand(-1, 1, QUERY_TILE, rep, KEY_BLOCK)
         scores.masked_fill_(hidden.reshape(-1, 1, rows_per_tile, KEY_BLOCK), float("-inf"))
@@ -215,6 +224,7 @@ def sdpa_attention(
     q_positions: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence: q [n, H, D] at ``q_positions`` over its contiguous context k/v [L, KVH, D] -> [n, H, D]."""
     n = q.shape[0]
@@ -222,7 +232,13 @@ def sdpa_attention(
     qh = q.float().transpose(0, 1)  # [H, n, D]
     kh = k.float().transpose(0, 1)
     vh = v.float().transpose(0, 1)
-    if n == context and sliding_window is None:  # a whole prompt: plain causal
+    if logit_softcap is not None:  # SDPA cannot cap the scores: the softmax written out
+        kh = kh.repeat_interleave(qh.shape[0] // kh.shape[0], dim=0)
+        vh = vh.repeat_interleave(qh.shape[0] // vh.shape[0], dim=0)
+        scores = soft_cap(torch.matmul(qh, kh.transpose(-1, -2)) * scale, logit_softcap)
+        mask = visible_mask(q_positions, torch.arange(context), sliding_window)
+        out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vh
+    elif n == context and sliding_window is None:  # a whole prompt: plain causal
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, scale=scale, enable_gqa=True)
     else:
         mask = visible_mask(q_positions, torch.arange(context), sliding_window)

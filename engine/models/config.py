@@ -10,11 +10,15 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 
-# How a layer's MLP computes: SwiGLU (silu gate) or GeGLU (tanh-approximated gelu gate).
-MlpKind = Literal["swiglu", "geglu"]
-# Where a layer's norms sit: "pre" (Llama: before attention and before the MLP) or
-# "sandwich" (Gemma: before and after each of them, four per layer).
-NormPlacement = Literal["pre", "sandwich"]
+# How a layer's MLP computes: SwiGLU (silu gate), GeGLU (tanh-approximated gelu gate), or "gelu":
+# no gate, ``down(gelu_tanh(up(x)))`` (StarCoder2's c_fc/c_proj).
+MlpKind = Literal["swiglu", "geglu", "gelu"]
+# Where a layer's norms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
+# (Gemma: before and after each of them, four per layer) or "parallel" (Command-R: one norm whose
+# output feeds attention and the MLP side by side, ``x + attn(h) + mlp(h)``).
+NormPlacement = Literal["pre", "sandwich", "parallel"]
+# Which norm every norm of the model is: RMSNorm, or LayerNorm (mean removed; StarCoder2, Command-R).
+NormKind = Literal["rms", "layer"]
 # How an MoE layer picks a token's experts: a softmax top-k over a router (Mixtral, Qwen-MoE) or
 # integer arithmetic on the token id (the token-routed family).
 MoeRouting = Literal["softmax_top_k", "token"]
@@ -46,14 +50,21 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None  # per layer, SLIDING or FULL (Qwen2/3 max_window_layers, Gemma 3)
     rope_local_theta: float | None = None  # rope base of sliding layers, without scaling (Gemma 3); None: rope_theta
+    norm: NormKind = "rms"
+    norm_bias: bool = False  # LayerNorms with a bias (StarCoder2)
     attention_bias: bool = False  # Qwen2: q/k/v projections have biases
     o_proj_bias: bool = False  # Llama, Qwen3: attention_bias covers o_proj too
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on q and k per head
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
+    # Rotate adjacent pairs (2i, 2i+1) of each head instead of halves (i, i + d/2): Command-R.
+    rope_interleaved: bool = False
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     mlp: MlpKind = "swiglu"
+    mlp_bias: bool = False  # the MLP's projections have biases (StarCoder2)
     norm_placement: NormPlacement = "pre"
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the activation dtype
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    logit_scale: float | None = None  # Command-R: logits times this
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

@@ -8,6 +8,10 @@ The families differ only in switches of ModelConfig, which each family's module 
 * Qwen3: RMSNorm over each head of q and k before RoPE.
 * Gemma 3: local (sliding, own rope base) and global layers, four norms per layer
   ("sandwich"), GeGLU, scaled embeddings, ``query_pre_attn_scalar``, logit soft-capping.
+* Gemma 2: Gemma's blocks without q/k norms, plus attention-logit soft-capping.
+* StarCoder2: LayerNorms with biases, a GELU MLP without gate, biases everywhere.
+* Command-R: one LayerNorm feeding attention and the MLP in parallel, interleaved rope,
+  logits scaled by ``logit_scale``.
 
 Each layer takes its own sliding window (``ModelConfig.layer_windows``) and rope table
 (sliding layers of a family with ``rope_local_theta`` take the local one): the step prepares
@@ -44,13 +48,19 @@ from protoserve.engine.models import families
 from protoserve.engine.models.config import SLIDING, ModelConfig
 from protoserve.engine.models.device_ops import DeviceOps, ops_for
 from protoserve.engine.models.families.moe_family import block_config
-from protoserve.engine.models.families.weights import SANDWICH_NORMS
 from protoserve.engine.models.families.weights import expected_hf_shapes as expected_hf_shapes
+from protoserve.engine.models.families.weights import layer_norm_names, mlp_projections
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
 from protoserve.engine.models.linear import KernelPackable, Linear
 from protoserve.engine.models.moe import GroupedExperts, MoEBlock
-from protoserve.engine.models.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec
+from protoserve.engine.models.rope import (
+    RopeSpec,
+    apply_rope,
+    apply_rope_interleaved,
+    rope_cos_sin,
+    rope_spec,
+)
 
 if TYPE_CHECKING:
     from protoserve.engine.lora.stack import AdapterStack
@@ -86,6 +96,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """``w * (x - mean) / sqrt(var + eps) (+ b)`` in float32 over the last dim (StarCoder2 with a bias,
+    Command-R without); the weights are assigned at load."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, bias: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm | LayerNorm:
+    """One of the model's hidden-size norms, of the config's kind."""
+    if config.norm == "layer":
+        return LayerNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_bias)
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
 class Attention(nn.Module):
     """GQA self-attention: fused q/k/v projection, optional per-head q/k norm, RoPE, cached attention."""
 
@@ -96,6 +128,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
+        self.rope_interleaved = config.rope_interleaved
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias, dtype=dtype
@@ -128,7 +161,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         ops = _norm_kernels(q)
-        if ops is not None:  # in place on views of the qkv output: no copies
+        if self.rope_interleaved:  # the device kernels rotate halves only
+            q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+        elif ops is not None:  # in place on views of the qkv output: no copies
             ops.rope_(q, cos, sin)
             ops.rope_(k, cos, sin)
         else:
@@ -155,8 +190,9 @@ class MLP(nn.Module):
         super().__init__()
         self.act = MLP_ACTIVATIONS[config.mlp]
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias,
+                                   dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         if lora is None:
@@ -167,21 +203,42 @@ class MLP(nn.Module):
         return lora.add("down_proj", h, self.down_proj(h))
 
 
+class GeluMLP(nn.Module):
+    """Feed-forward without a gate, ``c_proj(gelu_tanh(c_fc(x)))`` (StarCoder2), biases as the config says.
+
+    LoRA reaches ``c_proj`` as ``down_proj`` (the same shape); a delta on gate/up has no layer here."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.c_fc = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
+        self.c_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        h = _gelu_tanh(self.c_fc(x))
+        if lora is None:
+            return self.c_proj(h)
+        if any((lora.index, "gate_up_proj") in g.adapter.deltas for g in lora.batch.groups):
+            raise ValueError("a LoRA adapter targets gate_proj/up_proj, which this model's MLP "
+                             "(c_fc, c_proj) does not have")
+        return lora.add("down_proj", h, self.c_proj(h))
+
+
 class DecoderLayer(nn.Module):
     """Residual block, attention then MLP, normed "pre" (Llama: ``post_attention_layernorm`` is the
-    MLP's input norm) or "sandwich" (Gemma: each sublayer's input and output normed)."""
+    MLP's input norm), "sandwich" (Gemma: each sublayer's input and output normed) or "parallel"
+    (Command-R: one norm, attention and MLP both read it and both add to the residual)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
-        self.sandwich = config.norm_placement == "sandwich"
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.placement = config.norm_placement
+        for name in layer_norm_names(config):
+            setattr(self, name, make_norm(config, dtype))
         self.self_attn = Attention(config, layer_idx, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.moe = config.is_moe_layer(layer_idx)
-        self.mlp = MoEBlock(block_config(config), dtype) if self.moe else MLP(config, dtype)
+        if self.moe:
+            self.mlp = MoEBlock(block_config(config), dtype)
+        else:
+            self.mlp = GeluMLP(config, dtype) if config.mlp == "gelu" else MLP(config, dtype)
 
     def feed_forward(self, h: torch.Tensor, lora: LayerLora | None, token_ids: torch.Tensor | None) -> torch.Tensor:
         # An MoE block routes on the batch's token ids; adapters never target it (engine/lora/adapter.py).
@@ -197,12 +254,15 @@ class DecoderLayer(nn.Module):
         lora: LayerLora | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, lora)
-        if self.sandwich:
+        h = self.input_layernorm(x)
+        attn = self.self_attn(h, cos, sin, kv_cache, meta, lora)
+        if self.placement == "parallel":
+            return x + attn + self.feed_forward(h, lora, token_ids)
+        if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(attn)
             ff = self.feed_forward(self.pre_feedforward_layernorm(x), lora, token_ids)
             return x + self.post_feedforward_layernorm(ff)
-        ops = _norm_kernels(x)
+        ops = _norm_kernels(x) if isinstance(self.post_attention_layernorm, RMSNorm) else None
         if ops is not None:  # x += attn and the second norm in one pass; x is this forward's own buffer
             h = ops.add_rms_norm_(attn, x, self.post_attention_layernorm.weight,
                                   self.post_attention_layernorm.eps)
@@ -226,7 +286,7 @@ class Decoder(nn.Module):
         )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = make_norm(config, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -282,7 +342,10 @@ class Decoder(nn.Module):
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x
 
-    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+    def _final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's float32 output scaled (Command-R) and soft-capped (Gemma) as the config says."""
+        if self.config.logit_scale is not None:
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -317,7 +380,11 @@ class Decoder(nn.Module):
     def to_device(self, device: torch.device) -> None:
         """Move the model onto a GPU once its weights are final (loaded and quantized), instead of
         ``pack_for_kernels``: quantized layers repack into the layouts the device's kernels read, float
-        layers move as they are (the device's GEMM library multiplies them); the fused C++ step stays off."""
+        layers move as they are (the device's GEMM library multiplies them); the fused C++ step stays off.
+        Raises ValueError for a block the device's attention lacks."""
+        if self.config.attn_logit_softcapping is not None:  # soft-capped scores run on the CPU's tiled path only
+            raise ValueError(f"{self.config.architecture}: attn_logit_softcapping is not supported on "
+                             f"device {device.type} (serve it on the cpu)")
         for m in self.modules():
             if isinstance(m, KernelPackable):
                 m.pack_for_device(device)
@@ -345,13 +412,14 @@ class Decoder(nn.Module):
             logits = self.fused_step(batch, kv_cache, x.float(), cos, sin,
                                      windows if len(set(windows)) > 1 else windows[0], lora,
                                      local, self._layer_ropes() if local is not None else None)
-            return self._soft_cap(logits)
+            return self._final_logits(logits)
         specs = [self.rope] if self.local_rope is None else [self.rope, self.local_rope]
         ropes = [rope_cos_sin(batch.positions, spec, self.dtype) for spec in specs]
         windows = self.config.layer_windows()
         metas = {
             window: kv_cache.prepare(
-                batch, num_heads=self.config.num_heads, sliding_window=window, deterministic=self.deterministic
+                batch, num_heads=self.config.num_heads, sliding_window=window, deterministic=self.deterministic,
+                logit_softcap=self.config.attn_logit_softcapping,
             )
             for window in dict.fromkeys(windows)
         }
@@ -360,7 +428,7 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, kv_cache, metas[windows[i]], None if lora is None else lora.layer(i),
                       batch.input_ids)
         x = self.norm(x[batch.logits_indices])
-        return self._soft_cap(self.lm_head(x).float())
+        return self._final_logits(self.lm_head(x).float())
 
     # -- weights ------------------------------------------------------------
 
@@ -378,15 +446,16 @@ class Decoder(nn.Module):
             return weights.pop(name).to(self.dtype)
 
         state["embed_tokens.weight"] = take("model.embed_tokens.weight")
-        state["norm.weight"] = take("model.norm.weight")
         if not cfg.tie_word_embeddings:
             state["lm_head.weight"] = take("lm_head.weight")
+        norm_parts = ("weight", "bias") if cfg.norm_bias else ("weight",)
+        for part in norm_parts:
+            state[f"norm.{part}"] = take(f"model.norm.{part}")
         for i in range(cfg.num_layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            norms = ("input_layernorm", *SANDWICH_NORMS) if cfg.norm_placement == "sandwich" else (
-                "input_layernorm", "post_attention_layernorm")
-            for norm in norms:
-                state[f"{ours}{norm}.weight"] = take(f"{hf}{norm}.weight")
+            for norm in layer_norm_names(cfg):
+                for part in norm_parts:
+                    state[f"{ours}{norm}.{part}"] = take(f"{hf}{norm}.{part}")
             attn_hf = f"{hf}self_attn."
             qkv = [take(f"{attn_hf}{p}_proj.weight") for p in "qkv"]
             state[f"{ours}self_attn.qkv_proj.weight"] = torch.cat(qkv)
@@ -406,11 +475,7 @@ class Decoder(nn.Module):
                 block.load_hf_weights(weights, f"{hf}{moe_names.prefix}", moe_names.experts)
                 state.update({f"{ours}mlp.{k}": v for k, v in block.state_dict().items()})
                 continue
-            mlp = f"{hf}mlp."
-            state[f"{ours}mlp.gate_up_proj.weight"] = torch.cat(
-                [take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]
-            )
-            state[f"{ours}mlp.down_proj.weight"] = take(f"{mlp}down_proj.weight")
+            state.update(self._mlp_state(weights, f"{hf}mlp.", f"{ours}mlp."))
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         self.load_state_dict(state, strict=True, assign=True)
@@ -418,6 +483,23 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = self._rope()
         self.local_rope = self._local_rope()
+
+    def _mlp_state(
+        self, weights: MutableMapping[str, torch.Tensor], hf: str, ours: str
+    ) -> dict[str, torch.Tensor]:
+        """A dense MLP's parameters from its Hugging Face tensors: gate and up fused (a gated MLP),
+        c_fc and c_proj as they are (a GELU MLP)."""
+        parts = ("weight", "bias") if self.config.mlp_bias else ("weight",)
+        state: dict[str, torch.Tensor] = {}
+        for part in parts:
+            if self.config.mlp == "gelu":
+                for name in mlp_projections(self.config):
+                    state[f"{ours}{name}.{part}"] = weights.pop(f"{hf}{name}.{part}").to(self.dtype)
+                continue
+            gate, up = weights.pop(f"{hf}gate_proj.{part}"), weights.pop(f"{hf}up_proj.{part}")
+            state[f"{ours}gate_up_proj.{part}"] = torch.cat([gate, up]).to(self.dtype)
+            state[f"{ours}down_proj.{part}"] = weights.pop(f"{hf}down_proj.{part}").to(self.dtype)
+        return state
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold: the state dict (quantized codes and scales included, the rope

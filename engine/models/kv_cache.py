@@ -67,6 +67,7 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None  # path "fast": the single-token sequences, attended together
     context_slots: dict[int, torch.Tensor]  # path "fast", other sequences: slots of positions 0..seq_len-1
     path: AttentionPath
+    logit_softcap: float | None = None  # Gemma 2's attention-logit soft-capping (paths "tiled" and "sdpa")
 
 
 class KVCache(ABC):
@@ -80,9 +81,11 @@ class KVCache(ABC):
 
     @abstractmethod
     def prepare(
-        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
+        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool,
+        logit_softcap: float | None = None,
     ) -> AttentionMetadata:
-        """Index tensors for this batch, shared by all layers."""
+        """Index tensors for this batch, shared by all layers (of one window); ``logit_softcap``
+        caps their attention scores."""
 
     @abstractmethod
     def attend(
@@ -177,8 +180,16 @@ class PagedKVCache(KVCache):
         )
 
     def prepare(
-        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
+        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool,
+        logit_softcap: float | None = None,
     ) -> AttentionMetadata:
+        # Neither the kernels nor SDPA cap scores: a soft-capped model takes the tiles in both modes.
+        if logit_softcap is not None:
+            plan = build_tile_plan(
+                batch, self.block_size, sliding_window, num_heads // self.num_kv_heads, self.num_kv_heads
+            )
+            return AttentionMetadata(batch, sliding_window, deterministic, num_heads, plan, None, {}, "tiled",
+                                     logit_softcap)
         if self.use_kernel:  # no plan to build: the kernel walks the block tables itself
             return AttentionMetadata(
                 batch, sliding_window, deterministic, num_heads, None, None, {}, path="kernel"
@@ -216,7 +227,7 @@ class PagedKVCache(KVCache):
         v_slots = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
         if meta.path == "tiled":
             assert meta.tile_plan is not None
-            return tiled_attention(q, k_slots, v_slots, meta.tile_plan, scale)
+            return tiled_attention(q, k_slots, v_slots, meta.tile_plan, scale, meta.logit_softcap)
         out = torch.empty_like(q)
         if meta.decode_plan is not None:
             rows = meta.decode_plan.rows
@@ -259,9 +270,11 @@ class ContiguousKVCache(KVCache):
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
     def prepare(
-        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool
+        self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool,
+        logit_softcap: float | None = None,
     ) -> AttentionMetadata:
-        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, None, {}, "sdpa")
+        return AttentionMetadata(batch, sliding_window, deterministic, num_heads, None, None, {}, "sdpa",
+                                 logit_softcap)
 
     def attend(
         self,
@@ -286,5 +299,6 @@ class ContiguousKVCache(KVCache):
                 batch.positions[a:b],
                 scale,
                 meta.sliding_window,
+                meta.logit_softcap,
             )
         return out

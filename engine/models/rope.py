@@ -410,3 +410,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = rotary_dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim] of ``rope_cos_sin`` with each adjacent
+    pair (2i, 2i + 1) turned by frequency i (Command-R, llama.cpp's "norm" rope), not the halves."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    pairs = x.unflatten(-1, (half, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)

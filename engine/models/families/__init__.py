@@ -17,7 +17,8 @@ from importlib import import_module
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "token_moe")
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "starcoder2", "command_r", "mixtral",
+            "qwen3_moe", "token_moe")
 
 
 def _load() -> dict[str, Family]:

@@ -57,6 +57,7 @@ GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
     {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
+        "output_norm.bias": "model.norm.bias",
         "output.weight": "lm_head.weight",
     }
 )
@@ -69,8 +70,21 @@ def keep_weight(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.T
     return tensor
 
 
-def fused_step_runs_everything(config: ModelConfig) -> str | None:
-    return None
+def fused_step_lacks(config: ModelConfig) -> str | None:
+    """The blocks of ``config`` that kernels/cpu/decoder_step.cpp does not compute (RMSNorms, a gated
+    MLP, half-split rope and uncapped attention scores are what it runs), or None."""
+    lacking = [
+        what
+        for what, present in (
+            ("LayerNorm", config.norm == "layer"),
+            ("a parallel attention/MLP block", config.norm_placement == "parallel"),
+            ("an MLP without a gate", config.mlp == "gelu"),
+            ("interleaved rope", config.rope_interleaved),
+            ("attention-logit soft-capping", config.attn_logit_softcapping is not None),
+        )
+        if present
+    ]
+    return ", ".join(lacking) or None
 
 
 def no_gguf(family: str) -> Callable[[GGUFFields], ModelConfig]:
@@ -102,7 +116,7 @@ class Family:
     gguf_weight: WeightTransform = keep_weight  # applied to each dequantized GGUF tensor
     # Why the fused C++ step cannot run a config of this family (None: it can); the Decoder then
     # serves it on the module path and logs the reason.
-    fused_step_unsupported: Callable[[ModelConfig], str | None] = fused_step_runs_everything
+    fused_step_unsupported: Callable[[ModelConfig], str | None] = fused_step_lacks
     # The chat template to use when a checkpoint carries none (a base model's file may not).
     chat_template: str | None = None
     summary: str = ""  # one line for the docs and errors

@@ -10,7 +10,7 @@ What differs from Llama, and where the shared Decoder takes it from ModelConfig:
 * GeGLU MLP (gelu, tanh approximation);
 * embeddings scaled by sqrt(hidden_size) in the activation dtype;
 * attention scale ``query_pre_attn_scalar ** -0.5``;
-* optional final logit soft-capping; attention logit soft-capping is refused.
+* optional final and attention logit soft-capping (shared with Gemma 2, gemma2.py).
 
 Gemma's RMSNorm multiplies by ``1 + w``; Hugging Face checkpoints store ``w``,
 llama.cpp's converter stores ``1 + w``. Weights are loaded as ``1 + w`` (the
@@ -125,65 +125,78 @@ def _rope(hf: HFFields) -> tuple[float, dict[str, Any] | None, float]:
     return theta, scaling, float(hf.get("rope_local_base_freq", DEFAULT_LOCAL_ROPE_THETA))
 
 
-def from_hf(hf: HFFields) -> ModelConfig:
+def optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def gemma_hf_blocks(
+    hf: HFFields, num_layers: int, pattern: int, caps: tuple[float | None, float | None] = (None, None)
+) -> dict[str, Any]:
+    """The ModelConfig switches Gemma 2 and 3 read alike from config.json: GeGLU, sandwich norms,
+    scaled embeddings, local/global layers (every ``pattern``-th global unless ``layer_types`` says),
+    the attention scalar and both soft-caps (``caps``: transformers' defaults for a missing key,
+    attention then final; an explicit null turns a cap off)."""
     hf.require_activation(*GELU_TANH, key="hidden_activation", default=hf.get("hidden_act", "gelu_pytorch_tanh"))
-    if hf.get("attn_logit_softcapping") is not None:
-        raise hf.error("attn_logit_softcapping is not supported (attention logit soft-capping)")
     if hf.get("use_bidirectional_attention"):
         raise hf.error("use_bidirectional_attention=true is not supported (a decoder attends causally)")
-    raw = {**hf.raw, "rope_parameters": None, "rope_scaling": None}  # read by _rope below
-    common = dataclasses.replace(hf, raw=raw).common()
-    common["head_dim"] = int(hf.get("head_dim", DEFAULT_HEAD_DIM))
-    common["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
-    common["rope_theta"], common["rope_scaling"], local_theta = _rope(hf)
-    num_layers = common["num_layers"]
-    layer_types = hf.layer_types(num_layers) or pattern_layer_types(
-        num_layers, int(hf.get("sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
-    )
+    layer_types = hf.layer_types(num_layers) or pattern_layer_types(num_layers, pattern)
     window = hf.get("sliding_window")
     if window is None and SLIDING in layer_types:
         raise hf.error("missing required key 'sliding_window' (layer_types has sliding layers)")
-    cap = hf.get("final_logit_softcapping")
     bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(
-        architecture="gemma3",
-        **common,
+    return dict(
+        head_dim=int(hf.get("head_dim", DEFAULT_HEAD_DIM)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         sliding_window=None if window is None else int(window),
         layer_types=layer_types,
-        rope_local_theta=local_theta,
         attention_bias=bias,
         o_proj_bias=bias,
-        qk_norm=True,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", DEFAULT_QUERY_PRE_ATTN_SCALAR)),
         mlp="geglu",
         norm_placement="sandwich",
         scale_embeddings=True,
-        final_logit_softcapping=None if cap is None else float(cap),
+        attn_logit_softcapping=optional_float(hf.raw.get("attn_logit_softcapping", caps[0])),
+        final_logit_softcapping=optional_float(hf.raw.get("final_logit_softcapping", caps[1])),
     )
 
 
-def from_gguf(meta: GGUFFields) -> ModelConfig:
-    common = meta.common()
-    if meta.get("attn_logit_softcapping") is not None:
-        raise meta.error("attn_logit_softcapping is not supported (attention logit soft-capping)")
+def gemma_gguf_blocks(
+    meta: GGUFFields, common: dict[str, Any], pattern: int, big_layers: int, caps: tuple[float | None, float | None]
+) -> dict[str, Any]:
+    """The switches Gemma 2 and 3 GGUF files give alike. llama.cpp scales attention by hidden/heads in
+    the 27B model (``big_layers`` layers), by head_dim in every other size; ``caps`` are its defaults."""
     num_layers = common["num_layers"]
-    # Files written so far carry no pattern or local rope base: llama.cpp fixes both for gemma3.
-    pattern = int(meta.get("attention.sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
     window = meta.get("attention.sliding_window")
-    scalar = common["hidden_size"] / common["num_heads"] if num_layers == _GGUF_27B_LAYERS else common["head_dim"]
-    cap = meta.get("final_logit_softcapping")
-    return ModelConfig(
-        architecture="gemma3",
-        **common,
+    scalar = common["hidden_size"] / common["num_heads"] if num_layers == big_layers else common["head_dim"]
+    return dict(
         sliding_window=None if window is None else int(window),
         layer_types=pattern_layer_types(num_layers, pattern),
-        rope_local_theta=float(meta.get("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_THETA)),
         o_proj_bias=meta.has_tensor("blk.0.attn_output.bias"),
         query_pre_attn_scalar=float(scalar),
         mlp="geglu",
         norm_placement="sandwich",
         scale_embeddings=True,
-        final_logit_softcapping=None if cap is None else float(cap),
+        attn_logit_softcapping=optional_float(meta.get("attn_logit_softcapping", caps[0])),
+        final_logit_softcapping=optional_float(meta.get("final_logit_softcapping", caps[1])),
+    )
+
+
+def from_hf(hf: HFFields) -> ModelConfig:
+    raw = {**hf.raw, "rope_parameters": None, "rope_scaling": None}  # read by _rope below
+    common = dataclasses.replace(hf, raw=raw).common()
+    common["rope_theta"], common["rope_scaling"], local_theta = _rope(hf)
+    pattern = int(hf.get("sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
+    common.update(gemma_hf_blocks(hf, common["num_layers"], pattern))
+    return ModelConfig(architecture="gemma3", **common, rope_local_theta=local_theta, qk_norm=True)
+
+
+def from_gguf(meta: GGUFFields) -> ModelConfig:
+    common = meta.common()
+    # Files written so far carry no pattern or local rope base: llama.cpp fixes both for gemma3.
+    pattern = int(meta.get("attention.sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
+    common.update(gemma_gguf_blocks(meta, common, pattern, _GGUF_27B_LAYERS, (None, None)))
+    return ModelConfig(
+        architecture="gemma3", **common, rope_local_theta=float(meta.get("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_THETA))
     )
 
 
