@@ -41,6 +41,7 @@ from bench.sections import (
     isolation,
     lora,
     moe,
+    multi_model,
     offline,
     peer_engine,
     peer_serving,
@@ -68,6 +69,7 @@ SECTIONS = {
     "peer_serving": peer_serving.steps,
     "peer_engine": peer_engine.steps,
     "conversation": conversation.steps,
+    "multi_model": multi_model.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")

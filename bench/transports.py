@@ -75,12 +75,15 @@ class EngineTransport:
 
 
 class GrpcTransport:
-    """InferenceService.GenerateStream; one channel for all concurrent calls, as a client library would."""
+    """InferenceService.GenerateStream; one channel for all concurrent calls, as a client library would.
+
+    ``model``: the served model the requests name ("": the server's default)."""
 
     name = "grpc"
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, model: str = "") -> None:
         self.target = target
+        self.model = model
         self.channel: grpc.aio.Channel | None = None
         self.stub: Any = None
 
@@ -101,6 +104,7 @@ class GrpcTransport:
 
         request = pb.GenerateStreamRequest(
             request=pb.GenerateRequest(
+                model=self.model,
                 token_ids=pb.TokenIds(ids=spec.prompt_token_ids),
                 sampling=pb.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
             )
