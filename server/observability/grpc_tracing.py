@@ -7,7 +7,7 @@ servicers are written, so a second interceptor runs inside its span:
 
 * Streaming handlers here are coroutines that send with ``context.write``; the
   instrumentation iterates every streaming handler as an async generator and
-  fails on a coroutine. The handler is wrapped in an async generator that
+  fails on a coroutine (client-streaming ones, ModelStreamInfer, included). The handler is wrapped in an async generator that
   yields nothing (the writes still go out through the context).
 * Every error is reported with ``context.abort_with_status``, which the
   instrumentation does not see, so the span would say OK. The final status code
@@ -70,12 +70,13 @@ class _StatusOnSpan(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or not self._traced(handler_call_details):
-            return handler  # we serve no client-streaming methods; leave anything else alone
+        if handler is None or not self._traced(handler_call_details):
+            return handler
+        streaming = (handler.request_streaming, handler.response_streaming)
+        behavior = getattr(handler, _BEHAVIORS[streaming])
+        if not inspect.iscoroutinefunction(behavior):
+            return handler  # leave anything else alone
         if handler.response_streaming:
-            behavior = handler.unary_stream
-            if not inspect.iscoroutinefunction(behavior):
-                return handler
 
             async def stream(request, context):
                 try:
@@ -85,24 +86,36 @@ class _StatusOnSpan(grpc.aio.ServerInterceptor):
                 return
                 yield  # an async generator that yields nothing: the handler writes for itself
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        behavior = handler.unary_unary
+            wrapped = stream
+        else:
 
-        async def unary(request, context):
-            try:
-                return await behavior(request, context)
-            finally:
-                _record_status(context)
+            async def unary(request, context):
+                try:
+                    return await behavior(request, context)
+                finally:
+                    _record_status(context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary,
+            wrapped = unary
+        return _FACTORIES[streaming](
+            wrapped,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+# (request streaming, response streaming) -> the handler's behavior and the factory of its kind.
+_BEHAVIORS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def tracing_interceptors(tracer_provider: TracerProvider) -> list[grpc.aio.ServerInterceptor]:

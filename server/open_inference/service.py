@@ -23,6 +23,7 @@ from protoserve.open_inference import grpc_service_pb2_grpc
 from protoserve.server import errors
 from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.calls.inflight import Call
+from protoserve.server.calls.request_scope import item_scope, not_generating
 from protoserve.server.models.served_model import ServedModel, new_request_id
 from protoserve.server.open_inference import embedding_tensors, llm_tensors
 from protoserve.server.open_inference.llm_tensors import LlmCall
@@ -141,22 +142,26 @@ class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenc
 
     async def _stream_one(self, identity: Identity, request: oip.ModelInferRequest, send: Send, deadline) -> None:
         try:
-            self.readiness.check()
-            model = self._model(request.model_name, request.model_version)
-            if isinstance(model, ServedEmbedder):
-                answer = await self._embed(identity, model, request)
-                await send(self._stream_response(model.name, request, answer, final=True))
-                return
-            llm = self._llm_call(model, request, streaming_rpc=True)
-            if not llm.stream:
-                answer = await self._generate_once(identity, model, llm, deadline)
-                await send(self._stream_response(model.name, request, answer, final=True))
-                return
-            await self._generate_stream(identity, model, llm, request, send, deadline)
+            with item_scope(request, identity.id):  # logged and counted as its own request
+                await self._stream_answer(identity, request, send, deadline)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as Triton does; the stream goes on
             await send(oip.ModelStreamInferResponse(error_message=errors.to_service_error(exc).message))
+
+    async def _stream_answer(self, identity: Identity, request: oip.ModelInferRequest, send: Send, deadline) -> None:
+        self.readiness.check()
+        model = self._model(request.model_name, request.model_version)
+        if isinstance(model, ServedEmbedder):
+            answer = await self._embed(identity, model, request)
+            await send(self._stream_response(model.name, request, answer, final=True))
+            return
+        llm = self._llm_call(model, request, streaming_rpc=True)
+        if not llm.stream:
+            answer = await self._generate_once(identity, model, llm, deadline)
+            await send(self._stream_response(model.name, request, answer, final=True))
+            return
+        await self._generate_stream(identity, model, llm, request, send, deadline)
 
     def _model(self, name: str, version: str, name_field: str = "model_name",
                version_field: str = "model_version") -> ServedModel | ServedEmbedder:
@@ -226,6 +231,7 @@ class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenc
             await send(self._stream_response(served.name, request, answer, final=True))
 
     async def _embed(self, identity: Identity, embedder: ServedEmbedder, request: oip.ModelInferRequest) -> _Answer:
+        not_generating()  # an embedding call, as Embed: not a request of the request log's
         specs = embedding_tensors.outputs(embedder.dimensions)
         _check_requested_outputs(request, specs)
         if request.parameters:
