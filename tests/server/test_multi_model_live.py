@@ -15,6 +15,7 @@ import pytest
 from grpc_status_helpers import failure_of
 from langchain_openai import OpenAIEmbeddings
 
+from protoserve.server import exit_codes
 from protoserve.v1 import embeddings_pb2, embeddings_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 SMOL, GEMMA, MINILM = "smollm2-135m-instruct", "gemma3-270m", "all-MiniLM-L6-v2"
@@ -163,3 +164,34 @@ def test_metrics_are_per_model_with_loaded_models_and_load_times(multi):
         assert f'protoserve_model_loaded{{kind="{kind}",model_name="{model}"}} 1.0' in after
         assert metric(after, "protoserve_model_load_seconds_count", model) == 1
         assert metric(after, "protoserve_model_load_seconds_sum", model) > 0
+
+
+def test_responses_and_messages_refuse_the_embedding_model_naming_model(multi):
+    import httpx
+
+    base = f"http://127.0.0.1:{multi.http_port}"
+    responses = httpx.post(f"{base}/v1/responses", json={"model": MINILM, "input": "hi"}, timeout=30)
+    messages = httpx.post(
+        f"{base}/v1/messages",
+        json={"model": "text-embedding-3-small", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert responses.status_code == 400, responses.text
+    assert responses.json()["error"]["param"] == "model"
+    assert messages.status_code == 400, messages.text
+    assert "is an embedding model" in messages.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--served-model-name", "a", "--served-model-name", "b"), "--served-model-name given 2 times for 1 --model"),
+        (("--model", SMOL, "--model", GEMMA, "--speculative-model", "default"), "--speculative-model applies to one"),
+        (("--model", SMOL, "--model", GEMMA, "--max-kv-blocks", "64", "--max-kv-blocks", "64",
+          "--max-kv-blocks", "64"), "--max-kv-blocks given 3 times for 2 --model"),
+    ],
+)
+def test_flags_that_do_not_pair_with_the_models_are_usage_errors(args, needle):
+    from tests.server.test_cli_errors import assert_one_line_error, serve
+
+    assert_one_line_error(serve(*args), exit_codes.USAGE, needle)
