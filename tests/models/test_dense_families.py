@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache, random_mix
+from decoder_test_helpers import (
+    Driver,
+    all_at_once,
+    contiguous_cache,
+    greedy_generate,
+    paged_cache,
+    random_mix,
+)
 from dense_family_checkpoints import FAMILIES, make_checkpoint, write_gguf
 from family_checkpoints import EOS, VOCAB, WINDOW, hf_greedy
 
@@ -88,6 +95,14 @@ def test_logits_match_transformers(checkpoint, family: str, deterministic: bool)
         worst = _worst_diff(hf, prompts, ours)
         print(f"{family} deterministic={deterministic}: max |logit diff| vs transformers = {worst:.2e}")
         assert worst < 1e-4
+
+
+def test_gemma2_soft_caps_on_the_contiguous_reference_cache(checkpoint) -> None:
+    """The second cache implementation (per-sequence, written-out softmax when capped) agrees too."""
+    path, hf = checkpoint("gemma2")
+    model = load_model(path, progress=False).model
+    prompts = _prompts()
+    assert _worst_diff(hf, prompts, Driver(model, contiguous_cache(model)).run(prompts, random_mix(4))) < 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
