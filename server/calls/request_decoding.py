@@ -27,8 +27,9 @@ from protoserve.server.limits import MAX_MESSAGE_DEPTH
 from protoserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
-# Methods whose requests must hold only known fields: ours, not grpc's health or reflection.
-_CHECKED_PREFIX = "/protoserve."
+# Methods whose requests must hold only known fields: ours and the Open Inference Protocol's
+# (tritonclient sends only fields its protos define), not grpc's health or reflection.
+_CHECKED_PREFIXES = ("/protoserve.", "/inference.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ RefusedRequest = UndecodableRequest | UnknownFieldsRequest
 
 
 def _tolerant(method: str, deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
-    checked = method.startswith(_CHECKED_PREFIX)
+    checked = method.startswith(_CHECKED_PREFIXES)
 
     def deserialize(data: bytes) -> Any:
         if deserializer is None:

@@ -136,9 +136,14 @@ class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenc
                 await context.write(response)
 
         deadline = call_deadline(context)
-        async with asyncio.TaskGroup() as group:
-            async for request in requests:
-                group.create_task(self._stream_one(identity, request, send, deadline))
+        try:
+            async with asyncio.TaskGroup() as group:
+                async for request in requests:
+                    group.create_task(self._stream_one(identity, request, send, deadline))
+        except BaseExceptionGroup as failed:
+            # What ended the stream (a request refused as it was decoded aborts the call), as itself:
+            # the group would reach reports_errors as an unknown error.
+            raise failed.exceptions[0] from None
 
     async def _stream_one(self, identity: Identity, request: oip.ModelInferRequest, send: Send, deadline) -> None:
         try:

@@ -24,6 +24,7 @@ from grpc_status_helpers import failure_of
 from protoserve.gateway.runtime.path_template import Variable
 from protoserve.gateway.runtime.route import ErrorStyle, Route
 from protoserve.generated.routes import ROUTES
+from protoserve.open_inference import grpc_service_pb2 as oip
 from protoserve.openai.v1 import openai_pb2
 from protoserve.v1 import adapters_pb2, agent_pb2, embeddings_pb2, inference_pb2, metrics_pb2, rag_pb2
 
@@ -31,7 +32,7 @@ BAD_FIELD = "bogus_field"
 BAD_NUMBER = 9999  # no message of ours has a field this high
 SERVICES = [
     service
-    for module in (inference_pb2, metrics_pb2, agent_pb2, embeddings_pb2, adapters_pb2, rag_pb2, openai_pb2)
+    for module in (inference_pb2, metrics_pb2, agent_pb2, embeddings_pb2, adapters_pb2, rag_pb2, openai_pb2, oip)
     for service in module.DESCRIPTOR.services_by_name.values()
 ]
 RPCS = [method for service in SERVICES for method in service.methods]
@@ -190,6 +191,31 @@ async def test_an_unknown_field_inside_a_message_is_named_by_its_path(channel):
     assert failure.code == grpc.StatusCode.INVALID_ARGUMENT
     assert failure.fields == {f"sampling.{BAD_NUMBER}"}
     assert "protoserve.v1.SamplingParams has no such field" in failure.message
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+async def test_an_unknown_field_in_an_open_inference_tensor_or_parameter_is_named(channel):
+    """tritonclient sends only known fields; one that is not, however deep, is named on both infer RPCs."""
+    bad = _unknown_field(BAD_NUMBER)
+    fields = oip.ModelInferRequest.DESCRIPTOR.fields_by_name
+    tensor = oip.ModelInferRequest.InferInputTensor(name="text_input", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"hi")
+    value = oip.InferParameter(int64_param=1).SerializeToString() + bad
+    entry = _length_delimited(1, b"seed") + _length_delimited(2, value)  # map entry: key 1, value 2
+    data = oip.ModelInferRequest(model_name="x").SerializeToString()
+    data += _length_delimited(fields["inputs"].number, tensor.SerializeToString() + bad)
+    data += _length_delimited(fields["parameters"].number, entry)
+    for method, call in (
+        ("ModelInfer", lambda m: channel.unary_unary(m)(data, timeout=30)),
+        ("ModelStreamInfer", lambda m: channel.stream_stream(m)(iter([data]), timeout=30)),
+    ):
+        failure = await failure_of(call(f"/inference.GRPCInferenceService/{method}"))
+        assert failure.code == grpc.StatusCode.INVALID_ARGUMENT, (method, failure)
+        assert failure.fields == {f"inputs[0].{BAD_NUMBER}", f"parameters['seed'].{BAD_NUMBER}"}, failure
+        assert "inference.ModelInferRequest.InferInputTensor has no such field" in failure.message
 
 
 async def test_a_known_field_in_the_wrong_wire_type_is_named(channel):
