@@ -115,8 +115,11 @@ class ModelRegistry:
 
     def embedder(self, name: str) -> ServedEmbedder | None:
         """The embedding model ``name`` names, the default for "", None when the server has none;
-        NOT_FOUND for a model not loaded, INVALID_ARGUMENT on ``model`` for a generative model."""
-        if not name:
+        NOT_FOUND for a model not loaded, INVALID_ARGUMENT on ``model`` for a generative model.
+
+        Without an embedding model any name gives None: that the server embeds nothing is the answer.
+        """
+        if not name or not self._embedders:
             return next(iter(self._embedders.values()), None)
         entry = self.describe(name)
         if isinstance(entry, ServedModel):

@@ -126,7 +126,8 @@ async def test_tokenize_detokenize_roundtrip(stub):
 
 async def test_models_and_health(stub, channel):
     listed = await stub.ListModels(pb.ListModelsRequest())
-    [model] = listed.models
+    model, embedding = listed.models  # the chat model, then the embedding model
+    assert (model.kind, embedding.kind) == ("chat", "embedding")
     assert model.architecture == "llama" and model.vocab_size > 0 and model.max_model_len > 0
     assert model.has_chat_template and model.source.endswith(".gguf") and model.dtype == "float32"
     assert model.quantization == "int4"  # --quantization auto: the default GGUF is Q4_1
