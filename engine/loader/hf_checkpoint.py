@@ -2,7 +2,8 @@
 
 A directory holds ``config.json``, the weights as one ``model.safetensors`` or
 as shards listed in ``model.safetensors.index.json``, and optionally
-``generation_config.json`` (whose ``eos_token_id`` wins over config.json's).
+``generation_config.json`` (whose ``eos_token_id`` wins over config.json's). A GPTQ/AWQ
+``quantization_config`` is parsed here; engine/loader/packed_checkpoint.py reads its packed layers.
 Tensor headers are checked against the shapes the decoder expects before any
 data is read; data is read through ``safetensors.safe_open`` (memory-mapped).
 Every problem raises ModelLoadError naming the offending file.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.hf_fields import HFFields
 from protoserve.engine.loader.progress import tensor_progress
+from protoserve.engine.loader.quantization_config import PackedQuantization, parse_quantization_config
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.rope import RopeConfigError, rope_spec
@@ -44,6 +46,7 @@ class HFCheckpoint:
     config: ModelConfig
     weight_files: dict[str, Path]  # tensor name -> safetensors file
     index_path: Path  # the file that lists the tensors (index json or the single safetensors file)
+    quantization: PackedQuantization | None = None  # GPTQ/AWQ packed linear layers
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
@@ -100,6 +103,7 @@ def open_hf_checkpoint(model_dir: str | os.PathLike[str]) -> HFCheckpoint:
     if not d.is_dir():
         raise ModelLoadError(d, "not a directory (expected a Hugging Face model directory or a .gguf file)")
     config = read_hf_config(d)
+    quantization = parse_quantization_config(_read_json(d / CONFIG_FILE, required=True) or {}, d / CONFIG_FILE)
     index = d / INDEX_FILE
     files: dict[str, Path] = {}
     if index.is_file():
@@ -121,7 +125,7 @@ def open_hf_checkpoint(model_dir: str | os.PathLike[str]) -> HFCheckpoint:
             for name in _header_names(shard):
                 files[name] = shard
         listing = d / SINGLE_FILE if (d / SINGLE_FILE).is_file() else d
-    return HFCheckpoint(d, config, files, listing)
+    return HFCheckpoint(d, config, files, listing, quantization)
 
 
 def _header_names(file: Path) -> list[str]:
@@ -130,9 +134,13 @@ def _header_names(file: Path) -> list[str]:
 
 
 def load_hf_tensors(
-    ckpt: HFCheckpoint, expected: Mapping[str, tuple[int, ...]], progress: bool = True
+    ckpt: HFCheckpoint,
+    expected: Mapping[str, tuple[int, ...]],
+    progress: bool = True,
+    int32_names: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
-    """Check names and shapes against ``expected`` (headers only), then read the tensors."""
+    """Check names and shapes against ``expected`` (headers only), then read the tensors: float ones,
+    but int32 for ``int32_names`` (packed codes)."""
     tied_extra = {"lm_head.weight"} if ckpt.config.tie_word_embeddings else set()
     for name, file in ckpt.weight_files.items():
         if name not in expected and name not in tied_extra and not name.endswith(IGNORED_SUFFIXES):
@@ -167,7 +175,10 @@ def load_hf_tensors(
                         tensor = f.get_tensor(name)
                     except Exception as e:
                         raise ModelLoadError(file, f"cannot read tensor {name!r}: {e}") from e
-                    if not tensor.is_floating_point():
+                    if name in int32_names:
+                        if tensor.dtype != torch.int32:
+                            raise ModelLoadError(file, f"tensor {name!r} has dtype {tensor.dtype}, expected torch.int32")
+                    elif not tensor.is_floating_point():
                         raise ModelLoadError(
                             file, f"tensor {name!r} has dtype {tensor.dtype}, expected a float type"
                         )

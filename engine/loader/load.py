@@ -29,6 +29,7 @@ from protoserve.engine.loader.hf_checkpoint import (
     open_hf_checkpoint,
     read_generation_config,
 )
+from protoserve.engine.loader.packed_checkpoint import load_packed_tensors, module_grids
 from protoserve.engine.loader.sampling_defaults import gguf_sampling_defaults, hf_sampling_defaults
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
@@ -40,6 +41,7 @@ from protoserve.engine.models.linear import (
     DEVICE_ONLY_MODES,
     INT4_GROUP_SIZES,
     QUANTIZATION_MODES,
+    Int4Grid,
     quantize_linears,
 )
 
@@ -81,7 +83,7 @@ def load_model(
     path: str | os.PathLike[str] | None = None,
     dtype: str = "float32",
     quantization: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    group_size: int | None = None,
     progress: bool = True,
     deterministic: bool = True,
     load_tokenizer: bool = True,
@@ -94,9 +96,11 @@ def load_model(
     safetensors), an installed model's short name (engine/loader/catalogue.py),
     or None for the default, SmolLM2-135M-Instruct.
     ``quantization``: ``none``, ``int8`` (per output channel), ``int4``
-    (groups of ``group_size`` input columns) or ``auto``: the checkpoint's own
+    (groups of ``group_size`` input columns, default 32) or ``auto``: the checkpoint's own
     precision (engine/loader/auto_quantization.py; int8 where the layers'
-    shapes do not take int4), reported in ``LoadedModel.quantization``.
+    shapes do not take int4), reported in ``LoadedModel.quantization``. A GPTQ/AWQ directory is
+    dequantized on load (engine/loader/packed_checkpoint.py); int4 in its own group size, as
+    ``auto`` picks, keeps its codes.
     ``deterministic``: batch-invariant kernels (see engine/models/linear.py); switch later with
     ``model.set_deterministic``. ``device``: "cpu" packs the weights for the C++ kernels, "cuda"
     moves them onto the GPU for the Triton kernels (engine/execution/device.py). Raises ModelLoadError
@@ -115,6 +119,8 @@ def load_model(
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if quantization not in (*QUANTIZATION_MODES, AUTO):
         raise ValueError(f"quantization must be one of {(*QUANTIZATION_MODES, AUTO)}, got {quantization!r}")
+    if group_size is None:
+        group_size = DEFAULT_INT4_GROUP_SIZE
     if quantization in ("int4", AUTO) and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     torch_dtype = DTYPES[dtype]
@@ -126,12 +132,19 @@ def load_model(
 
     from protoserve.engine.tokenizer.tokenizer import Tokenizer
 
+    grids: dict[str, Int4Grid | None] = {}  # a packed checkpoint's int4 grids, by Hugging Face layer name
     if source.is_dir():
         fmt = "hf"
-        stored = "none"  # safetensors hold float weights
+        stored = "none"  # float safetensors
         ckpt = open_hf_checkpoint(source)
         config = ckpt.config
-        weights = load_hf_tensors(ckpt, families.hf_shapes(config), progress=progress)
+        if ckpt.quantization is None:
+            weights = load_hf_tensors(ckpt, families.hf_shapes(config), progress=progress)
+        else:
+            packed = load_packed_tensors(ckpt, families.hf_shapes(config), progress=progress)
+            weights, grids, stored = packed.weights, packed.grids, packed.stored_mode()
+            if quantization == AUTO and stored == "int4":
+                group_size = packed.group_size() or group_size  # the checkpoint's own groups, not the float default
         convert = families.get(config.architecture).hf_weight
         weights = {name: convert(config, name, tensor) for name, tensor in weights.items()}
         tokenizer = (
@@ -166,8 +179,9 @@ def load_model(
     model.eval()
     before = model.weight_bytes()
     mode = stored if quantization == AUTO else quantization
+    int4_grids = module_grids(model, grids) if mode == "int4" and grids else None
     try:
-        report = quantize_linears(model, mode, group_size, head_int8=True)
+        report = quantize_linears(model, mode, group_size, head_int8=True, int4_grids=int4_grids)
     except ValueError as e:
         if quantization != AUTO or mode != "int4":
             raise ValueError(f"{source}: {e}") from e

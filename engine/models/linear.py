@@ -30,13 +30,14 @@ bfloat16 values before the weights are rounded against them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protoserve.engine.config import QUANTIZATION_MODES
+from protoserve.engine.config import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATION_MODES
 from protoserve.engine.models.device_ops import ops_for
 from protoserve.kernels.cpu import packed_linear as kernel
 
@@ -48,10 +49,6 @@ ROW_TILE = 16
 
 # Formats only a device's kernels multiply (engine/models/device_ops.py: DeviceOps.fp8_linear).
 DEVICE_ONLY_MODES = ("fp8",)
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-# 32 divides every hidden size in use, and the default SmolLM2 GGUF is itself Q4_1 in groups of
-# 32, which int4/32 reproduces almost exactly (measured: mean |logit error| 0.20 vs 1.79 at 64).
-DEFAULT_INT4_GROUP_SIZE = 32
 # The int4 packing kernel interleaves output channels in groups of 16.
 INT4_N_MULTIPLE = 16
 
@@ -276,7 +273,20 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int, name:
         )
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Int4Grid:
+    """A checkpoint's own int4 grid for one layer (GPTQ/AWQ: ``(q - zero) * scale``, so min is
+    ``-zero * scale``): float16 scales and mins [N, K/group_size], which ``quantize_int4`` then uses
+    instead of choosing its own, so the codes are the checkpoint's."""
+
+    scales: torch.Tensor
+    mins: torch.Tensor
+    group_size: int
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, grid: Int4Grid | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric grouped int4 in GGUF Q4_1's form, the CPU kernels' own: ``w ~ q * scale + min``.
 
     Returns (q [N, K] int32 in 0..15, scales [N, K/group] float16, mins [N, K/group] float16): the
@@ -284,13 +294,21 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     are chosen against them. Weights that came from 4-bit GGUF blocks of 32 (Q4_1, Q4_0: each block
     spans codes 0..15 of a float16 scale and min) come back exactly at group 32. (A bfloat16 scale and
     zero, gpt-fast's form, cost SmolLM2's served int4 a mean |logit error| of 0.19 against 0.06.)
+    ``grid`` (same group size) gives the scales and mins; the weights are rounded onto it.
     """
     n, k = weight.shape
     check_int4_shape(n, k, group_size)
     w = weight.float().reshape(n, k // group_size, group_size)
-    lo = w.amin(dim=-1)
-    scales = ((w.amax(dim=-1) - lo) / 15.0).to(torch.float16)
-    mins = lo.to(torch.float16)
+    if grid is not None:
+        if grid.group_size != group_size or tuple(grid.scales.shape) != (n, k // group_size):
+            raise ValueError(f"an int4 grid of group size {grid.group_size} and shape {list(grid.scales.shape)} "
+                             f"does not fit a [{n}, {k}] weight in groups of {group_size}")
+        scales, mins = grid.scales.to(torch.float16), grid.mins.to(torch.float16)
+        lo = mins.float()
+    else:
+        lo = w.amin(dim=-1)
+        scales = ((w.amax(dim=-1) - lo) / 15.0).to(torch.float16)
+        mins = lo.to(torch.float16)
     step = torch.where(scales > 0, scales.float(), torch.ones_like(lo))  # a constant group: every code 0
     q = torch.round((w - mins.float()[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
     return q.reshape(n, k), scales, mins
@@ -356,9 +374,11 @@ class Int4Linear(KernelPackable):
         self._kernel_form = (q, scales.half(), mins.half())
 
     @classmethod
-    def from_linear(cls, linear: Linear, group_size: int, name: str = "linear") -> Int4Linear:
+    def from_linear(
+        cls, linear: Linear, group_size: int, name: str = "linear", grid: Int4Grid | None = None
+    ) -> Int4Linear:
         check_int4_shape(linear.out_features, linear.in_features, group_size, name)
-        q, scales, mins = quantize_int4(linear.weight.detach(), group_size)
+        q, scales, mins = quantize_int4(linear.weight.detach(), group_size, grid)
         packed, scales_and_zeros = _torch_int4_form(q, scales, mins)
         layer = cls(packed, scales_and_zeros, group_size, linear.in_features, linear.bias, linear.weight.dtype)
         layer._kernel_form = (q, scales, mins)
@@ -455,10 +475,13 @@ def quantize_linears(
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
     skip: tuple[str, ...] = ("lm_head",),
     head_int8: bool = False,
+    int4_grids: Mapping[str, Int4Grid] | None = None,
 ) -> QuantizationReport:
     """Replace every ``Linear`` (except names in ``skip``) by its int8/int4/fp8 form, in place.
 
     ``head_int8`` also turns a skipped ``lm_head`` into int8 (counted in no byte total of the report).
+    ``int4_grids``: by module name, the grids a layer's weights came from (a GPTQ/AWQ checkpoint);
+    int4 in their group size keeps them, so the layer serves the checkpoint's own codes.
 
     All layers are checked before any is replaced, so a bad group size leaves the model untouched.
     """
@@ -489,7 +512,8 @@ def quantize_linears(
         elif mode == "int8":
             q = Int8Linear.from_linear(m)
         else:
-            q = Int4Linear.from_linear(m, group_size, name)
+            grid = (int4_grids or {}).get(name)
+            q = Int4Linear.from_linear(m, group_size, name, grid if grid and grid.group_size == group_size else None)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, q)
         after += module_bytes(q)
