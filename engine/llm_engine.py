@@ -144,7 +144,8 @@ class LLMEngine:
         config = config or EngineConfig()
         shard = join_tensor_parallel(model_path, dtype, quantization, config)  # engine/parallel; None at TP=1
         loaded = load_model(model_path, dtype=dtype, quantization=quantization, progress=progress,
-                            deterministic=config.deterministic, device=config.device, shard=shard)
+                            deterministic=config.deterministic, device=config.device, shard=shard,
+                            group_size=config.quant_group_size)
         engine = cls(loaded, config)
         serve_worker_rank(engine)  # a rank other than 0 serves rank 0's steps here, then exits
         if config.speculative_model is not None:

@@ -48,6 +48,7 @@ ENGINE_FLAGS = (
     ("max_running_per_identity", "max_running_per_identity"),
     ("max_kv_share_per_identity", "max_kv_share_per_identity"),
     ("fairness_margin_tokens", "fairness_margin_tokens"),
+    ("quant_group_size", "quant_group_size"),
 )
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
@@ -189,7 +190,14 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
         choices=QUANTIZATIONS,
         default="auto",
         help="weight quantization; fp8 (E4M3, per-channel scales) on --device cuda only [auto: the "
-        "checkpoint's own precision, e.g. int4 for a Q4 GGUF, none for safetensors]",
+        "checkpoint's own precision, e.g. int4 for a Q4 GGUF or a GPTQ/AWQ directory, none for float safetensors]",
+    )
+    parser.add_argument(
+        "--quant-group-size",
+        metavar="N",
+        type=int,
+        help="input columns per int4 group when weights are quantized to int4 on load: 32, 64, 128 or 256, "
+        "dividing every quantized layer's in_features (a GPTQ/AWQ checkpoint under auto keeps its own) [32]",
     )
     parser.add_argument(
         "--kv-cache-dtype",
