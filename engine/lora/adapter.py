@@ -205,12 +205,17 @@ def check_adapter_config(cfg: dict) -> tuple[int, float, bool, tuple[str, ...]]:
 
 def check_adapter_targets(config: ModelConfig, targets: tuple[str, ...]) -> None:
     """AdapterError for targets the base model does not have as plain layers: the MLP projections of a
-    mixture-of-experts model live per expert, where a PEFT LoRA of the dense names does not apply."""
+    mixture-of-experts model live per expert, where a PEFT LoRA of the dense names does not apply, and an
+    ungated GELU MLP (StarCoder2) has no gate or up projection."""
     mlp = sorted(t for t in targets if PARENT[t] == "mlp")
     if config.num_experts and mlp:
         raise AdapterError(f"{CONFIG_FILE}: target_modules {mlp} are MLP projections, and this base model's "
                            f"MLPs are mixture-of-experts blocks; LoRA on experts is not supported (target the "
                            f"attention projections)")
+    gated = sorted(t for t in mlp if t in ("gate_proj", "up_proj"))
+    if config.mlp == "gelu" and gated:
+        raise AdapterError(f"{CONFIG_FILE}: target_modules {gated} are gated-MLP projections, and this base "
+                           f"model's MLP has no gate (c_fc, c_proj); only down_proj (its c_proj) takes a LoRA")
 
 
 def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:

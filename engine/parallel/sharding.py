@@ -10,7 +10,8 @@ Per layer:
 * ``o_proj`` is row-parallel: the input columns of the rank's query heads, then an all-reduce
   (``RowParallel``), the bias added once to the sum.
 * ``gate_up_proj`` is column-parallel with its gate and up halves sliced alike, so the local
-  weight stays ``[gate_local | up_local]``; ``down_proj`` is row-parallel + all-reduce.
+  weight stays ``[gate_local | up_local]``; ``down_proj`` is row-parallel + all-reduce. An ungated
+  GELU MLP (StarCoder2) splits the same way: ``c_fc`` by rows, ``c_proj`` row-parallel.
 * Embeddings, every norm and the LM head are replicated: each rank computes the same hidden
   states and full logits (only rank 0's are used).
 
@@ -23,6 +24,7 @@ not sharded (tensor parallelism of experts is not built) and are refused.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from protoserve.engine.models.decoder import Decoder
 from protoserve.engine.parallel.linear_slices import layer_bias, take_columns, take_rows
@@ -34,6 +36,18 @@ def _rows(units: range, width: int, offset: int = 0) -> torch.Tensor:
     """Output rows of ``units`` (heads of ``width`` rows, or single channels) in a projection whose
     part for them starts at row ``offset``."""
     return torch.arange(offset + units.start * width, offset + units.stop * width)
+
+
+def _mlp_shards(mlp: nn.Module, gate_up_rows: torch.Tensor, inter: range, p: str) -> tuple[nn.Module, nn.Module]:
+    """The rank's (input, output) projections of one MLP: gate_up / down, or an ungated GELU MLP's
+    c_fc / c_proj (StarCoder2), whose input rows are the rank's intermediate units alone."""
+    if hasattr(mlp, "c_fc"):
+        return (take_rows(mlp.c_fc, _rows(inter, 1), p + "mlp.c_fc"),
+                RowParallel(take_columns(mlp.c_proj, inter.start, inter.stop, p + "mlp.c_proj"),
+                            layer_bias(mlp.c_proj)))
+    return (take_rows(mlp.gate_up_proj, gate_up_rows, p + "mlp.gate_up_proj"),
+            RowParallel(take_columns(mlp.down_proj, inter.start, inter.stop, p + "mlp.down_proj"),
+                        layer_bias(mlp.down_proj)))
 
 
 def shard_decoder(model: Decoder, rank: int, world_size: int) -> None:
@@ -64,16 +78,17 @@ def shard_decoder(model: Decoder, rank: int, world_size: int) -> None:
             take_rows(attn.qkv_proj, qkv_rows, p + "self_attn.qkv_proj"),
             RowParallel(take_columns(attn.o_proj, *q_cols, p + "self_attn.o_proj"),
                         layer_bias(attn.o_proj)),
-            take_rows(mlp.gate_up_proj, gate_up_rows, p + "mlp.gate_up_proj"),
-            RowParallel(take_columns(mlp.down_proj, inter.start, inter.stop, p + "mlp.down_proj"),
-                        layer_bias(mlp.down_proj)),
+            *_mlp_shards(mlp, gate_up_rows, inter, p),
         ))
     local = plan.local_config(config)
     for layer, (qkv, o, gate_up, down) in zip(model.layers, sliced, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj, attn.o_proj = qkv, o
         attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
-        mlp.gate_up_proj, mlp.down_proj = gate_up, down
+        if hasattr(mlp, "c_fc"):
+            mlp.c_fc, mlp.c_proj = gate_up, down
+        else:
+            mlp.gate_up_proj, mlp.down_proj = gate_up, down
         mlp.intermediate_size = local.intermediate_size
     model.config = local
     model.fused_step = None  # bound to the unsharded weights; the sharded model runs module by module

@@ -289,3 +289,12 @@ def test_command_r_gguf_with_qk_norms_refused(checkpoint, tmp_path: Path) -> Non
     path = write_gguf(tmp_path / "qk.gguf", hf, "command_r", extra=qk)
     with pytest.raises(ModelLoadError, match="use_qk_norm"):
         load_model(path, progress=False, load_tokenizer=False)
+
+
+def test_starcoder2_lora_on_the_gate_is_refused_at_load(checkpoint) -> None:
+    from protoserve.engine.lora.adapter import AdapterError, check_adapter_targets
+
+    config = load_model(checkpoint("starcoder2")[0], progress=False).config
+    check_adapter_targets(config, ("q_proj", "v_proj", "down_proj"))  # c_proj takes a LoRA as down_proj
+    with pytest.raises(AdapterError, match=r"\['gate_proj', 'up_proj'\] are gated-MLP projections"):
+        check_adapter_targets(config, ("q_proj", "gate_proj", "up_proj"))

@@ -105,6 +105,12 @@ def test_qwen2_int8_tp2_equals_tp1(checkpoint):
     _compare(checkpoint("qwen2"), 1e-2, quantization="int8", kv_cache_dtype="float32").runner.close()
 
 
+@pytest.mark.parametrize("family", ["gemma2", "starcoder2", "command_r"])
+def test_dense_families_tp2_equal_tp1(checkpoint, family):
+    # StarCoder2's ungated GELU MLP splits c_fc by rows and c_proj by columns, its biases once.
+    _compare(checkpoint(family), FLOAT_TOL).runner.close()
+
+
 @pytest.mark.parametrize(("family", "tp"), [("gemma3-kv1", 2), ("gemma3-kv1", 4), ("gemma3-kv2", 4)])
 def test_replicated_kv_heads_equal_tp1(checkpoint, family, tp):
     """Fewer KV heads than ranks: each rank keeps a copy of the KV head its query heads read."""
