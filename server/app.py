@@ -365,12 +365,14 @@ class ServerApp:
 
     async def _load_generative(self, spec: ModelSpec) -> None:
         """Load one generative model on an engine of its own and serve it under its names."""
-        from protoserve.engine.api import ModelLoadError, resolve_model
+        from protoserve.engine.api import ModelKind, ModelLoadError, resolve_model
         from protoserve.engine.runtime import AsyncEngine
 
         started = time.monotonic()
         # The engine resolves the name again (and applies the card's sampling values); the card records the file.
         resolved = await asyncio.to_thread(resolve_model, spec.source)
+        if resolved.kind == ModelKind.EMBEDDING:
+            raise ModelLoadError(resolved.path, f"{spec.source} is an embedding model: serve it with --embedding-model")
         if spec.name is not None and len(spec.name) > MAX_MODEL_NAME_CHARS:
             raise ModelLoadError(resolved.path, f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
         engine = await asyncio.to_thread(

@@ -195,3 +195,10 @@ def test_flags_that_do_not_pair_with_the_models_are_usage_errors(args, needle):
     from tests.server.test_cli_errors import assert_one_line_error, serve
 
     assert_one_line_error(serve(*args), exit_codes.USAGE, needle)
+
+
+def test_an_embedding_model_given_as_model_is_refused_naming_the_flag():
+    from tests.server.test_cli_errors import assert_one_line_error, serve
+
+    done = serve("--no-http", "--model", "all-minilm-l6-v2", "--no-embedding-model")
+    assert_one_line_error(done, exit_codes.MODEL_LOAD, "is an embedding model: serve it with --embedding-model")
