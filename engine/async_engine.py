@@ -49,6 +49,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.num_parameters = engine.num_parameters
         self.model_summary = engine.model_summary
+        self.kv_bytes_per_token = engine.runner.kv_cache.bytes_per_token  # the pool's, as GetModel reports it
         self.sampling_defaults = engine.sampling_defaults
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -101,7 +102,8 @@ class AsyncEngine:
         self._wakeup.set()
         if thread is not None:
             await asyncio.to_thread(thread.join)
-        self.engine.runner.close()  # no step runs any more: other tensor-parallel ranks may stop
+        # No step runs any more: the prefix cache may be persisted, other tensor-parallel ranks may stop.
+        await asyncio.to_thread(self.engine.close)
 
     # -- requests ------------------------------------------------------------
 

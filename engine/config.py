@@ -51,6 +51,11 @@ class EngineConfig:
     max_queue: int = 1024  # waiting requests beyond this are shed with QueueFullError
     max_model_len: int | None = None  # prompt + generated tokens of one sequence
     enable_prefix_caching: bool = True
+    # Where prefix-cache blocks persist (engine/kv_offload): written when evicted from the pool and at
+    # shutdown, read back on a prefix miss, so a conversation resumes after a restart without recomputing
+    # its prefix; None keeps blocks in memory only. The directory holds at most kv_offload_max_bytes (LRU).
+    kv_offload_dir: str | None = None
+    kv_offload_max_bytes: int = 8 * 1024**3
     deterministic: bool = True  # batch-invariant model kernels: same tokens alone or batched
     # "exact" or "fast" activation codes for int8/int4 layers (ACTIVATION_PRECISIONS); float32 and
     # bfloat16 weights multiply float activations either way. Both are batch invariant.
@@ -108,6 +113,13 @@ class EngineConfig:
                              f"got {self.quant_group_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.kv_offload_max_bytes < 1:
+            raise ValueError("kv_offload_max_bytes must be positive")
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir persists the prefix cache, which enable_prefix_caching turns off")
+        if self.kv_offload_dir is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir is not served with tensor_parallel_size > 1 "
+                             f"(it is {self.tensor_parallel_size}): each rank holds only its heads' K/V")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

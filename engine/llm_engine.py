@@ -28,6 +28,7 @@ from protoserve.engine.errors import (
     InvalidRequestError,
     QueueFullError,
 )
+from protoserve.engine.kv_offload.offloader import start_offload
 from protoserve.engine.loader.load import LoadedModel, load_model
 from protoserve.engine.lora.stack import AdapterStack, adapter_problems
 from protoserve.engine.parallel.launch import join_tensor_parallel, serve_worker_rank
@@ -50,7 +51,7 @@ from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.forks import fork_pending_choices
 from protoserve.engine.scheduling.logits_rows import DraftRows, SampleRow, StepRows
 from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
-from protoserve.engine.scheduling.sequence import Sequence
+from protoserve.engine.scheduling.sequence import Sequence, SequenceStatus
 from protoserve.engine.speculative.draft_model import DraftModelProposer
 from protoserve.engine.speculative.speculator import Speculator
 from protoserve.engine.stats import EngineStats
@@ -119,6 +120,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
+        # Prefix-cache blocks persisted on disk (engine/kv_offload); None without kv_offload_dir.
+        self.kv_offload = start_offload(self.config, loaded, self.runner.kv_cache, self.block_manager)
         self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu")
         self.speculator = Speculator(self.config, self.sampler)
         self.requests: dict[str, RunningRequest] = {}
@@ -268,7 +271,8 @@ class LLMEngine:
         seq = self._new_seq(state, 0, prepared.max_len, matcher=matcher)
         seq.num_pending_forks = req.sampling.n - 1
         self.requests[req.request_id] = state
-        self.scheduler.add(seq)
+        if self.kv_offload is None or not self.kv_offload.park(seq):  # parked: its prefix comes off disk first
+            self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prepared.prompt_token_ids)
         self.counters.truncated_prompt_tokens += prepared.truncated
         return shed
@@ -311,7 +315,9 @@ class LLMEngine:
         if state is None or state.finished:
             return False
         for seq in state.seqs:
-            if not seq.is_finished:
+            if self.kv_offload is not None and self.kv_offload.drop(seq):
+                seq.status = SequenceStatus.FINISHED
+            elif not seq.is_finished:
                 self.scheduler.finish(seq)
         state.cancel()
         self.counters.cancelled += 1
@@ -325,6 +331,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        self._admit_restored()
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
         self._note_schedule(batch, start)
@@ -338,6 +345,19 @@ class LLMEngine:
             self._verify_drafts(rows.drafted, logits)
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
+
+    def _admit_restored(self) -> None:
+        """Hand the scheduler the parked requests whose prefix blocks came off disk (engine/kv_offload);
+        with nothing else to run, wait for them."""
+        if self.kv_offload is not None and self.kv_offload.num_parked:
+            for seq in self.kv_offload.restored(wait=not self.scheduler.has_unfinished()):
+                self.scheduler.add(seq)
+
+    def close(self) -> None:
+        """After the last step: persist the prefix cache's blocks (kv_offload_dir) and release the runner."""
+        if self.kv_offload is not None:
+            self.kv_offload.persist()
+        self.runner.close()
 
     def _note_schedule(self, batch: ScheduledBatch, now: float) -> None:
         """Note on each request what the scheduler did to its sequences: preempted, or scheduled."""
@@ -474,6 +494,8 @@ class LLMEngine:
         free = self.block_manager.num_free_blocks
         running = {s.request_id for s in self.scheduler.running}
         waiting = {s.request_id for s in self.scheduler.waiting} - running
+        if self.kv_offload is not None:
+            waiting |= self.kv_offload.parked_request_ids()
         c = self.scheduler.counters
         tokens, seqs, seconds = self._last_step
         return EngineStats(

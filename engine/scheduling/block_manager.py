@@ -12,12 +12,16 @@ before them (which is what its K/V depend on), and two salts never share a name.
 Free blocks sit in one LRU queue. A freed block that carries a hash keeps it and
 its cache entry until the pool needs the block for something else, so a later
 request can revive it; blocks without a hash go to the front to be reused first.
+An ``on_evict`` callback sees a cached block just before its contents are given up
+(engine/kv_offload writes it to disk there), and ``adopt`` publishes a block whose
+K/V were loaded from elsewhere as if it had been computed and freed.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -56,6 +60,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None
+    salt: bytes = b""  # the cache salt its hash chain started from (set with the hash)
 
 
 class BlockManager:
@@ -69,6 +74,8 @@ class BlockManager:
         # Free blocks in eviction order (front first); values unused.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # Called with (block id, hash, salt) before a cached block is evicted; its K/V are still intact.
+        self.on_evict: Callable[[int, bytes, bytes], None] | None = None
 
     # -- queries -------------------------------------------------------------
 
@@ -142,7 +149,7 @@ class BlockManager:
             del block_table[num_blocks:]
             self.free(tail)
 
-    def cache_block(self, block_id: int, h: bytes) -> None:
+    def cache_block(self, block_id: int, h: bytes, salt: bytes = b"") -> None:
         """Publish a full, computed block under its hash so later prefixes can reuse it.
 
         When another block already holds this hash (two sequences computed the same
@@ -154,7 +161,22 @@ class BlockManager:
         if block.hash is not None or h in self.cached:
             return
         block.hash = h
+        block.salt = salt
         self.cached[h] = block_id
+
+    def adopt(self, h: bytes, salt: bytes) -> int | None:
+        """A block to load the K/V of cached block ``h`` into: published under ``h`` and left free (most
+        recently used), as if computed and released. None when ``h`` is cached already or nothing is free."""
+        if not self.enable_prefix_caching or h in self.cached or not self.free_queue:
+            return None
+        block_id = self._take_free()
+        block = self.blocks[block_id]
+        block.ref_count = 0
+        block.hash = h
+        block.salt = salt
+        self.cached[h] = block_id
+        self.free_queue[block_id] = None
+        return block_id
 
     # -- internals -----------------------------------------------------------
 
@@ -174,6 +196,8 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict: its old contents are about to be overwritten
+            if self.on_evict is not None:
+                self.on_evict(block_id, block.hash, block.salt)
             del self.cached[block.hash]
             block.hash = None
         block.ref_count = 1

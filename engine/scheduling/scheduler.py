@@ -362,7 +362,7 @@ class Scheduler:
             return
         hashes = seq.full_block_hashes(self.block_size)
         for b in range(seq.num_cached_blocks, num_full):
-            self.block_manager.cache_block(seq.block_table[b], hashes[b])
+            self.block_manager.cache_block(seq.block_table[b], hashes[b], seq.cache_salt)
         seq.num_cached_blocks = num_full
 
     # -- sequence lifecycle --------------------------------------------------

@@ -1,0 +1,127 @@
+"""Prefix-cache blocks persisted under kv_offload_dir (engine/kv_offload): a prompt whose prefix was
+evicted, or computed by an engine since closed, loads it from disk and generates what an engine that
+kept it in memory generates; damaged files, another fingerprint and another salt load nothing."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from protoserve.engine.llm import LLM
+from protoserve.engine.request import TokenizedRequest
+from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.scheduling.block_manager import chain_hashes
+
+BLOCK = 16
+PROMPT = [(7 * i + 3) % 250 for i in range(200)]  # 12 full blocks usable as prefix
+OTHER = [(11 * i + 5) % 250 for i in range(200)]
+
+
+def run(engine, prompt: list[int], rid: str, salt: bytes = b"alice") -> tuple[list[int], int]:
+    """Greedy tokens of ``prompt`` and its cached prompt tokens."""
+    request = TokenizedRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                               cache_salt=salt)
+    [c] = LLM(engine=engine).run([request])
+    return c.choices[0].token_ids, c.stats.cached_prompt_tokens
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*/partition-*/*.kv"))
+
+
+@pytest.fixture
+def turns(make_engine):
+    """The reference: turn 1, then turn 2 (turn 1's prompt, its reply and more) on one engine kept in memory."""
+    engine = make_engine()
+    first, _ = run(engine, PROMPT, "ref-1")
+    second_prompt = PROMPT + first + [9, 8, 7]
+    second, cached = run(engine, second_prompt, "ref-2")
+    # The in-memory hit this feature must reproduce: every full block turn 1 computed (all but its last token).
+    assert cached == (len(PROMPT) + len(first) - 1) // BLOCK * BLOCK
+    return first, second_prompt, second
+
+
+def test_a_restart_loads_the_prefix_and_generates_the_same_tokens(make_engine, turns, tmp_path):
+    first, second_prompt, second = turns
+    engine = make_engine(kv_offload_dir=str(tmp_path))
+    assert run(engine, PROMPT, "1")[0] == first
+    engine.close()  # shutdown persists what is still cached
+    assert len(block_files(tmp_path)) == (len(PROMPT) + len(first) - 1) // BLOCK
+
+    restarted = make_engine(kv_offload_dir=str(tmp_path))
+    tokens, cached = run(restarted, second_prompt, "2")
+    assert tokens == second
+    assert cached == (len(PROMPT) + len(first) - 1) // BLOCK * BLOCK
+    assert restarted.kv_offload.counters.blocks_loaded == cached // BLOCK
+    assert restarted.stats().prefix_cache_hits == cached
+
+
+def test_another_salt_loads_nothing(make_engine, turns, tmp_path):
+    first, second_prompt, second = turns
+    engine = make_engine(kv_offload_dir=str(tmp_path))
+    run(engine, PROMPT, "1")
+    engine.close()
+    restarted = make_engine(kv_offload_dir=str(tmp_path))
+    tokens, cached = run(restarted, second_prompt, "2", salt=b"mallory")
+    assert (tokens, cached) == (second, 0)
+    assert restarted.kv_offload.counters.blocks_loaded == 0
+    # Each salt has a directory of its own.
+    restarted.close()
+    assert len({p.parent for p in block_files(tmp_path)}) == 2
+
+
+def test_blocks_evicted_from_the_pool_come_back_from_disk(make_engine, turns, tmp_path):
+    first, _, _ = turns
+    engine = make_engine(kv_offload_dir=str(tmp_path), max_kv_blocks=14)  # one prompt and its reply
+    assert run(engine, PROMPT, "1") == (first, 0)
+    run(engine, OTHER, "2")  # takes the pool: PROMPT's blocks are evicted, so written
+    assert engine.block_manager.match_prefix(chain_hashes(b"alice", PROMPT, BLOCK, [])) == []
+    tokens, cached = run(engine, PROMPT, "3")
+    assert tokens == first
+    assert cached == (len(PROMPT) - 1) // BLOCK * BLOCK
+    assert engine.kv_offload.counters.blocks_loaded == cached // BLOCK
+
+
+def test_a_damaged_block_warns_and_is_recomputed(make_engine, turns, tmp_path, caplog):
+    first, second_prompt, second = turns
+    engine = make_engine(kv_offload_dir=str(tmp_path))
+    run(engine, PROMPT, "1")
+    engine.close()
+    files = block_files(tmp_path)
+    for path in files:  # one byte of every payload flipped
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    restarted = make_engine(kv_offload_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="protoserve.engine.kv_offload"):
+        tokens, cached = run(restarted, second_prompt, "2")
+    assert (tokens, cached) == (second, 0)
+    assert "checksum mismatch" in caplog.text
+    assert restarted.kv_offload.counters.blocks_loaded == 0
+    assert sum(not p.exists() for p in files) == 1  # the first of the chain, deleted; the read stopped there
+
+
+def test_another_fingerprint_loads_nothing_and_warns(make_engine, tmp_path, caplog):
+    engine = make_engine(kv_offload_dir=str(tmp_path))
+    run(engine, PROMPT, "1")
+    engine.close()
+    with caplog.at_level(logging.WARNING, logger="protoserve.engine.kv_offload"):
+        other = make_engine(kv_offload_dir=str(tmp_path), kv_cache_dtype="bfloat16")
+    assert "another model configuration" in caplog.text
+    reference = make_engine(kv_cache_dtype="bfloat16")
+    assert run(other, PROMPT + [1, 2, 3], "2") == (run(reference, PROMPT + [1, 2, 3], "r")[0], 0)
+    assert other.kv_offload.counters.blocks_loaded == 0
+
+
+def test_the_size_cap_deletes_the_least_recently_used(make_engine, tmp_path):
+    engine = make_engine(kv_offload_dir=str(tmp_path))
+    payload = engine.kv_offload.store.payload_bytes
+    cap = 5 * (payload + 200)
+    engine.close()
+    engine = make_engine(kv_offload_dir=str(tmp_path), kv_offload_max_bytes=cap)
+    run(engine, PROMPT, "1")
+    engine.close()
+    files = block_files(tmp_path)
+    assert len(files) == 5 and sum(p.stat().st_size for p in files) <= cap
