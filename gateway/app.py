@@ -2,7 +2,7 @@
 
 ``create_app(grpc_target)`` builds the app from the generated route table
 (``protoserve.generated.routes``) and OpenAPI document (``gen/python/protoserve/generated/openapi.json``,
-served with the WebSocket route added), plus ``GET /metrics`` in Prometheus text format, the
+served with the WebSocket and Open Inference routes added), plus ``GET /metrics`` in Prometheus text format, the
 WebSocket route ``GET /v1/ws/completions`` (gateway.ws) and the ``/docs`` pages
 (gateway.swagger_ui), all behind the Host and Origin checks of gateway.browser_safety. uvicorn serves it
 with protocols that drop clients that stop reading (gateway.slow_clients);
@@ -36,6 +36,7 @@ from starlette.routing import WebSocketRoute
 
 from protoserve.gateway.browser_safety import BrowserPolicy, BrowserSafety, check_allowed_hosts
 from protoserve.gateway.cors import check_origins, cors_middleware
+from protoserve.gateway.open_inference.openapi import with_open_inference_routes
 from protoserve.gateway.runtime.channel import SharedChannel
 from protoserve.gateway.runtime.handler import GatewayHandler, GatewaySettings
 from protoserve.gateway.runtime.metrics import GatewayMetrics
@@ -68,9 +69,10 @@ def generated_openapi_path() -> Path:
 
 
 def served_openapi(openapi_path: Path | None = None) -> dict:
-    """The document ``GET /openapi.json`` serves: the generated one with the WebSocket route added."""
+    """The document ``GET /openapi.json`` serves: the generated one with the WebSocket route and the
+    Open Inference Protocol's REST routes (KServe's schemas, not proto JSON) added."""
     generated = json.loads((openapi_path or generated_openapi_path()).read_text(encoding="utf-8"))
-    return with_websocket_route(generated)
+    return with_open_inference_routes(with_websocket_route(generated), generated_routes())
 
 
 def create_app(

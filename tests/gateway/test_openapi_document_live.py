@@ -5,7 +5,8 @@ openapi-spec-validator; every operation the server refuses without a key (401, a
 server itself, the WebSocket upgrade included) carries the bearer scheme in ``security`` and
 every other one carries none; the operations that say they need an admin key are refused a
 plain key (403); and every operation that takes input shows an example of it: its body, each
-path parameter, and at least one of its query parameters.
+path parameter, and at least one of its query parameters. The Open Inference Protocol's /v2
+routes are there with KServe's schemas, which their documented examples' answers match.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from protoserve.gateway.generator.openapi import API_KEY_SCHEME, USER_ID_SCHEME
+from protoserve.gateway.runtime.route import BodyCodec
+from protoserve.generated.routes import ROUTES
 
 WEBSOCKET_PATH = "/v1/ws/completions"
 ADMIN_NOTE = "Needs an admin key"
@@ -99,9 +105,11 @@ def test_every_operation_that_needs_a_key_says_so(api, document):
         else:
             assert security == [], f"{where} answers without a key, but its security is {security}"
         checked += needs_key
-    # Not a vacuous pass: nearly everything needs a key, and /health does not.
-    assert checked >= len(list(operations(document))) - 1
-    assert document["paths"]["/health"]["get"]["security"] == []
+    # Not a vacuous pass: nearly everything needs a key, and /health and the Open Inference probes do not.
+    probes = ["/v2/health/live", "/v2/health/ready", "/v2/models/{name}/ready", "/v2/models/{name}/versions/{version}/ready"]
+    assert checked == len(list(operations(document))) - 1 - len(probes)
+    for path in ("/health", *probes):
+        assert document["paths"][path]["get"]["security"] == [], path
 
 
 def test_operations_that_need_an_admin_key_refuse_a_plain_one(api, document, live_server_auth):
@@ -149,3 +157,37 @@ def test_the_websocket_route_is_described(document):
     frames = ('"type": "chunk"', '"type": "done"', '"type": "cancel"', '"type": "error"', '"type": "rejected"')
     for frame in (*frames, "docs/api.md"):
         assert frame in upgrade["description"], frame
+
+
+def _schema_validator(document: dict[str, Any], name: str):
+    """A validator of one component schema, its $refs resolved in the document."""
+    registry = Registry().with_resource("urn:served", DRAFT202012.create_resource(document))
+    schema = {"$ref": f"urn:served#/components/schemas/{name}"}
+    return Draft202012Validator(schema, registry=registry)
+
+
+def test_the_open_inference_routes_are_described_with_kserves_schemas(api, document, live_server_auth):
+    table = {(r.path.openapi_path(), r.http_method.lower()) for r in ROUTES if r.codec is not BodyCodec.PROTO_JSON}
+    described = {(p, v) for p, v, _ in operations(document) if p.startswith("/v2")}
+    assert table and described == table
+    infer = document["paths"]["/v2/models/{model_name}/infer"]["post"]
+    body = infer["requestBody"]["content"]
+    assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/kserve.InferenceRequest"}
+    assert "application/octet-stream" in body
+    assert "inference-header-content-length" in {p["name"] for p in infer["parameters"] if p["in"] == "header"}
+    # The documented example, sent as documented, answers what the document says it answers.
+    key = {"authorization": f"Bearer {live_server_auth.api_keys[0]}"}
+    example = body["application/json"]["examples"]["request"]["value"]
+    reply = httpx.post(_url(api, "/v2/models/{model_name}/infer", infer), json=example, headers=key, timeout=60)
+    assert reply.status_code == 200, reply.text
+    _schema_validator(document, "kserve.InferenceResponse").validate(reply.json())
+    generate = document["paths"]["/v2/models/{model_name}/generate"]["post"]
+    example = generate["requestBody"]["content"]["application/json"]["examples"]["request"]["value"]
+    reply = httpx.post(_url(api, "/v2/models/{model_name}/generate", generate), json=example, headers=key, timeout=60)
+    assert reply.status_code == 200, reply.text
+    _schema_validator(document, "triton.GenerateResponse").validate(reply.json())
+    metadata = httpx.get(_url(api, "/v2/models/{name}", document["paths"]["/v2/models/{name}"]["get"]), headers=key)
+    _schema_validator(document, "kserve.ModelMetadataResponse").validate(metadata.raise_for_status().json())
+    refused = httpx.post(_url(api, "/v2/models/{model_name}/infer", infer), json={"inputs": []}, headers=key)
+    assert refused.status_code == 400
+    _schema_validator(document, "kserve.Error").validate(refused.json())
