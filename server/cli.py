@@ -74,6 +74,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, flag, None)
         if value is not None:
             setattr(config, attr, value)
+    quantization = getattr(args, "quantization", None)
+    if getattr(args, "quant_group_size", None) is not None and quantization not in (None, "int4", "auto"):
+        raise CliError(f"--quant-group-size sets int4 groups, and --quantization {quantization} makes none "
+                       "(give it with --quantization int4 or auto)")
     if getattr(args, "no_deterministic", False):
         config.deterministic = False
     if getattr(args, "no_cuda_graphs", False):

@@ -51,6 +51,9 @@ def test_the_flag_reaches_the_engine_config_and_a_bad_size_names_the_flag() -> N
     assert _engine_config(build_parser().parse_args(["serve", "--quant-group-size", "128"])).quant_group_size == 128
     with pytest.raises(CliError, match=r"^--quant-group-size must be one of 32, 64, 128, 256, got 48"):
         _engine_config(build_parser().parse_args(["serve", "--quant-group-size", "48"]))
+    # Never accepted and ignored: a precision that makes no int4 groups refuses the flag.
+    with pytest.raises(CliError, match=r"^--quant-group-size sets int4 groups, and --quantization int8 makes none"):
+        _engine_config(build_parser().parse_args(["serve", "--quantization", "int8", "--quant-group-size", "64"]))
 
 
 def test_the_engine_quantizes_in_the_configured_groups(tiny_checkpoint, one_thread) -> None:
