@@ -49,6 +49,8 @@ ENGINE_FLAGS = (
     ("max_kv_share_per_identity", "max_kv_share_per_identity"),
     ("fairness_margin_tokens", "fairness_margin_tokens"),
     ("quant_group_size", "quant_group_size"),
+    ("kv_offload_dir", "kv_offload_dir"),
+    ("kv_offload_max_bytes", "kv_offload_max_bytes"),
 )
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
@@ -323,6 +325,19 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="fair scheduling preempts a caller's running work for another's only while it has been served "
         "this many weighted tokens (prompt 1, generated 2) beyond the other [1024]",
+    )
+    parser.add_argument(
+        "--kv-offload-dir",
+        metavar="DIR",
+        help="persist prefix-cache KV blocks here, one directory per caller identity, when the pool evicts "
+        "them and at shutdown; a prompt whose prefix is on disk loads it instead of recomputing it, after "
+        "a restart too [off]",
+    )
+    parser.add_argument(
+        "--kv-offload-max-bytes",
+        type=_byte_count,
+        metavar="N",
+        help="size cap of --kv-offload-dir in bytes; least recently used blocks are deleted beyond it [8589934592: 8 GiB]",
     )
     parser.add_argument(
         "--max-message-bytes",

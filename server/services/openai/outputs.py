@@ -31,10 +31,12 @@ def finish_reason_text(reason: FinishReason | None) -> str:
 
 
 def usage(results: list[CollectedOutput]) -> oa.Usage:
-    """The token counts of every prompt of a response, summed."""
+    """The token counts of every prompt of a response, summed; ``cached_tokens`` always set, as OpenAI's."""
     prompt = sum(r.prompt_tokens for r in results)
     completion = sum(r.completion_tokens for r in results)
-    return oa.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(r.cached_prompt_tokens for r in results)
+    return oa.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                    prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=cached))
 
 
 class OffsetTracker:
