@@ -161,7 +161,8 @@ class FakeInferenceService(pb_grpc.InferenceServiceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         return pb.ListModelsResponse(
-            models=[pb.ModelInfo(name="fake", max_model_len=99, has_chat_template=True)]
+            models=[pb.ModelInfo(name="fake", max_model_len=99, has_chat_template=True, kind="chat",
+                                 aliases=["fake-alias"])]
         )
 
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext):
@@ -394,7 +395,8 @@ async def test_async_client(fake_target: str) -> None:
         assert not isinstance(results[0], ProtoserveError) and results[0].text == "Q"
         assert (await client.tokenize("ab")).token_ids == (97, 98)
         assert await client.detokenize([104, 105]) == "hi"
-        assert (await client.list_models())[0].max_model_len == 99
+        (listed,) = await client.list_models()
+        assert (listed.max_model_len, listed.kind, listed.aliases) == (99, "chat", ("fake-alias",))
         assert (await client.get_model("fake")).name == "fake"
         assert (await client.health()).serving
         assert (await client.wait_until_ready(timeout=5)).models == ("fake",)

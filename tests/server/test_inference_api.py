@@ -139,7 +139,7 @@ async def test_models_and_health(stub, channel):
     got = await stub.GetModel(pb.GetModelRequest(name=model.name))
     assert got.model == model
     health = await stub.CheckHealth(pb.CheckHealthRequest())
-    assert health.status == pb.SERVING_STATUS_SERVING and list(health.models) == [model.name]
+    assert health.status == pb.SERVING_STATUS_SERVING and list(health.models) == [model.name, embedding.name]
     standard = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
     assert standard.status == health_pb2.HealthCheckResponse.SERVING
 

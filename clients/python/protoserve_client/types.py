@@ -321,11 +321,14 @@ class ModelInfo:
     num_parameters: int
     has_chat_template: bool
     source: str
+    kind: str  # "chat", "completion" or "embedding"
+    aliases: tuple[str, ...]  # other names a request may use for the model
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
         """Convert a ``protoserve.v1.ModelInfo``; field names match one to one."""
-        return cls(**{name: getattr(msg, name) for name in cls.__dataclass_fields__})
+        fields = {name: getattr(msg, name) for name in cls.__dataclass_fields__}
+        return cls(**fields | {"aliases": tuple(msg.aliases)})
 
 
 @dataclass(frozen=True, slots=True)
