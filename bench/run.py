@@ -48,6 +48,7 @@ from bench.sections import (
     prefill,
     rag,
     serving,
+    session_restore,
     speculative,
 )
 from bench.targets import targets_for
@@ -70,6 +71,7 @@ SECTIONS = {
     "peer_engine": peer_engine.steps,
     "conversation": conversation.steps,
     "multi_model": multi_model.steps,
+    "session_restore": session_restore.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")
