@@ -93,19 +93,15 @@ class ModelRunner:
         self.lora_slots_of: Callable[[list[Sequence]], list[int]] | None = None
         self.block_size = config.block_size
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, quantization)
-        self.block_bytes = PagedKVCache.block_bytes(
-            model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, self.kv_dtype
-        )
+        self.block_bytes = PagedKVCache.model_block_bytes(model_config, config.block_size, self.kv_dtype)
         self.num_blocks = resolve_num_blocks(config, self.block_bytes)
         # (Not under tensor parallelism: each step's broadcast to the other ranks runs on the host.)
         graphs = self.device.type == "cuda" and config.cuda_graphs and config.tensor_parallel_size == 1
-        self.kv_cache = PagedKVCache(
-            num_layers=model_config.num_layers,
+        self.kv_cache = PagedKVCache.for_model(
+            model_config,
             # Decode graphs pad their batches with rows that write to one more block, never handed out.
             num_blocks=self.num_blocks + (1 if graphs else 0),
             block_size=config.block_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
             dtype=self.kv_dtype,
             device=self.device,
         )

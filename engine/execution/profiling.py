@@ -34,7 +34,7 @@ def all_position_logits(model: Decoder, token_ids: Sequence[int], kv_dtype: torc
         raise ValueError("token_ids must not be empty")
     c = model.config
     blocks = -(-len(tokens) // BLOCK_SIZE)
-    cache = PagedKVCache(c.num_layers, blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, kv_dtype)
+    cache = PagedKVCache.for_model(c, blocks, BLOCK_SIZE, kv_dtype)
     seq = EngineSequence(seq_id=0, request_id="all-positions", index=0, token_ids=tokens,
                          num_prompt_tokens=len(tokens), max_len=len(tokens) + 1, sampling=SamplingParams(),
                          generator=torch.Generator(), num_computed_tokens=0, block_table=list(range(blocks)))

@@ -207,6 +207,9 @@ def check_adapter_targets(config: ModelConfig, targets: tuple[str, ...]) -> None
     """AdapterError for targets the base model does not have as plain layers: the MLP projections of a
     mixture-of-experts model live per expert, where a PEFT LoRA of the dense names does not apply, and an
     ungated GELU MLP (StarCoder2) has no gate or up projection."""
+    if config.kv_lora_rank:  # no q/k/v projections: MLA's are low-rank and absorbed (latent_attention.py)
+        raise AdapterError(f"{CONFIG_FILE}: LoRA adapters are not supported on {config.architecture}'s "
+                           f"multi-head latent attention models")
     mlp = sorted(t for t in targets if PARENT[t] == "mlp")
     if config.num_experts and mlp:
         raise AdapterError(f"{CONFIG_FILE}: target_modules {mlp} are MLP projections, and this base model's "

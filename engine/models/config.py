@@ -19,9 +19,22 @@ MlpKind = Literal["swiglu", "geglu", "gelu"]
 NormPlacement = Literal["pre", "sandwich", "parallel"]
 # Which norm every norm of the model is: RMSNorm, or LayerNorm (mean removed; StarCoder2, Command-R).
 NormKind = Literal["rms", "layer"]
-# How an MoE layer picks a token's experts: a softmax top-k over a router (Mixtral, Qwen-MoE) or
-# integer arithmetic on the token id (the token-routed family).
-MoeRouting = Literal["softmax_top_k", "token"]
+# How an MoE layer picks a token's experts: a softmax top-k over a router (Mixtral, Qwen-MoE),
+# integer arithmetic on the token id (the token-routed family), or DeepSeek's group-limited top-k
+# (engine/models/moe.py): over softmax scores ranked by group maximum (V2's "group_limited_greedy"), or
+# over sigmoid scores plus a learned bias ranked by each group's two best (V3's "noaux_tc").
+MoeRouting = Literal["softmax_top_k", "token", "group_limited_greedy", "noaux_tc"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the paged pool keeps per token and layer: ``num_heads`` vectors of ``head_dim`` as K, and
+    as many again as V unless ``shared`` (multi-head latent attention: the compressed latent and the
+    rope key are one vector, read as key and value alike)."""
+
+    num_heads: int
+    head_dim: int
+    shared: bool = False
 
 
 @dataclass
@@ -79,6 +92,22 @@ class ModelConfig:
     moe_shared_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
     moe_shared_expert_gate: bool = False  # its sigmoid gate
     moe_layers: list[bool] | None = None
+    # DeepSeek's routing (moe_routing "group_limited_greedy" / "noaux_tc"): experts in ``moe_num_groups``
+    # groups, a token's top-k taken within its ``moe_topk_groups`` best groups; weights times the scale.
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3, engine/models/latent_attention.py): kv_lora_rank > 0
+    # compresses K/V into one latent of that rank per token; ``head_dim`` is then the decoupled rope
+    # key's (qk_rope_head_dim), ``qk_nope_head_dim`` each query/key head's rope-free part and
+    # ``v_head_dim`` each value head; q_lora_rank > 0 puts the queries through a low rank too.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_mscale: float = 1.0  # multiplies the softmax scale (DeepSeek's yarn mscale_all_dim, squared)
+    # kv_b_proj stored per head as k_b [H, rank, qk_nope] and v_b [H, v_head_dim, rank] (llama.cpp's GGUF form).
+    mla_kv_b_split: bool = False
 
     def is_moe_layer(self, index: int) -> bool:
         if self.num_experts == 0:
@@ -99,4 +128,13 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.kv_lora_rank:  # MLA: over the whole query/key head, rope-free part and rope part
+            return (self.qk_nope_head_dim + self.head_dim) ** -0.5 * self.attention_mscale
         return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What the KV pool holds per token and layer (MLA: the latent and the rope key, once)."""
+        if self.kv_lora_rank:
+            return KVLayout(1, self.kv_lora_rank + self.head_dim, shared=True)
+        return KVLayout(self.num_kv_heads, self.head_dim)

@@ -12,6 +12,8 @@ The families differ only in switches of ModelConfig, which each family's module 
 * StarCoder2: LayerNorms with biases, a GELU MLP without gate, biases everywhere.
 * Command-R: one LayerNorm feeding attention and the MLP in parallel, interleaved rope,
   logits scaled by ``logit_scale``.
+* DeepSeek-V2/V3: multi-head latent attention (latent_attention.py: a compressed KV latent
+  cached in place of K/V) and group-routed MoE layers with shared experts after the first dense ones.
 
 Each layer takes its own sliding window (``ModelConfig.layer_windows``) and rope table
 (sliding layers of a family with ``rope_local_theta`` take the local one): the step prepares
@@ -52,6 +54,7 @@ from protoserve.engine.models.families.weights import expected_hf_shapes as expe
 from protoserve.engine.models.families.weights import layer_norm_names, mlp_projections
 from protoserve.engine.models.fused_step import FusedStep
 from protoserve.engine.models.kv_cache import AttentionMetadata, KVCache
+from protoserve.engine.models.latent_attention import LatentAttention, latent_attention_state
 from protoserve.engine.models.linear import KernelPackable, Linear
 from protoserve.engine.models.moe import GroupedExperts, MoEBlock
 from protoserve.engine.models.rope import (
@@ -233,7 +236,11 @@ class DecoderLayer(nn.Module):
         self.placement = config.norm_placement
         for name in layer_norm_names(config):
             setattr(self, name, make_norm(config, dtype))
-        self.self_attn = Attention(config, layer_idx, dtype)
+        if config.kv_lora_rank:
+            self.self_attn = LatentAttention(config, layer_idx, dtype,
+                                             lambda dim: RMSNorm(dim, config.rms_norm_eps, dtype))
+        else:
+            self.self_attn = Attention(config, layer_idx, dtype)
         self.moe = config.is_moe_layer(layer_idx)
         if self.moe:
             self.mlp = MoEBlock(block_config(config), dtype)
@@ -385,6 +392,9 @@ class Decoder(nn.Module):
         if self.config.attn_logit_softcapping is not None:  # soft-capped scores run on the CPU's tiled path only
             raise ValueError(f"{self.config.architecture}: attn_logit_softcapping is not supported on "
                              f"device {device.type} (serve it on the cpu)")
+        if self.config.kv_lora_rank:  # the device kernels are untested on MLA's shared latent pool
+            raise ValueError(f"{self.config.architecture}: multi-head latent attention is not supported on "
+                             f"device {device.type} (serve it on the cpu)")
         for m in self.modules():
             if isinstance(m, KernelPackable):
                 m.pack_for_device(device)
@@ -457,18 +467,10 @@ class Decoder(nn.Module):
                 for part in norm_parts:
                     state[f"{ours}{norm}.{part}"] = take(f"{hf}{norm}.{part}")
             attn_hf = f"{hf}self_attn."
-            qkv = [take(f"{attn_hf}{p}_proj.weight") for p in "qkv"]
-            state[f"{ours}self_attn.qkv_proj.weight"] = torch.cat(qkv)
-            if cfg.attention_bias:
-                state[f"{ours}self_attn.qkv_proj.bias"] = torch.cat(
-                    [take(f"{attn_hf}{p}_proj.bias") for p in "qkv"]
-                )
-            state[f"{ours}self_attn.o_proj.weight"] = take(f"{attn_hf}o_proj.weight")
-            if cfg.o_proj_bias:
-                state[f"{ours}self_attn.o_proj.bias"] = take(f"{attn_hf}o_proj.bias")
-            if cfg.qk_norm:
-                state[f"{ours}self_attn.q_norm.weight"] = take(f"{attn_hf}q_norm.weight")
-                state[f"{ours}self_attn.k_norm.weight"] = take(f"{attn_hf}k_norm.weight")
+            if cfg.kv_lora_rank:
+                state.update(latent_attention_state(cfg, weights, attn_hf, f"{ours}self_attn.", self.dtype))
+            else:
+                state.update(self._attention_state(weights, attn_hf, f"{ours}self_attn."))
             if cfg.is_moe_layer(i):
                 block = self.layers[i].mlp
                 moe_names = families.get(cfg.architecture).moe_names
@@ -483,6 +485,26 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = self._rope()
         self.local_rope = self._local_rope()
+
+    def _attention_state(
+        self, weights: MutableMapping[str, torch.Tensor], hf: str, ours: str
+    ) -> dict[str, torch.Tensor]:
+        """A GQA attention's parameters from its Hugging Face tensors: q/k/v fused into qkv_proj."""
+        cfg = self.config
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(f"{hf}{name}").to(self.dtype)
+
+        state = {f"{ours}qkv_proj.weight": torch.cat([take(f"{p}_proj.weight") for p in "qkv"]),
+                 f"{ours}o_proj.weight": take("o_proj.weight")}
+        if cfg.attention_bias:
+            state[f"{ours}qkv_proj.bias"] = torch.cat([take(f"{p}_proj.bias") for p in "qkv"])
+        if cfg.o_proj_bias:
+            state[f"{ours}o_proj.bias"] = take("o_proj.bias")
+        if cfg.qk_norm:
+            state[f"{ours}q_norm.weight"] = take("q_norm.weight")
+            state[f"{ours}k_norm.weight"] = take("k_norm.weight")
+        return state
 
     def _mlp_state(
         self, weights: MutableMapping[str, torch.Tensor], hf: str, ours: str

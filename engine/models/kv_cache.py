@@ -8,7 +8,8 @@ context (cached + new), causally, with an optional sliding window and GQA.
 Two implementations of that interface:
 
 * ``PagedKVCache``: preallocated per-layer ``[num_blocks, block_size, kv_heads,
-  head_dim]`` K and V pools addressed by block tables, the engine's cache. Its
+  head_dim]`` K and V pools addressed by block tables, the engine's cache (one pool
+  read as both K and V for multi-head latent attention, ``shared_kv``). Its
   attention is the C++ kernel ``kernels/cpu/paged_attention.cpp`` when the CPU
   can run it: batch invariant by construction, so it serves both modes, and it
   reads K/V in place, so a step builds no per-batch plan; on a CUDA device, the
@@ -43,6 +44,7 @@ from protoserve.engine.models.attention import (
     sdpa_attention,
     tiled_attention,
 )
+from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.device_ops import ops_for
 
 # How a PagedKVCache step attends: the C++ kernel (both modes), or the PyTorch fallbacks.
@@ -108,7 +110,8 @@ class KVCache(ABC):
         slots: torch.Tensor,
     ) -> None:
         k_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.dtype))
-        v_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.dtype))
+        if v_pool is not k_pool:  # a shared pool (MLA's latent) is written once
+            v_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.dtype))
 
 
 class PagedKVCache(KVCache):
@@ -120,6 +123,10 @@ class PagedKVCache(KVCache):
     ``use_kernel``: None (default) uses the C++ attention kernel whenever it is
     available for this cache's dtype; False forces the PyTorch paths (comparisons,
     benchmarks); True requires the kernel.
+
+    ``shared_kv``: one pool per layer, read as K and as V (``self.v is self.k``): multi-head latent
+    attention caches ``[latent ; rope key]`` per token and attends with the latent as its value
+    (engine/models/latent_attention.py), so the pool holds half the bytes of separate K and V.
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class PagedKVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         use_kernel: bool | None = None,
         device: torch.device | str = "cpu",
+        shared_kv: bool = False,
     ):
         device = torch.device(device)
         self.ops = ops_for(device)
@@ -145,16 +153,39 @@ class PagedKVCache(KVCache):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.shared_kv = shared_kv
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = self.k if shared_kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+        use_kernel: bool | None = None, device: torch.device | str = "cpu",
+    ) -> PagedKVCache:
+        """The pool of ``config``'s KV layout (ModelConfig.kv_layout): its heads, head size, shared or not."""
+        layout = config.kv_layout
+        return cls(config.num_layers, num_blocks, block_size, layout.num_heads, layout.head_dim, dtype, use_kernel,
+                   device, shared_kv=layout.shared)
 
     @staticmethod
     def block_bytes(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        shared_kv: bool = False,
     ) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes of one block across all layers, K and V (one pool when ``shared_kv``)."""
+        return (1 if shared_kv else 2) * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def model_block_bytes(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """``block_bytes`` of ``config``'s KV layout."""
+        layout = config.kv_layout
+        return cls.block_bytes(config.num_layers, block_size, layout.num_heads, layout.head_dim, dtype, layout.shared)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K/V take in the pool, over all layers (what GetModel reports)."""
+        return self.block_bytes(self.num_layers, 1, self.num_kv_heads, self.head_dim, self.dtype, self.shared_kv)
 
     @classmethod
     def from_budget(
@@ -175,9 +206,7 @@ class PagedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.block_bytes(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
+        return self.num_blocks * self.block_size * self.bytes_per_token
 
     def prepare(
         self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool,

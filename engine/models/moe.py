@@ -10,7 +10,14 @@ is a small pure function returning a ``Routing``: integer expert ids ``[T, k]``
   iff ``norm_topk_prob``), as transformers computes them;
 * ``token_route``: ``expert = (token_id >> token_shift) & (num_experts - 1)``,
   one expert per token at weight 1: integer arithmetic on the id alone, no
-  router weights and no dependence on the hidden states.
+  router weights and no dependence on the hidden states;
+* ``group_top_k`` (DeepSeek): the experts split into ``num_groups`` groups, a token's
+  top_k taken only within its ``topk_groups`` best groups. V2's
+  ``group_limited_greedy`` ranks groups by their best softmax score; V3's
+  ``noaux_tc`` scores by sigmoid, chooses on score + a learned per-expert bias
+  (``e_score_correction_bias``), ranks groups by the sum of their two best and
+  weights by the unbiased scores. Weights are renormalised where asked, then
+  multiplied by ``routed_scaling_factor``.
 
 Experts run grouped: the (token, slot) pairs are sorted by expert with integer
 indices (a stable sort, so within an expert the pairs keep token order), each
@@ -46,7 +53,8 @@ from protoserve.engine.models.linear import KernelPackable, Linear, tiled_linear
 from protoserve.kernels.cpu import moe_experts as kernel
 from protoserve.kernels.cpu.packed_linear import PackedWeight
 
-ROUTINGS = ("softmax_top_k", "token")
+ROUTINGS = ("softmax_top_k", "token", "group_limited_greedy", "noaux_tc")
+GROUP_ROUTINGS = ("group_limited_greedy", "noaux_tc")
 ACTIVATIONS = ("silu",)
 
 
@@ -71,6 +79,9 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     hidden_act: str = "silu"
+    num_groups: int = 1  # group routings: experts in this many groups ...
+    topk_groups: int = 1  # ... of which a token's experts come from its best this many
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -102,14 +113,34 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.token_shift must be in 0..62, got {self.token_shift}")
         elif self.token_shift:
             raise ValueError("MoEConfig.token_shift applies to token routing only")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, best = self.num_groups, self.topk_groups
+        if self.routing not in GROUP_ROUTINGS:
+            if groups != 1 or best != 1:
+                raise ValueError(f"MoEConfig.num_groups/topk_groups apply to {' and '.join(GROUP_ROUTINGS)} only")
+            return
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"MoEConfig.num_groups ({groups}) must divide num_experts ({self.num_experts})")
+        if not 1 <= best <= groups:
+            raise ValueError(f"MoEConfig.topk_groups must be in 1..{groups}, got {best}")
+        per_group = self.num_experts // groups
+        if self.top_k > best * per_group:
+            raise ValueError(f"MoEConfig.top_k ({self.top_k}) exceeds the experts of topk_groups ({best}) groups "
+                             f"of {per_group}")
+        if self.routing == "noaux_tc" and per_group < 2:  # a group ranks by the sum of its two best
+            raise ValueError(f"MoEConfig: noaux_tc routing needs at least 2 experts per group, got {per_group}")
 
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameters of the block: router, experts, shared expert."""
         h = self.hidden_size
         expert = 3 * h * self.intermediate_size
         fixed = 3 * h * self.shared_intermediate_size + (h if self.shared_expert_gate else 0)
-        if self.routing == "softmax_top_k":
+        if self.routing != "token":
             fixed += self.num_experts * h
+        if self.routing == "noaux_tc":  # the per-expert score bias
+            fixed += self.num_experts
         return fixed + self.num_experts * expert, fixed + self.top_k * expert
 
 
@@ -131,6 +162,46 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(experts, weights)
+
+
+# Columns each row is padded to before an elementwise kernel: a multiple of every SIMD loop's width.
+_ROW_PAD = 64
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid`` of x [T, E], each row's result independent of T. PyTorch's vectorised loop computes a
+    buffer's last (size mod vector width) elements on a scalar path with other rounding, so a row's
+    bits would depend on where the batch puts it (measured); rows padded to 64 columns never form a tail."""
+    rows, cols = x.shape
+    padded = x.new_zeros(rows, -(-cols // _ROW_PAD) * _ROW_PAD)
+    padded[:, :cols] = x
+    return torch.sigmoid(padded)[:, :cols]
+
+
+def group_top_k(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None) -> Routing:
+    """DeepSeek's group-limited top-k of router logits [T, E] (see the module docstring), float32.
+
+    ``bias`` is noaux_tc's ``e_score_correction_bias`` [E]: it picks experts, never weighs them.
+    """
+    t, e = logits.shape
+    if cfg.routing == "noaux_tc":
+        scores = row_sigmoid(logits.float())
+        choice = scores + bias.float()
+        group_scores = choice.view(t, cfg.num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        scores = torch.softmax(logits.float(), dim=-1)
+        choice = scores
+        group_scores = choice.view(t, cfg.num_groups, -1).amax(dim=-1)
+    groups = torch.topk(group_scores, cfg.topk_groups, dim=-1).indices
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    kept = kept.unsqueeze(-1).expand(t, cfg.num_groups, e // cfg.num_groups).reshape(t, e)
+    # Outside the kept groups: -inf for noaux_tc's biased choice (as DeepSeek-V3), 0 for V2's softmax.
+    hidden = float("-inf") if cfg.routing == "noaux_tc" else 0.0
+    experts = torch.topk(choice.masked_fill(~kept, hidden), cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if cfg.normalize_top_k:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(experts, weights * cfg.routed_scaling_factor)
 
 
 def token_route(token_ids: torch.Tensor, num_experts: int, shift: int = 0) -> Routing:
@@ -317,25 +388,29 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert"  # the always-on expert's module (DeepSeek: "shared_experts")
 
 
 MIXTRAL_EXPERT_NAMES = ExpertNames("w1", "w3", "w2")
 QWEN_EXPERT_NAMES = ExpertNames("gate_proj", "up_proj", "down_proj")
+DEEPSEEK_EXPERT_NAMES = ExpertNames("gate_proj", "up_proj", "down_proj", shared="shared_experts")
 
 
 def hf_weight_shapes(cfg: MoEConfig, prefix: str, names: ExpertNames) -> dict[str, tuple[int, ...]]:
     """The per-expert checkpoint tensors of a block of ``cfg`` under ``prefix`` (as saved on the Hub)."""
     h, i, si = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {}
-    if cfg.routing == "softmax_top_k":
+    if cfg.routing != "token":
         shapes[f"{prefix}gate.weight"] = (cfg.num_experts, h)
+    if cfg.routing == "noaux_tc":
+        shapes[f"{prefix}gate.e_score_correction_bias"] = (cfg.num_experts,)
     for e in range(cfg.num_experts):
         shapes[f"{prefix}experts.{e}.{names.gate}.weight"] = (i, h)
         shapes[f"{prefix}experts.{e}.{names.up}.weight"] = (i, h)
         shapes[f"{prefix}experts.{e}.{names.down}.weight"] = (h, i)
     if si:
         for proj, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
-            shapes[f"{prefix}shared_expert.{proj}.weight"] = shape
+            shapes[f"{prefix}{names.shared}.{proj}.weight"] = shape
     if cfg.shared_expert_gate:
         shapes[f"{prefix}shared_expert_gate.weight"] = (1, h)
     return shapes
@@ -348,8 +423,11 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.gate = (
-            FloatProjection(h, config.num_experts, dtype) if config.routing == "softmax_top_k" else None
+        self.gate = FloatProjection(h, config.num_experts, dtype) if config.routing != "token" else None
+        # noaux_tc's per-expert bias on the choice, float32 as DeepSeek keeps it.
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(config.num_experts), requires_grad=False) if config.routing == "noaux_tc"
+            else None
         )
         self.experts = GroupedExperts(config.num_experts, h, config.intermediate_size, dtype)
         self.shared_expert = (
@@ -367,6 +445,8 @@ class MoEBlock(nn.Module):
                     f"token_ids must be [{x.shape[0]}] (one per row of x), got {tuple(token_ids.shape)}"
                 )
             return token_route(token_ids, cfg.num_experts, cfg.token_shift)
+        if cfg.routing in GROUP_ROUTINGS:
+            return group_top_k(self.gate(x), cfg, self.e_score_correction_bias)
         return softmax_top_k(self.gate(x), cfg.top_k, cfg.normalize_top_k)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -410,6 +490,9 @@ class MoEBlock(nn.Module):
         h, i, e_count = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
         if self.gate is not None:
             _assign(self.gate, take(f"{prefix}gate.weight", (e_count, h)))
+        if self.e_score_correction_bias is not None:
+            bias = take(f"{prefix}gate.e_score_correction_bias", (e_count,))
+            self.e_score_correction_bias = nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         if f"{prefix}experts.gate_up_proj" in weights:
             gate_up = take(f"{prefix}experts.gate_up_proj", (e_count, 2 * i, h))
             down = take(f"{prefix}experts.down_proj", (e_count, h, i))
@@ -429,7 +512,7 @@ class MoEBlock(nn.Module):
             down = torch.stack([take(f"{ex}{e}.{names.down}.weight", (h, i)) for e in range(e_count)])
         self.set_experts(gate_up, down)
         if self.shared_expert is not None:
-            si, sp = cfg.shared_intermediate_size, f"{prefix}shared_expert."
+            si, sp = cfg.shared_intermediate_size, f"{prefix}{names.shared}."
             _assign(
                 self.shared_expert.gate_up_proj,
                 torch.cat([take(f"{sp}gate_proj.weight", (si, h)), take(f"{sp}up_proj.weight", (si, h))]),

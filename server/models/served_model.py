@@ -164,6 +164,7 @@ class ServedModel:
             experts_per_token=config.experts_per_token,
             kind=self.kind,
             aliases=self.aliases,
+            kv_bytes_per_token=self.engine.kv_bytes_per_token,
         )
 
     # ---- tokenizer RPCs ----------------------------------------------------------------

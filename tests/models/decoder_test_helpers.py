@@ -115,8 +115,7 @@ class Driver:
 
 
 def paged_cache(model: Decoder, num_blocks: int = 256, block_size: int = 4) -> PagedKVCache:
-    c = model.config
-    return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype)
+    return PagedKVCache.for_model(model.config, num_blocks, block_size, model.dtype)
 
 
 def contiguous_cache(model: Decoder, max_seqs: int = 16, max_seq_len: int = 256) -> ContiguousKVCache:
@@ -193,9 +192,7 @@ def greedy_generate(
     c = model.config
     max_len = max(len(p) for p in prompts) + max_tokens
     per_seq = -(-max_len // block_size)
-    cache = PagedKVCache(
-        c.num_layers, per_seq * len(prompts), block_size, c.num_kv_heads, c.head_dim, model.dtype
-    )
+    cache = PagedKVCache.for_model(c, per_seq * len(prompts), block_size, model.dtype)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     seqs = [scheduled(list(p), 0, tables[i]) for i, p in enumerate(prompts)]
     for _ in range(max_tokens):

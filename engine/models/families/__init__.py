@@ -18,7 +18,7 @@ from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "starcoder2", "command_r", "mixtral",
-            "qwen3_moe", "token_moe")
+            "qwen3_moe", "token_moe", "deepseek")
 
 
 def _load() -> dict[str, Family]:

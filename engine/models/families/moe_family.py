@@ -39,6 +39,9 @@ def block_config(config: ModelConfig) -> MoEConfig:
         token_shift=c.moe_token_shift,
         shared_intermediate_size=c.moe_shared_intermediate_size,
         shared_expert_gate=c.moe_shared_expert_gate,
+        num_groups=c.moe_num_groups,
+        topk_groups=c.moe_topk_groups,
+        routed_scaling_factor=c.moe_routed_scaling_factor,
     )
 
 

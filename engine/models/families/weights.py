@@ -92,5 +92,6 @@ def gguf_to_hf_name(
     match = _GGUF_LAYER_TENSOR.fullmatch(name)
     if match and match.group(2) in layer_names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{layer_names[part]}.{kind}"
+        suffix = layer_names[part]  # "{kind}" in it: the name ends in the kind its own way (DeepSeek's _bias)
+        return f"model.layers.{layer}.{suffix.format(kind=kind) if '{kind}' in suffix else f'{suffix}.{kind}'}"
     return None
