@@ -18,6 +18,7 @@ on the offloader's one worker thread, index lookups on the step thread, under a 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -44,7 +45,10 @@ class BlockStore:
         self.max_bytes = max_bytes
         self.payload_bytes = payload_bytes
         self.dir = self.root / fingerprint.hex()[:16]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"kv_offload_dir {str(root)!r} cannot hold blocks: {exc.strerror or exc}") from None
         self._lock = threading.Lock()
         self._files: OrderedDict[Path, int] = OrderedDict()  # every block file under root, oldest use first
         self._bytes = 0
@@ -85,6 +89,10 @@ class BlockStore:
         except FileNotFoundError:  # evicted by another server sharing the directory
             self._forget(path)
             return None
+        except OSError as exc:  # unreadable: the tokens are computed instead, the request never fails
+            log.warning("kv offload: cannot read block file %s (%s); recomputing its tokens", path, exc)
+            self._forget(path)
+            return None
         try:
             payload = decode_block(data, self.fingerprint, block_hash, self.payload_bytes)
         except BlockFileError as exc:
@@ -95,7 +103,8 @@ class BlockStore:
         with self._lock:
             if path in self._files:
                 self._files.move_to_end(path)
-        os.utime(path)  # the LRU order of the next start
+        with contextlib.suppress(OSError):  # the LRU order of the next start; gone already is fine
+            os.utime(path)
         return payload
 
     def _forget(self, path: Path) -> None:

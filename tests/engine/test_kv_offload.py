@@ -125,3 +125,18 @@ def test_the_size_cap_deletes_the_least_recently_used(make_engine, tmp_path):
     engine.close()
     files = block_files(tmp_path)
     assert len(files) == 5 and sum(p.stat().st_size for p in files) <= cap
+
+
+def test_a_request_waiting_for_its_blocks_can_be_cancelled(make_engine, tmp_path):
+    engine = make_engine(kv_offload_dir=str(tmp_path))
+    run(engine, PROMPT, "1")
+    engine.close()
+    restarted = make_engine(kv_offload_dir=str(tmp_path))
+    restarted.add_request(TokenizedRequest("p", PROMPT + [1, 2], SamplingParams(temperature=0.0, max_tokens=4),
+                                           cache_salt=b"alice"))
+    assert restarted.kv_offload.num_parked == 1 and restarted.stats().waiting == 1
+    assert restarted.abort("p")
+    [out] = restarted.step()
+    assert out.request_id == "p" and out.finished
+    assert not restarted.has_unfinished() and restarted.kv_offload.num_parked == 0
+    assert restarted.block_manager.num_free_blocks == restarted.block_manager.num_blocks
