@@ -24,7 +24,7 @@ from gguf.gguf_reader import ReaderTensor
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.gguf_dequant import dequantize
 from protoserve.engine.loader.gguf_fields import (
-    ROPE_FREQS,
+    ROPE_TENSORS,
     GGUFFields,
     eog_token_ids,
     llama3_rope_factors,
@@ -210,7 +210,7 @@ def _tensor_plan(
     plan: list[tuple[str, ReaderTensor]] = []
     covered: set[str] = set()
     for name, tensor in tensors.items():
-        if name == ROPE_FREQS:
+        if name in ROPE_TENSORS:
             continue
         hf_name = gguf_to_hf_name(name, family.gguf_layer_names, GGUF_GLOBAL_NAMES)
         stacked = gguf_to_hf_name(name, family.gguf_expert_names, {})  # experts' template, "{e}" in it

@@ -15,13 +15,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.models.rope import RopeConfigError
+from protoserve.engine.models.rope_config import rope_scaling_from_gguf
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
     from gguf.gguf_reader import ReaderTensor
 
-# Read into the config, not a parameter: llama 3.x stores its rope scaling as per-frequency factors.
+# Read into the config, not parameters: llama 3.x stores its rope scaling as per-frequency factors,
+# Phi-3's longrope its two factor sets.
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
+# Architectures whose llama.cpp graph scales the softmax by yarn's mscale (reads yarn_log_multiplier).
+SOFTMAX_MSCALE_ARCHITECTURES = ("deepseek2",)
 _TOKEN_TYPE_CONTROL = 3
 # Token texts llama.cpp also treats as end-of-generation when they are control tokens.
 _EOG_TEXTS = frozenset(
@@ -127,30 +135,41 @@ class GGUFFields:
         )
 
     def rope_scaling(self, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
-        """The Hugging Face ``rope_scaling`` dict the file's rope metadata describes."""
-        from protoserve.engine.loader.gguf_dequant import dequantize
-
+        """The Hugging Face ``rope_scaling`` dict the file's rope describes: llama 3's matched from
+        ``rope_freqs``, else engine/models/rope_config.py's reading of the ``rope.scaling.*`` keys,
+        longrope's factor tensors and ``rope.dimension_count`` (partial rotary)."""
         rope_freqs = self.tensors.get(ROPE_FREQS)
         if rope_freqs is not None:
-            factors = dequantize(rope_freqs.data, rope_freqs.tensor_type, torch_shape(rope_freqs), source=self.path)
-            return _llama3_scaling(self.path, factors.numpy(), rope_theta, head_dim)
-        kind = self.get("rope.scaling.type")
-        if kind in (None, "none"):
+            return _llama3_scaling(self.path, self._tensor_values(rope_freqs), rope_theta, head_dim)
+        prefix = f"{self.arch}.rope.scaling."
+        metadata = {key: metadata_value(self.reader, key) for key in self.reader.fields if key.startswith(prefix)}
+        try:
+            return rope_scaling_from_gguf(
+                metadata, self.arch, head_dim, rope_theta, int(self.require("context_length")),
+                long_factors=self._factor_list(ROPE_FACTORS_LONG),
+                short_factors=self._factor_list(ROPE_FACTORS_SHORT),
+                rotary_dim=self._rotary_dim(),
+                softmax_mscale=self.arch in SOFTMAX_MSCALE_ARCHITECTURES,
+            )
+        except RopeConfigError as e:
+            raise self.error(f"rope: {e}") from None
+
+    def _rotary_dim(self) -> int | None:
+        """``rope.dimension_count``; None where it is not a part of the head: absent, or an MLA file,
+        whose rope key is a head of its own beside the latent (DeepSeek's qk_rope_head_dim)."""
+        if self.get("attention.kv_lora_rank") is not None:
             return None
-        factor = float(self.get("rope.scaling.factor", 1.0))
-        if kind == "linear":
-            return {"rope_type": "linear", "factor": factor}
-        if kind == "yarn":
-            scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
-            original = self.get("rope.scaling.original_context_length")
-            if original is not None:
-                scaling["original_max_position_embeddings"] = int(original)
-            for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-                value = self.get(f"rope.scaling.{gguf_key}")
-                if value is not None:
-                    scaling[hf_key] = float(value)
-            return scaling
-        raise self.error(f"unsupported rope scaling type {kind!r}")
+        value = self.get("rope.dimension_count")
+        return None if value is None else int(value)
+
+    def _factor_list(self, name: str) -> list[float] | None:
+        tensor = self.tensors.get(name)
+        return None if tensor is None else self._tensor_values(tensor).tolist()
+
+    def _tensor_values(self, tensor: ReaderTensor) -> np.ndarray:
+        from protoserve.engine.loader.gguf_dequant import dequantize
+
+        return dequantize(tensor.data, tensor.tensor_type, torch_shape(tensor), source=self.path).numpy()
 
 
 def llama3_rope_factors(

@@ -27,7 +27,6 @@ from protoserve.engine.loader.progress import tensor_progress
 from protoserve.engine.loader.quantization_config import PackedQuantization, parse_quantization_config
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.rope import RopeConfigError, rope_spec
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -77,10 +76,6 @@ def parse_hf_config(raw: Mapping[str, Any], generation: Mapping[str, Any] | None
         raise ModelLoadError(
             path, f"num_attention_heads {config.num_heads} is not a multiple of num_key_value_heads"
         )
-    try:
-        rope_spec(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
-    except RopeConfigError as e:
-        raise ModelLoadError(path, f"rope scaling: {e}") from e
     return config
 
 

@@ -3,7 +3,7 @@
 ``HFFields`` wraps the raw dict with the file's path, so every problem is a
 ModelLoadError naming config.json and the key; ``common()`` returns the
 ModelConfig keyword arguments that all families read alike (sizes, norms eps,
-rope, ids), and each family adds its own switches on top.
+rope through engine/models/rope_config.py, ids), and each family adds its own switches on top.
 """
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ from typing import Any
 
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.models.config import FULL, LAYER_TYPES, SLIDING
+from protoserve.engine.models.rope import RopeConfigError
+from protoserve.engine.models.rope_config import (
+    RopeSettings,
+    rope_settings_by_layer_type_from_hf,
+    rope_settings_from_hf,
+)
+
+DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -51,21 +59,23 @@ class HFFields:
             raise self.error(f"unsupported {key} {act!r} (supported: {', '.join(accepted)})")
         return act
 
-    def rope(self, params: Mapping[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
-        """(rope_theta, rope_scaling or None) from ``rope_parameters`` (transformers >= 5, theta
-        inside) or the older ``rope_theta`` + ``rope_scaling``; ``params`` overrides for one layer type."""
-        if params is None:
-            rope_params = self.raw.get("rope_parameters")
-            if isinstance(rope_params, dict) and isinstance(next(iter(rope_params.values()), None), dict):
-                raise self.error("per-layer-type rope_parameters are not supported")
-            params = rope_params if rope_params else self.raw.get("rope_scaling")
-        scaling = dict(params or {})
-        theta = float(scaling.pop("rope_theta", self.raw.get("rope_theta", 10000.0)))
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if float(scaling.get("partial_rotary_factor", self.raw.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise self.error("partial rotary embeddings are not supported")
-        scaling.pop("partial_rotary_factor", None)
-        return theta, (None if rope_type == "default" else {**scaling, "rope_type": rope_type})
+    def rope(self, head_dim: int, aliases: Mapping[str, str] | None = None) -> RopeSettings:
+        """The rope base and scaling of a model whose layers share one rope, for heads of ``head_dim``
+        (engine/models/rope_config.py; ``aliases``: the family's legacy rope type names)."""
+        try:
+            return rope_settings_from_hf(self.raw, head_dim, self.max_position_embeddings(), aliases)
+        except RopeConfigError as e:
+            raise self.error(f"rope: {e}") from None
+
+    def rope_by_layer_type(self, head_dim: int) -> dict[str, RopeSettings | None]:
+        """Per layer type, the rope of a config.json that gives ``rope_parameters`` per layer type."""
+        try:
+            return rope_settings_by_layer_type_from_hf(self.raw, head_dim, self.max_position_embeddings())
+        except RopeConfigError as e:
+            raise self.error(f"rope: {e}") from None
+
+    def max_position_embeddings(self) -> int:
+        return int(self.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
 
     def layer_types(self, num_layers: int) -> list[str] | None:
         """The file's ``layer_types`` list, checked; None when it has none."""
@@ -90,13 +100,16 @@ class HFFields:
             types = [SLIDING if i >= first else FULL for i in range(num_layers)]
         return window, types
 
-    def common(self) -> dict[str, Any]:
-        """ModelConfig keyword arguments every family reads the same way."""
+    def common(self, rope: RopeSettings | None = None) -> dict[str, Any]:
+        """ModelConfig keyword arguments every family reads the same way; ``rope`` is the family's
+        own reading (another head_dim, legacy type names, rope per layer type), else ``rope()``'s."""
         hidden = int(self.need("hidden_size"))
         heads = int(self.need("num_attention_heads"))
         if self.raw.get("mlp_bias"):
             raise self.error("unsupported mlp_bias=true")
-        theta, scaling = self.rope()
+        head_dim = int(self.raw.get("head_dim") or hidden // heads)
+        if rope is None:
+            rope = self.rope(head_dim)
         eos = _as_id_list((self.generation or {}).get("eos_token_id")) or _as_id_list(self.raw.get("eos_token_id"))
         bos = self.raw.get("bos_token_id")
         return dict(
@@ -106,11 +119,11 @@ class HFFields:
             num_layers=int(self.need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=int(self.raw.get("num_key_value_heads") or heads),
-            head_dim=int(self.raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(self.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(self.get("max_position_embeddings", 4096)),
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
+            max_position_embeddings=self.max_position_embeddings(),
             tie_word_embeddings=bool(self.get("tie_word_embeddings", False)),
             bos_token_id=bos if isinstance(bos, int) else None,
             eos_token_ids=eos,

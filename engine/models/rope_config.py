@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from protoserve.engine.models.rope import RopeConfigError, rope_type_of, validate_rope_scaling
+from protoserve.engine.models.rope import RopeConfigError, rope_type_of, rotary_dim_of, validate_rope_scaling
 
 DEFAULT_THETA = 10000.0
 # Types whose pretraining context transformers fills from max_position_embeddings.
@@ -46,10 +46,24 @@ def _is_nested(params: Mapping[str, Any]) -> bool:
     )
 
 
-def _standardize(
-    params: Mapping[str, Any], raw: Mapping[str, Any], head_dim: int, max_position_embeddings: int
-) -> RopeSettings:
+def _aliased(params: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """The dict with a family's legacy type names (Phi-3's "su") replaced by the type they mean."""
     scaling = dict(params)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in aliases:
+        scaling.pop("type", None)
+        scaling["rope_type"] = aliases[kind]
+    return scaling
+
+
+def _standardize(
+    params: Mapping[str, Any],
+    raw: Mapping[str, Any],
+    head_dim: int,
+    max_position_embeddings: int,
+    aliases: Mapping[str, str],
+) -> RopeSettings:
+    scaling = _aliased(params, aliases)
     theta = scaling.pop("rope_theta", raw.get("rope_theta", DEFAULT_THETA))
     if theta is None:
         theta = DEFAULT_THETA
@@ -92,17 +106,26 @@ def _hf_params(raw: Mapping[str, Any]) -> Mapping[str, Any]:
     return params
 
 
+def is_per_layer_type(raw: Mapping[str, Any]) -> bool:
+    """Whether config.json gives its rope parameters per layer type (transformers >= 5's Gemma 3)."""
+    return _is_nested(_hf_params(raw))
+
+
 def rope_settings_from_hf(
-    raw: Mapping[str, Any], head_dim: int, max_position_embeddings: int
+    raw: Mapping[str, Any],
+    head_dim: int,
+    max_position_embeddings: int,
+    aliases: Mapping[str, str] | None = None,
 ) -> RopeSettings:
-    """config.json -> RopeSettings for a model whose layers share one rope."""
+    """config.json -> RopeSettings for a model whose layers share one rope. ``aliases`` maps a
+    family's legacy type names onto ours (Phi-3's config class reads "su" and "yarn" as longrope)."""
     params = _hf_params(raw)
     if _is_nested(params):
         raise RopeConfigError(
-            f"rope_parameters is given per layer type ({', '.join(params)}); "
-            "this model needs rope_settings_by_layer_type_from_hf"
+            f"rope_parameters is given per layer type ({', '.join(params)}), "
+            "which this model family does not read"
         )
-    return _standardize(params, raw, head_dim, max_position_embeddings)
+    return _standardize(params, raw, head_dim, max_position_embeddings, aliases or {})
 
 
 def rope_settings_by_layer_type_from_hf(
@@ -114,13 +137,13 @@ def rope_settings_by_layer_type_from_hf(
     params = _hf_params(raw)
     if _is_nested(params):
         return {
-            layer_type: None if p is None else _standardize(p, raw, head_dim, max_position_embeddings)
+            layer_type: None if p is None else _standardize(p, raw, head_dim, max_position_embeddings, {})
             for layer_type, p in params.items()
         }
     layer_types = raw.get("layer_types")
     if not layer_types:
         raise RopeConfigError("rope_parameters is not per layer type and config.json has no 'layer_types'")
-    settings = _standardize(params, raw, head_dim, max_position_embeddings)
+    settings = _standardize(params, raw, head_dim, max_position_embeddings, {})
     return {layer_type: settings for layer_type in dict.fromkeys(layer_types)}
 
 
@@ -157,13 +180,53 @@ def rope_scaling_from_gguf(
     context_length: int,
     long_factors: list[float] | None = None,
     short_factors: list[float] | None = None,
+    rotary_dim: int | None = None,
+    softmax_mscale: bool = False,
 ) -> dict[str, Any] | None:
     """GGUF metadata (full key -> plain value) -> the Hugging Face scaling dict, or None.
 
     ``context_length`` is ``{arch}.context_length``; ``long_factors`` / ``short_factors``
-    the contents of the ``rope_factors_long/short.weight`` tensors (longrope, Phi-3).
+    the contents of the ``rope_factors_long/short.weight`` tensors (longrope, Phi-3);
+    ``rotary_dim`` the file's ``{arch}.rope.dimension_count`` (None: head_dim), fewer dims
+    than head_dim being partial rotary (Phi-4-mini). ``softmax_mscale``: the architecture's
+    graph scales the softmax by yarn's mscale (llama.cpp's deepseek2, the only reader of
+    ``yarn_log_multiplier``, which the converter writes as 0.1 * mscale_all_dim): the key maps
+    onto mscale = mscale_all_dim, so the rope itself is not scaled, as in llama.cpp.
     llama 3's ``rope_freqs.weight`` is not read here (its loader matches the factors).
     """
+    scaling = _gguf_scaling(metadata, arch, context_length, long_factors, short_factors, softmax_mscale)
+    partial = _gguf_partial_rotary(arch, head_dim, rotary_dim)
+    if partial is not None:
+        scaling = {"rope_type": "default", **(scaling or {}), "partial_rotary_factor": partial}
+    if scaling is None:
+        return None
+    validate_rope_scaling(scaling, head_dim, rope_theta, context_length)
+    return scaling
+
+
+def _gguf_partial_rotary(arch: str, head_dim: int, rotary_dim: int | None) -> float | None:
+    """``partial_rotary_factor`` for ``rotary_dim`` rotated dims of ``head_dim`` (None: all of them)."""
+    if rotary_dim is None or rotary_dim == head_dim:
+        return None
+    key = f"{arch}.rope.dimension_count"
+    if not (isinstance(rotary_dim, int) and 2 <= rotary_dim < head_dim and rotary_dim % 2 == 0):
+        raise RopeConfigError(f"{key} = {rotary_dim!r}: rotary dims must be even, at least 2 and at most "
+                              f"the head dim ({head_dim})")
+    partial = rotary_dim / head_dim
+    if rotary_dim_of(head_dim, {"partial_rotary_factor": partial}) != rotary_dim:
+        raise RopeConfigError(f"{key} = {rotary_dim} is not a fraction of head dim {head_dim} "
+                              "that partial_rotary_factor can express")
+    return partial
+
+
+def _gguf_scaling(
+    metadata: Mapping[str, Any],
+    arch: str,
+    context_length: int,
+    long_factors: list[float] | None,
+    short_factors: list[float] | None,
+    softmax_mscale: bool,
+) -> dict[str, Any] | None:
     prefix = f"{arch}.rope.scaling."
     values = {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
     unknown = sorted(set(values) - set(_GGUF_SCALING_KEYS))
@@ -188,8 +251,9 @@ def rope_scaling_from_gguf(
         )
     if values.get("alpha") is not None:
         raise RopeConfigError(f"{key('alpha')}: NTK alpha scaling is not supported")
-    if values.get("yarn_log_multiplier") not in (None, 0, 0.0):
-        # DeepSeek's mscale: it scales the attention softmax too, which this rope does not model.
+    log_multiplier = values.get("yarn_log_multiplier")
+    if log_multiplier not in (None, 0, 0.0) and not (softmax_mscale and kind == "yarn"):
+        # Only a graph that scales the softmax by it (deepseek2) reads it; elsewhere it would be ignored.
         raise RopeConfigError(
             f"{key('yarn_log_multiplier')} = {values['yarn_log_multiplier']!r} is not supported"
         )
@@ -210,6 +274,8 @@ def rope_scaling_from_gguf(
         for suffix, hf_key in _GGUF_YARN_KEYS.items():
             if values.get(suffix) is not None:
                 scaling[hf_key] = float(values[suffix])
+        if log_multiplier not in (None, 0, 0.0):
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(log_multiplier) / 0.1
         if values.get("attn_factor") is not None:
             raise RopeConfigError(
                 f"{key('attn_factor')} is only read for longrope; yarn uses {key('yarn_attn_factor')}"
@@ -235,5 +301,4 @@ def rope_scaling_from_gguf(
         for suffix in ("attn_factor", "original_context_length", *_GGUF_YARN_KEYS):
             if values.get(suffix) is not None:
                 raise RopeConfigError(f"{key(suffix)} has no meaning for linear scaling")
-    validate_rope_scaling(scaling, head_dim, rope_theta, context_length)
     return scaling

@@ -59,9 +59,15 @@ def test_unknown_model_type(llama_dir: Path) -> None:
 
 
 def test_unsupported_rope_type(llama_dir: Path) -> None:
-    _edit_config(llama_dir, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    _edit_config(llama_dir, rope_parameters={"rope_type": "ntk-by-parts", "factor": 4.0, "rope_theta": 10000.0})
     err = _load_error(llama_dir)
-    assert Path(err.path) == llama_dir / "config.json" and "yarn" in err.problem
+    assert Path(err.path) == llama_dir / "config.json" and "ntk-by-parts" in err.problem
+
+
+def test_per_layer_type_rope_refused_where_the_family_has_one_rope(llama_dir: Path) -> None:
+    _edit_config(llama_dir, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    err = _load_error(llama_dir)
+    assert Path(err.path) == llama_dir / "config.json" and "per layer type" in err.problem
 
 
 def test_missing_shard(sharded_dir: Path) -> None:

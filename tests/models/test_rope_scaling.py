@@ -726,6 +726,33 @@ def test_gguf_linear_none_and_longrope() -> None:
     )
 
 
+def test_gguf_partial_rotary_from_the_dimension_count() -> None:
+    """Phi-4-mini's ``rope.dimension_count`` below the head dim: partial rotary, as its config.json says."""
+    scaling = rope_scaling_from_gguf({}, "phi3", 16, 10000.0, 512, rotary_dim=12)
+    assert scaling == {"rope_type": "default", "partial_rotary_factor": 0.75}
+    assert rope_spec(16, 10000.0, scaling, 512).rotary_dim == 12
+    assert rope_scaling_from_gguf({}, "phi3", 16, 10000.0, 512, rotary_dim=16) is None
+    for bad in (7, 18, 0):
+        with pytest.raises(RopeConfigError, match="phi3.rope.dimension_count"):
+            rope_scaling_from_gguf({}, "phi3", 16, 10000.0, 512, rotary_dim=bad)
+
+
+def test_gguf_yarn_log_multiplier_where_the_softmax_takes_it() -> None:
+    """deepseek2's converter writes 0.1 * mscale_all_dim; llama.cpp scales the softmax by it and leaves
+    the rope's magnitude at 1, which mscale = mscale_all_dim gives (transformers' attention factor)."""
+    meta = {
+        "deepseek2.rope.scaling.type": "yarn",
+        "deepseek2.rope.scaling.factor": 4.0,
+        "deepseek2.rope.scaling.original_context_length": 128,
+        "deepseek2.rope.scaling.yarn_log_multiplier": 0.0707,
+    }
+    scaling = rope_scaling_from_gguf(meta, "deepseek2", 64, 10000.0, 512, softmax_mscale=True)
+    assert scaling["mscale"] == scaling["mscale_all_dim"] == pytest.approx(0.707)
+    assert rope_spec(64, 10000.0, scaling, 512).attention_factor == 1.0
+    with pytest.raises(RopeConfigError, match="yarn_log_multiplier"):
+        rope_scaling_from_gguf(meta, "deepseek2", 64, 10000.0, 512)
+
+
 GGUF_BAD = [
     ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor", {}),
     ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.factor", {}),

@@ -19,7 +19,6 @@ HF tensors shifted on load, GGUF as stored), so the shared RMSNorm runs.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ import torch
 
 from protoserve.engine.models.config import FULL, SLIDING, ModelConfig
 from protoserve.engine.models.families.family import Family
+from protoserve.engine.models.rope_config import RopeSettings, is_per_layer_type
 
 if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
     from protoserve.engine.loader.gguf_fields import GGUFFields
@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the loader builds these and hands them over; families never
 # transformers' and llama.cpp's defaults where a file does not say.
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global
 DEFAULT_LOCAL_ROPE_THETA = 10000.0
+DEFAULT_GLOBAL_ROPE_THETA = 1_000_000.0  # of a per-layer-type rope_parameters without full_attention
 DEFAULT_HEAD_DIM = 256
 DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -109,20 +110,18 @@ def pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
     return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
 
 
-def _rope(hf: HFFields) -> tuple[float, dict[str, Any] | None, float]:
-    """(global theta, global scaling, local theta) from per-layer-type rope_parameters or the old keys."""
-    params = hf.raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(next(iter(params.values()), None), dict):
-        unknown = set(params) - {FULL, SLIDING}
-        if unknown:
-            raise hf.error(f"rope_parameters for unknown layer types {sorted(unknown)}")
-        theta, scaling = hf.rope(params.get(FULL) or {"rope_theta": 1_000_000.0})
-        local_theta, local_scaling = hf.rope(params.get(SLIDING) or {"rope_theta": DEFAULT_LOCAL_ROPE_THETA})
-        if local_scaling is not None:
-            raise hf.error(f"rope scaling on sliding layers is not supported: {local_scaling}")
-        return theta, scaling, local_theta
-    theta, scaling = hf.rope()
-    return theta, scaling, float(hf.get("rope_local_base_freq", DEFAULT_LOCAL_ROPE_THETA))
+def _rope(hf: HFFields, head_dim: int) -> tuple[RopeSettings, float]:
+    """(global rope, local theta) from per-layer-type rope_parameters or the old keys."""
+    if not is_per_layer_type(hf.raw):
+        return hf.rope(head_dim), float(hf.get("rope_local_base_freq", DEFAULT_LOCAL_ROPE_THETA))
+    by_type = hf.rope_by_layer_type(head_dim)
+    unknown = set(by_type) - {FULL, SLIDING}
+    if unknown:
+        raise hf.error(f"rope_parameters for unknown layer types {sorted(unknown)}")
+    local = by_type.get(SLIDING) or RopeSettings(DEFAULT_LOCAL_ROPE_THETA, None)
+    if local.scaling is not None:
+        raise hf.error(f"rope scaling on sliding layers is not supported: {local.scaling}")
+    return by_type.get(FULL) or RopeSettings(DEFAULT_GLOBAL_ROPE_THETA, None), local.theta
 
 
 def optional_float(value: Any) -> float | None:
@@ -182,9 +181,8 @@ def gemma_gguf_blocks(
 
 
 def from_hf(hf: HFFields) -> ModelConfig:
-    raw = {**hf.raw, "rope_parameters": None, "rope_scaling": None}  # read by _rope below
-    common = dataclasses.replace(hf, raw=raw).common()
-    common["rope_theta"], common["rope_scaling"], local_theta = _rope(hf)
+    rope, local_theta = _rope(hf, int(hf.get("head_dim", DEFAULT_HEAD_DIM)))
+    common = hf.common(rope)
     pattern = int(hf.get("sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN))
     common.update(gemma_hf_blocks(hf, common["num_layers"], pattern))
     return ModelConfig(architecture="gemma3", **common, rope_local_theta=local_theta, qk_norm=True)
