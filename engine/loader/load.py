@@ -166,6 +166,8 @@ def load_model(
         sampling_defaults = gguf_sampling_defaults(gguf.reader, source)
     else:
         raise ModelLoadError(source, "no such file or directory")
+    split = families.get(config.architecture).split_weight
+    weights = {part: t for name, tensor in weights.items() for part, t in split(config, name, tensor).items()}
     # The card's values fill in what the file leaves out; the file's own win.
     sampling_defaults = {**resolved.card_sampling_defaults, **sampling_defaults}
     family_template = families.get(config.architecture).chat_template

@@ -58,6 +58,12 @@ def _cpu_attention(q, k_pool, v_pool, batch: ForwardBatch, scale: float, window:
                                          batch.seq_lens, scale, window)
 
 
+def _cpu_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Partial rotary (Phi-4-mini): the kernel rotates the leading dims of a view, whose strides it follows.
+    cpu_norm_rope.rope_(x[..., : cos.shape[-1]], cos, sin)
+    return x
+
+
 @functools.cache
 def _cpu_ops() -> DeviceOps:
     norms = cpu_norm_rope.available()
@@ -66,7 +72,7 @@ def _cpu_ops() -> DeviceOps:
         norm_dtypes=(torch.float32,),
         rms_norm=cpu_norm_rope.rms_norm if norms else None,
         add_rms_norm_=cpu_norm_rope.add_rms_norm_ if norms else None,
-        rope_=cpu_norm_rope.rope_ if norms else None,
+        rope_=_cpu_rope_ if norms else None,
         packed_linear=cpu_linear.packed_linear if cpu_linear.available() else None,
         pack_layout="cpu",
         paged_attention=_cpu_attention if cpu_attention.available() else None,

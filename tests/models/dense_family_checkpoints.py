@@ -1,9 +1,14 @@
-"""Tiny random checkpoints of Gemma 2, StarCoder2 and Command-R, and GGUF files of them.
+"""Tiny random checkpoints of Gemma 2, StarCoder2, Command-R and Phi-3/4, and GGUF files of them.
 
 Each is saved with transformers' own classes and a byte-level tokenizer, as
 family_checkpoints.py does; ``write_gguf`` writes the same weights as llama.cpp's
 converter lays them out for the family's GGUF architecture (names, metadata keys,
-Gemma's norms stored as ``1 + w``; none of the three permutes q/k rows).
+Gemma's norms stored as ``1 + w``, Phi-3's longrope factors as tensors; none permutes q/k rows).
+
+``phi3`` has longrope with a pretraining context (``PHI_ORIGINAL``) far below
+max_position_embeddings, so prompts on either side of it take different factor sets,
+and a sliding window; ``phi4-mini`` rotates 3/4 of each head (partial rotary), ties its
+embeddings and has longrope too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from family_checkpoints import TINY, WINDOW, write_byte_tokenizer
 from torch import nn
 
 FAMILIES = ("gemma2", "starcoder2", "command_r")
+PHI_FAMILIES = ("phi3", "phi4-mini")
+PHI_ORIGINAL = 48  # original_max_position_embeddings: longrope's short factors up to here
+PHI_WINDOW = 24
 # Small enough that the soft-cap bends the random model's scores (guarded by a test).
 ATTN_SOFTCAP = 5.0
 
@@ -37,7 +45,25 @@ def hf_config(family: str):
     if family == "command_r":  # parallel block, interleaved rope, logit scale, tied embeddings
         return CohereConfig(**TINY, num_hidden_layers=2, logit_scale=0.5, use_qk_norm=False,
                             tie_word_embeddings=True)
+    if family in PHI_FAMILIES:
+        return _phi_config(family)
     raise ValueError(family)
+
+
+def _longrope(pairs: int) -> dict:
+    """Factor sets far enough apart that choosing the wrong one shows in the logits."""
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [1.0 + 0.6 * i for i in range(pairs)]}
+
+
+def _phi_config(family: str):
+    from transformers import Phi3Config
+
+    base = dict(**TINY, num_hidden_layers=2, original_max_position_embeddings=PHI_ORIGINAL, rms_norm_eps=1e-5)
+    if family == "phi3":  # head_dim 16: 8 rotary pairs
+        return Phi3Config(**base, rope_scaling=_longrope(8), sliding_window=PHI_WINDOW)
+    # head_dim 16 * 0.75: 12 rotary dims, 6 pairs
+    return Phi3Config(**base, rope_scaling=_longrope(6), partial_rotary_factor=0.75, tie_word_embeddings=True)
 
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0) -> nn.Module:
@@ -71,6 +97,10 @@ GGUF_FORMS = {
                                   **_ATTENTION, "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}),
     "command_r": ("command-r", {"input_layernorm": "attn_norm", **_ATTENTION, **_GATED}),
 }
+_PHI_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_FORMS.update({family: ("phi3", _PHI_PARTS) for family in PHI_FAMILIES})
 
 
 def _metadata(writer, family: str, c) -> None:
@@ -92,14 +122,30 @@ def _metadata(writer, family: str, c) -> None:
     elif family == "starcoder2":
         writer.add_layer_norm_eps(c.norm_epsilon)
         writer.add_sliding_window(c.sliding_window)  # llama.cpp's converter omits it; the loader honours it
+    elif family in PHI_FAMILIES:
+        _phi_metadata(writer, c, head_dim)
     else:
         writer.add_layer_norm_eps(c.layer_norm_eps)
         writer.add_logit_scale(c.logit_scale)
 
 
+def _phi_metadata(writer, c, head_dim: int) -> None:
+    """As llama.cpp's Phi3MiniModel writes them: the rotated dims, the original context, longrope's
+    attention factor (transformers' formula), a window of 0 for none."""
+    import math
+
+    rope = c.rope_parameters
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    writer.add_sliding_window(c.sliding_window or 0)
+    scale = c.max_position_embeddings / c.original_max_position_embeddings
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+
+
 def write_gguf(path: Path, hf: nn.Module, family: str, extra: dict[str, torch.Tensor] | None = None) -> Path:
     """The tiny model in float32 as llama.cpp's converter writes ``family`` (tied: no ``output.weight``),
-    plus the ``extra`` tensors by GGUF name."""
+    plus the ``extra`` tensors by GGUF name (Phi's longrope factor tensors before them)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -126,8 +172,14 @@ def write_gguf(path: Path, hf: nn.Module, family: str, extra: dict[str, torch.Te
             for kind in ("weight", "bias"):
                 if f"model.layers.{i}.{hf_part}.{kind}" in state:
                     put(f"blk.{i}.{gguf_part}.{kind}", f"model.layers.{i}.{hf_part}.{kind}")
+    if not c.tie_word_embeddings:
+        put("output.weight", "lm_head.weight")
     state.pop("lm_head.weight", None)  # tied to the embedding
     assert not state, sorted(state)
+    if family in PHI_FAMILIES:
+        rope = c.rope_parameters
+        extra = {"rope_factors_long.weight": torch.tensor(rope["long_factor"]),
+                 "rope_factors_short.weight": torch.tensor(rope["short_factor"]), **(extra or {})}
     for name, tensor in (extra or {}).items():
         writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()

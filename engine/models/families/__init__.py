@@ -17,7 +17,7 @@ from importlib import import_module
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.family import Family
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "starcoder2", "command_r", "mixtral",
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "starcoder2", "command_r", "phi3", "mixtral",
             "qwen3_moe", "token_moe", "deepseek")
 
 

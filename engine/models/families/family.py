@@ -8,11 +8,11 @@ A family module (llama.py, gemma3.py, ...) builds one ``Family`` and says:
   config.json, ``config_from_gguf`` the GGUF metadata); the ModelConfig it returns
   also carries the family's blocks (MLP kind, norm placement, q/k norm, windows,
   rope bases), which the shared Decoder composes;
-* its weight names: every tensor by Hugging Face name and shape (``hf_shapes``;
-  the dense default follows the blocks in ModelConfig, an MoE family lists its
-  experts), GGUF ``blk.N.<part>`` names onto Hugging Face suffixes, and any
-  per-tensor transform the source format needs (llama.cpp's q/k row
-  permutation, Gemma's ``1 + w`` norms);
+* its weight names: every tensor by Hugging Face name and shape as its files hold
+  them (``hf_shapes``; the dense default follows the blocks in ModelConfig, an MoE
+  family lists its experts), GGUF ``blk.N.<part>`` names onto Hugging Face suffixes,
+  and any per-tensor transform the source format needs (llama.cpp's q/k row
+  permutation, Gemma's ``1 + w`` norms, Phi-3's fused projections split);
 * its parameters used per token (``active_parameters``; None: all of them);
 * what the fused C++ step cannot run yet (``fused_step_unsupported``).
 
@@ -31,6 +31,7 @@ import torch
 from protoserve.engine.models.config import ModelConfig
 from protoserve.engine.models.families.moe_family import MoeNames
 from protoserve.engine.models.families.weights import expected_hf_shapes
+from protoserve.engine.models.rope import rotary_dim_of
 
 if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
     from protoserve.engine.loader.gguf_fields import GGUFFields
@@ -66,13 +67,21 @@ GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
 WeightTransform = Callable[[ModelConfig, str, torch.Tensor], torch.Tensor]
 
 
+# (config, Hugging Face name, tensor) -> the decoder's tensors it holds, by Hugging Face name.
+WeightSplit = Callable[[ModelConfig, str, torch.Tensor], dict[str, torch.Tensor]]
+
+
 def keep_weight(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def whole_weight(config: ModelConfig, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {name: tensor}
+
+
 def fused_step_lacks(config: ModelConfig) -> str | None:
     """The blocks of ``config`` that kernels/cpu/decoder_step.cpp does not compute (RMSNorms, a gated
-    MLP, half-split rope and uncapped attention scores are what it runs), or None."""
+    MLP, half-split rope over whole heads and uncapped attention scores are what it runs), or None."""
     lacking = [
         what
         for what, present in (
@@ -81,6 +90,7 @@ def fused_step_lacks(config: ModelConfig) -> str | None:
             ("an MLP without a gate", config.mlp == "gelu"),
             ("interleaved rope", config.rope_interleaved),
             ("attention-logit soft-capping", config.attn_logit_softcapping is not None),
+            ("partial rotary", rotary_dim_of(config.head_dim, config.rope_scaling) < config.head_dim),
         )
         if present
     ]
@@ -114,6 +124,9 @@ class Family:
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
     hf_weight: WeightTransform = keep_weight  # applied to each safetensors tensor
     gguf_weight: WeightTransform = keep_weight  # applied to each dequantized GGUF tensor
+    # Applied to every tensor of either format once checked against ``hf_shapes``: a family whose
+    # files fuse several of the decoder's tensors into one (Phi-3's qkv_proj) splits them here.
+    split_weight: WeightSplit = whole_weight
     # Why the fused C++ step cannot run a config of this family (None: it can); the Decoder then
     # serves it on the module path and logs the reason.
     fused_step_unsupported: Callable[[ModelConfig], str | None] = fused_step_lacks
