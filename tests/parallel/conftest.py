@@ -6,8 +6,9 @@ Llama with ``attention_bias`` (q/k/v and o_proj biases: a row-parallel bias must
 GQA 4/2, initialised as those are; ``odd_heads`` has 3 heads, which 2 ranks cannot split.
 ``gemma3-kv1`` and ``gemma3-kv2`` are tests/models' tiny Gemma 3 (q/k norms, sandwich norms, local
 and global layers) with 4 query heads over 1 and 2 KV heads: KV heads replicated at TP=2 and TP=4.
-``gemma2``, ``starcoder2`` and ``command_r`` are tests/models' dense-family checkpoints (soft-capped
-attention, an ungated GELU MLP with biases, a parallel block with interleaved rope).
+``gemma2``, ``starcoder2``, ``command_r``, ``phi3`` and ``phi4-mini`` are tests/models' dense-family
+checkpoints (soft-capped attention, an ungated GELU MLP with biases, a parallel block with interleaved
+rope, fused projections with longrope and a window, partial rotary with tied embeddings).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from decoder_test_helpers import TINY, make_hf_checkpoint  # noqa: E402
 from dense_family_checkpoints import make_checkpoint as make_dense_checkpoint  # noqa: E402
 from family_checkpoints import hf_config  # noqa: E402
 
-DENSE_FAMILIES = ("gemma2", "starcoder2", "command_r")
+DENSE_FAMILIES = ("gemma2", "starcoder2", "command_r", "phi3", "phi4-mini")
 
 GEMMA3_KV_HEADS = {"gemma3-kv1": 1, "gemma3-kv2": 2}
 
