@@ -352,7 +352,7 @@ COMPLETION_STREAM = (
     + b',"choices":[{"text":"lo","index":0,"logprobs":null,"finish_reason":"length"}],'
     b'"usage":null,"system_fingerprint":""}\n\n'
     b"data: {" + COMPLETION_CHUNK + b',"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,'
-    b'"total_tokens":3},"system_fingerprint":""}\n\n'
+    b'"total_tokens":3,"prompt_tokens_details":null},"system_fingerprint":""}\n\n'
     b"data: [DONE]\n\n"
 )
 
