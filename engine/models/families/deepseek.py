@@ -118,10 +118,7 @@ def from_gguf(meta: GGUFFields) -> ModelConfig:
     if gating not in _GGUF_GATING:
         raise meta.error(f"unsupported expert_gating_func {gating} (supported: {', '.join(map(str, _GGUF_GATING))})")
     num_experts = int(meta.require("expert_count"))
-    scaling = common["rope_scaling"]
-    log_mul = meta.get("rope.scaling.yarn_log_multiplier")
-    if scaling is not None and log_mul:  # the converter writes 0.1 * mscale_all_dim
-        scaling = {**scaling, "mscale": 1.0, "mscale_all_dim": float(log_mul) / 0.1}
+    scaling = common["rope_scaling"]  # yarn_log_multiplier read as mscale = mscale_all_dim (rope_config)
     expert_size = int(meta.require("expert_feed_forward_length"))
     config = ModelConfig(
         architecture="deepseek",
