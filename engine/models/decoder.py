@@ -12,6 +12,7 @@ The families differ only in switches of ModelConfig, which each family's module 
 * StarCoder2: LayerNorms with biases, a GELU MLP without gate, biases everywhere.
 * Command-R: one LayerNorm feeding attention and the MLP in parallel, interleaved rope,
   logits scaled by ``logit_scale``.
+* Phi-3/4: Llama blocks (its fused checkpoint tensors split on load), LongRoPE, partial rotary.
 * DeepSeek-V2/V3: multi-head latent attention (latent_attention.py: a compressed KV latent
   cached in place of K/V) and group-routed MoE layers with shared experts after the first dense ones.
 
