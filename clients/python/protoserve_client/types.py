@@ -323,6 +323,7 @@ class ModelInfo:
     source: str
     kind: str  # "chat", "completion" or "embedding"
     aliases: tuple[str, ...]  # other names a request may use for the model
+    kv_bytes_per_token: int  # bytes one token takes in the paged KV pool
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
