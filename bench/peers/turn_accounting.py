@@ -8,46 +8,19 @@ prompt less one KV block (``SLACK_TOKENS``: protoserve caches whole 16-token
 blocks and must compute a prompt's last token; llama-server matches token by
 token, so the slack only makes the check fair to both).
 
-llama-server says what it cached in each reply's usage; protoserve's chat
-usage does not, so its figures come from its request log, one JSON line per
-finished request keyed by the response id (docs/observability.md), read from
-the server's log file after the run.
+Both servers say what each turn took from the cache in its reply's
+``usage.prompt_tokens_details.cached_tokens``; a turn whose reply does not say
+is left out of these counts rather than counted as computed.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bench.peers.conversation_run import TurnRecord
 
 SLACK_TOKENS = 16
-_LOG_LINE_START = '{"event":"request_finished"'
-
-
-def cached_from_request_log(log_text: str) -> dict[str, int]:
-    """``cached_prompt_tokens`` of every request in a protoserve log, by request id."""
-    out: dict[str, int] = {}
-    for line in log_text.splitlines():
-        if not line.startswith(_LOG_LINE_START):
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash: not a finished request
-        out[str(entry.get("request_id", ""))] = int(entry.get("cached_prompt_tokens", 0))
-    return out
-
-
-def with_logged_cache(records: Iterable[TurnRecord], cached_by_id: dict[str, int]) -> list[TurnRecord]:
-    """The records, each turn whose reply did not say what it cached given the logged figure (when logged)."""
-    out = []
-    for r in records:
-        if r.reply.cached_tokens is None and r.reply.response_id in cached_by_id:
-            r = replace(r, reply=replace(r.reply, cached_tokens=cached_by_id[r.reply.response_id]))
-        out.append(r)
-    return out
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,9 @@
 The same accounting as ChatSseTransport (a chunk with content is a token's
 arrival, the usage chunk corrects the count), but a turn sends the whole
 history and keeps what the conversation needs next: the answer's text, the
-response id (protoserve's request log is keyed by it) and the prompt tokens
-the server says it took from its cache. ``cached_tokens`` is None when the
-reply does not say (protoserve's chat usage has no ``prompt_tokens_details``),
-which is not the same as a server saying 0.
+response id and the prompt tokens the server says it took from its cache.
+``cached_tokens`` is None when the reply does not say (no
+``prompt_tokens_details`` in its usage), which is not the same as saying 0.
 """
 
 from __future__ import annotations
@@ -45,11 +44,12 @@ class TurnTransport(Protocol):
 
 
 def reported_cached_tokens(usage: dict[str, Any]) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens``, or None when the usage has no such detail."""
+    """``usage.prompt_tokens_details.cached_tokens``, or None when the usage has no such details. A details
+    object without the count says 0: protoserve's JSON leaves out a proto3 field at its default."""
     details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict) or "cached_tokens" not in details:
+    if not isinstance(details, dict):
         return None
-    return int(details["cached_tokens"] or 0)
+    return int(details.get("cached_tokens") or 0)
 
 
 class ChatTurnTransport:

@@ -30,7 +30,6 @@ protoserve is measured and the peer's figures are skipped with the reason.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -56,7 +55,7 @@ from bench.peers.metrics_sampler import (
     grpc_fetch,
 )
 from bench.peers.ratios import ratio_figure
-from bench.peers.turn_accounting import TurnTokens, cached_from_request_log, turn_tokens, with_logged_cache
+from bench.peers.turn_accounting import TurnTokens, turn_tokens
 from bench.peers.turn_transport import ChatTurnTransport, TurnTransport
 from bench.resources import Server
 from bench.runner import Step
@@ -81,7 +80,6 @@ RATIOS: tuple[tuple[str, str, Better, Target | None], ...] = (
     ("ttft_ratio", ".ttft_p50", "lower", TTFT_TARGET),
     ("ttft_ratio.turn1", ".turn1.ttft_p50", "lower", None),
 )
-LOG_WAIT_S = 2.0  # a finished request's log line is written as its call closes
 
 
 def _name(*parts: str) -> str:
@@ -301,16 +299,6 @@ async def _warm_up(transport: TurnTransport) -> None:
     await transport.send([{"role": "user", "content": "Say hello."}], 4)
 
 
-async def _logged_cache(log_path: Path, records: Sequence[TurnRecord]) -> dict[str, int]:
-    """protoserve's request log by id, read again after a moment if a turn's line is not there yet."""
-    wanted = {r.reply.response_id for r in records if r.reply.cached_tokens is None}
-    logged = cached_from_request_log(log_path.read_text(errors="replace"))
-    if not wanted <= logged.keys():
-        await asyncio.sleep(LOG_WAIT_S)
-        logged = cached_from_request_log(log_path.read_text(errors="replace"))
-    return logged
-
-
 async def _round(
     level: ServerLevel,
     transport: TurnTransport,
@@ -330,12 +318,12 @@ async def _round(
 
 
 async def _measure(
-    ctx: BenchContext, sizes: ConversationSizes, transports: dict[str, TurnTransport], ours: Any
+    ctx: BenchContext, sizes: ConversationSizes, transports: dict[str, TurnTransport], ours_target: str
 ) -> dict[int, dict[str, ServerLevel]]:
-    """Every level, round by round, the servers in turn; protoserve's turns then joined to its request log."""
+    """Every level, round by round, the servers in turn; GetMetrics sampled while protoserve's run."""
     factory = ConversationFactory(model_words(resources.model_path()), sizes)
     servers = [s for s in SERVERS if s in transports]
-    fetch, close_metrics = grpc_fetch(ours.grpc_target)
+    fetch, close_metrics = grpc_fetch(ours_target)
     out: dict[int, dict[str, ServerLevel]] = {}
     try:
         for transport in transports.values():
@@ -355,8 +343,6 @@ async def _measure(
                         sizes.max_seconds,
                         fetch if server == OURS else None,
                     )
-            logged = await _logged_cache(ours.log_path, levels[OURS].records)
-            levels[OURS].rounds = [with_logged_cache(run, logged) for run in levels[OURS].rounds]
             out[users] = levels
     finally:
         for transport in transports.values():
@@ -408,7 +394,7 @@ def _step(ctx: BenchContext) -> Step:
                 assert lookup.binaries is not None
                 peer = _start_peer(lookup.binaries, model, sizes, server.log_path.parent)
                 transports[PEER] = ChatTurnTransport(PEER, peer.base_url, widest, model.name)
-            measured = run_clients(_measure(ctx, sizes, transports, server))
+            measured = run_clients(_measure(ctx, sizes, transports, server.grpc_target))
         finally:
             if peer is not None:
                 peer.stop()

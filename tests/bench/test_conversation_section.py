@@ -1,6 +1,7 @@
-"""The conversation section: plans, the turn loop on a scripted transport and clock, the per-turn token
-accounting, GetMetrics sampling, the figures and ratios, the skip without a peer, and one real
-conversation through the live gateway, checked against the server's own request log and counters."""
+"""The conversation section: plans, the turn loop on a scripted transport and clock, one turn against a
+scripted HTTP server, the per-turn token accounting, GetMetrics sampling, the figures and ratios, the
+skip without a peer, and one real conversation through the live gateway, checked against what the
+server's replies and counters say it cached."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from bench.peers.metrics_sampler import (
     blocks_per_running,
     grpc_fetch,
 )
-from bench.peers.turn_accounting import SLACK_TOKENS, cached_from_request_log, turn_tokens, with_logged_cache
+from bench.peers.turn_accounting import SLACK_TOKENS, turn_tokens
 from bench.peers.turn_transport import ChatTurnTransport, TurnReply, reported_cached_tokens
 from bench.run import SECTIONS
 from bench.sections import conversation
@@ -196,31 +197,60 @@ def _record(
     return TurnRecord(user, turn, TurnReply(timeline, "text", rid or f"r{user}.{turn}", cached))
 
 
-def test_request_log_fills_what_the_chat_usage_does_not_say() -> None:
-    line = {
-        "event": "request_finished",
-        "request_id": "chatcmpl-1",
-        "prompt_tokens": 530,
-        "cached_prompt_tokens": 512,
-    }
-    log = "\n".join(
-        [
-            "2026-11-29 INFO protoserve.server.app: ready",
-            json.dumps(line, separators=(",", ":")),
-            '{"event":"request_finished","request_id":"chatcmpl-2","cach',
-            "",
-        ]
+def _sse_reply(events: list[dict]) -> bytes:
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
     )
-    assert cached_from_request_log(log) == {"chatcmpl-1": 512}
-    records = [
-        _record(0, 1, 530, None, "chatcmpl-1"),
-        _record(0, 2, 600, 7, "chatcmpl-1"),
-        _record(1, 1, 530, None, "chatcmpl-9"),
-    ]
-    filled = with_logged_cache(records, cached_from_request_log(log))
-    # The log fills a reply that said nothing; a reply's own figure stands; an unlogged one stays unknown.
-    assert [r.reply.cached_tokens for r in filled] == [512, 7, None]
-    assert reported_cached_tokens({"prompt_tokens_details": {"cached_tokens": 0}}) == 0
+
+
+def test_a_turn_keeps_the_answer_text_the_id_and_what_the_server_cached() -> None:
+    """ChatTurnTransport against a scripted HTTP server: the request carries the history; the role-only
+    chunk is no token; the text is the content chunks joined; usage sets prompt and cached tokens."""
+    chunk = {"id": "chatcmpl-7", "choices": [{"delta": {"content": ""}}]}
+    events = [
+        {"id": "chatcmpl-7", "choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {**chunk, "choices": [{"delta": {"content": "Hello"}}]},
+        {**chunk, "choices": [{"delta": {"content": " there"}}]},
+        {**chunk, "choices": [{"delta": {}, "finish_reason": "length"}]},
+        {"id": "chatcmpl-7", "choices": [], "usage": {"prompt_tokens": 530, "completion_tokens": 3,
+                                                       "prompt_tokens_details": {"cached_tokens": 512}}},
+    ]  # fmt: skip
+    received: list[dict] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+        )
+        received.append(json.loads(await reader.readexactly(length)))
+        writer.write(_sse_reply(events))
+        await writer.drain()
+
+    async def main() -> TurnReply:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = ChatTurnTransport("scripted", f"http://127.0.0.1:{port}", 1, "m")
+        try:
+            history = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+            return await transport.send(history, 3)
+        finally:
+            await transport.close()
+            server.close()
+
+    reply = asyncio.run(main())
+    assert received[0]["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert received[0]["max_tokens"] == 3 and received[0]["stream"] and received[0]["ignore_eos"]
+    assert reply.timeline.ok and reply.text == "Hello there" and reply.response_id == "chatcmpl-7"
+    # two content chunks, the third token counted from usage; cached as the server said
+    assert reply.timeline.output_tokens == 3 and len(reply.timeline.chunks) == 2
+    assert reply.timeline.prompt_tokens == 530 and reply.cached_tokens == 512
+
+
+def test_cached_tokens_are_what_the_usage_says_and_none_when_it_says_nothing() -> None:
+    assert reported_cached_tokens({"prompt_tokens_details": {"cached_tokens": 7}}) == 7
+    assert reported_cached_tokens({"prompt_tokens_details": {}}) == 0  # a proto3 zero left out of the JSON
     assert reported_cached_tokens({"prompt_tokens": 5}) is None
 
 
@@ -382,8 +412,8 @@ def test_the_step_serves_protoserve_with_the_pool_and_expects_every_figure() -> 
 
 def test_a_real_conversation_reuses_its_prefix_turn_after_turn(live_server, clean_log) -> None:
     """Two users, three turns each, over a shared system prompt through the live gateway's chat route:
-    the answers the server returned go into the next prompt, and the server's request log (joined by
-    response id) and GetMetrics show every later turn took the previous turn's prompt from the cache."""
+    the answers the server returned go into the next prompt, each reply's usage and GetMetrics show every
+    later turn took the previous turn's prompt from the cache, and the second user the system prompt."""
     from bench import resources
     from bench.peers.chat_workload import model_words
 
@@ -393,9 +423,8 @@ def test_a_real_conversation_reuses_its_prefix_turn_after_turn(live_server, clea
 
     async def main() -> tuple[list[TurnRecord], list[MetricsSample]]:
         fetch, close = grpc_fetch(live_server.grpc_target)
-        transport = ChatTurnTransport(
-            "protoserve", f"http://127.0.0.1:{live_server.http_port}", 2, "SmolLM2-135M-Instruct"
-        )
+        base_url = f"http://127.0.0.1:{live_server.http_port}"
+        transport = ChatTurnTransport("protoserve", base_url, 2, "SmolLM2-135M-Instruct")
         try:
             async with MetricsSampler(fetch, interval=0.05) as sampler:
                 records = await run_conversations(transport, plan, max_seconds=120.0)
@@ -405,20 +434,15 @@ def test_a_real_conversation_reuses_its_prefix_turn_after_turn(live_server, clea
         return records, sampler.samples
 
     records, samples = asyncio.run(main())
-    assert len(records) == 6 and all(r.reply.timeline.ok for r in records), [
-        r.reply.timeline.error for r in records
-    ]
+    errors = [r.reply.timeline.error for r in records if not r.reply.timeline.ok]
+    assert len(records) == 6 and not errors, errors
     assert all(r.reply.text and r.reply.response_id.startswith("chatcmpl") for r in records)
-    assert all(r.reply.cached_tokens is None for r in records)  # protoserve's chat usage does not say
-    filled = with_logged_cache(
-        records, cached_from_request_log(live_server.log_path.read_text(errors="replace"))
-    )
-    tokens = turn_tokens(filled)
-    assert len(tokens) == 6  # every turn found in the request log
+    tokens = turn_tokens(records)
+    assert len(tokens) == 6  # every reply said what it took from the cache
     later = [t for t in tokens if t.turn > 1]
-    assert all(
-        t.new > sizes.message_tokens + sizes.answer_tokens for t in later
-    )  # answer and message went in
+    # The answer and the next message went in ...
+    assert all(t.new > sizes.message_tokens + sizes.answer_tokens for t in later)
+    # ... and only about them was computed: the previous prompt came from the cache.
     assert not [t for t in later if t.recomputed], [
         (t.turn, t.prompt, t.cached, t.previous_prompt) for t in later
     ]
