@@ -92,6 +92,10 @@ class EngineConfig:
     # No drafting in steps that start with more running sequences than this (vLLM's
     # disable_by_batch_size): batched decode already uses the compute a verification would.
     speculative_disable_by_batch_size: int | None = None
+    # Tokens a request's grammar forces (JSON keys, punctuation, the rest of an enum value) are drafted
+    # and verified in the forward that computes the token before them, rather than one forward each
+    # (engine/sampling/constraints/fast_forward.py); output is the same either way. False: one by one.
+    grammar_fast_forward: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""

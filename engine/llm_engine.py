@@ -42,6 +42,7 @@ from protoserve.engine.sampling.constraints.compiler import (
     matcher_error,
 )
 from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.sampling.constraints.fast_forward import FastForward
 from protoserve.engine.sampling.constraints.grammar_state import GrammarState, advance_grammar
 from protoserve.engine.sampling.constraints.masks import MaskFiller
 from protoserve.engine.sampling.sampler import Sampler, SampleResult
@@ -124,6 +125,7 @@ class LLMEngine:
         self.kv_offload = start_offload(self.config, loaded, self.runner.kv_cache, self.block_manager)
         self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu")
         self.speculator = Speculator(self.config, self.sampler)
+        self.fast_forward = FastForward(self.config.grammar_fast_forward, self.sampler)
         self.requests: dict[str, RunningRequest] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -333,16 +335,18 @@ class LLMEngine:
         start = time.monotonic()
         self._admit_restored()
         self.speculator.propose(self.scheduler.running)
+        self.fast_forward.propose(self.scheduler.running)
         batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
         self._note_schedule(batch, start)
         if not batch.is_empty:
             rows = StepRows.of(batch)
             masks = self._start_masks(rows.plain)
+            forced_masks = self._start_forced_masks(rows.drafted)
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
             self.scheduler.finish_step(batch)
             seqs, samples = self._sample(rows.plain, logits, masks)
             self._postprocess(seqs, samples)
-            self._verify_drafts(rows.drafted, logits)
+            self._verify_drafts(rows.drafted, logits, forced_masks)
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
 
@@ -378,6 +382,13 @@ class LLMEngine:
             return None
         return self._masks.start([r.seq.matcher for r in plain])
 
+    def _start_forced_masks(self, drafted: list[DraftRows]) -> Future[list[torch.Tensor]] | None:
+        """Start filling the grammar masks of the rows verifying forced tokens (constrained rows' drafts are
+        theirs: sampling/constraints/fast_forward.py), one per logits row, while the forward runs."""
+        jobs = [(r.seq.matcher, r.seq.token_ids[-r.seq.num_draft_tokens :]) for r in drafted
+                if r.seq.matcher is not None]
+        return self._masks.start_drafted(jobs) if jobs and self._masks is not None else None
+
     def _sample(self, plain: list[SampleRow], logits: torch.Tensor,
                 masks: Future[torch.Tensor] | None) -> tuple[list[Sequence], list[SampleResult]]:
         """One token for each plain row, and for each choice forked off it (scheduling/forks.py)."""
@@ -391,14 +402,21 @@ class LLMEngine:
         return self._new_seq(self.requests[parent.request_id], index, parent.max_len, arrival=parent.arrival_order,
                              matcher=matcher)
 
-    def _verify_drafts(self, drafted: list[DraftRows], logits: torch.Tensor) -> None:
-        """Emit what verification keeps of each row's drafts (engine/speculative/speculator.py), count it,
-        and give back the K/V written for the rejected ones."""
+    def _verify_drafts(self, drafted: list[DraftRows], logits: torch.Tensor,
+                       forced_masks: Future[list[torch.Tensor]] | None) -> None:
+        """Emit what verification keeps of each row's drafts (engine/speculative/speculator.py; a constrained
+        row's are its forced tokens, verified under its grammar's masks), count it, and give back the K/V
+        written for the rejected ones."""
+        masks = iter(forced_masks.result() if forced_masks is not None else ())
         for row in drafted:
             seq = row.seq
-            verdict = self.speculator.verify(seq, logits[row.rows], partial(self._emit, now=time.monotonic()))
-            verdict.count_into(self.counters)
-            verdict.count_into(self.requests[seq.request_id].stats)
+            emit = partial(self._emit, now=time.monotonic())
+            if seq.matcher is not None:
+                self.fast_forward.verify(seq, logits[row.rows], next(masks), emit)
+            else:
+                verdict = self.speculator.verify(seq, logits[row.rows], emit)
+                verdict.count_into(self.counters)
+                verdict.count_into(self.requests[seq.request_id].stats)
             if not seq.is_finished:
                 self.scheduler.rollback_drafts(seq)
 
@@ -510,5 +528,7 @@ class LLMEngine:
             last_step_time_s=seconds, spec_decode_num_drafts=self.counters.spec_num_drafts,
             spec_decode_num_draft_tokens=self.counters.spec_draft_tokens,
             spec_decode_num_accepted_tokens=self.counters.spec_accepted_tokens,
+            grammar_ff_draft_tokens=self.fast_forward.counts.draft_tokens,
+            grammar_ff_accepted_tokens=self.fast_forward.counts.accepted_tokens,
         )
 

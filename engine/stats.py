@@ -36,3 +36,6 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Grammar fast-forward (engine/sampling/constraints/fast_forward.py): forced tokens drafted, and kept.
+    grammar_ff_draft_tokens: int = 0
+    grammar_ff_accepted_tokens: int = 0

@@ -111,30 +111,10 @@ class Speculator:
 
     def verify(self, seq: Sequence, rows: torch.Tensor,
                emit: Callable[[Sequence, SampleResult], None]) -> Verification:
-        """Emit the tokens verification keeps from a drafting sequence's logits ``[1 + drafts, vocab]``.
-
-        Row i is the target's next-token logits after the last sampled token and drafts 1..i. The
-        sampler runs on the rows in order, each as a plain decode step would (penalties, min_tokens,
-        logprobs and Mirostat's mu see exactly the tokens emitted so far, one draw from the
-        sequence's generator per token): draft i+1 is accepted when the token drawn from row i
-        equals it, and the first token that differs ends the row (after all drafts, row k gives a
-        bonus token). For n-gram drafts q is a point mass, and drawing x ~ p and accepting iff
-        x == draft is exactly rejection sampling's rule (accept with probability p(draft), else a
-        token from p with the draft removed, renormalised), so output is the target's distribution;
-        it consumes the same draws as decoding without drafts, so greedy and seeded output are
-        token-for-token what they would be without speculation.
-        """
-        drafts = seq.take_drafts()
-        accepted = 0
-        for i in range(len(drafts) + 1):
-            [sample] = self.sampler(rows[i : i + 1], [seq])
-            emit(seq, sample)
-            matched = i < len(drafts) and sample.token_id == drafts[i]
-            accepted += matched
-            if not matched or seq.is_finished:
-                break
-        self._back_off(seq, accepted)
-        return Verification(len(drafts), accepted)
+        """Emit what verification keeps of the sequence's drafts (``verify_drafts``); back off after a miss."""
+        verdict = verify_drafts(self.sampler, seq, rows, emit)
+        self._back_off(seq, verdict.accepted)
+        return verdict
 
     @staticmethod
     def _back_off(seq: Sequence, accepted: int) -> None:
@@ -144,3 +124,34 @@ class Speculator:
         else:
             seq.spec_misses += 1
             seq.spec_cooldown = min(2 ** seq.spec_misses, MAX_SPEC_COOLDOWN)
+
+
+def verify_drafts(sampler: Sampler, seq: Sequence, rows: torch.Tensor,
+                  emit: Callable[[Sequence, SampleResult], None],
+                  masks: torch.Tensor | None = None) -> Verification:
+    """Emit the tokens verification keeps from a drafting sequence's logits ``[1 + drafts, vocab]``.
+
+    Row i is the target's next-token logits after the last sampled token and drafts 1..i. The
+    sampler runs on the rows in order, each as a plain decode step would (penalties, min_tokens,
+    logprobs and Mirostat's mu see exactly the tokens emitted so far, one draw from the
+    sequence's generator per token): draft i+1 is accepted when the token drawn from row i
+    equals it, and the first token that differs ends the row (after all drafts, row k gives a
+    bonus token). For n-gram drafts q is a point mass, and drawing x ~ p and accepting iff
+    x == draft is exactly rejection sampling's rule (accept with probability p(draft), else a
+    token from p with the draft removed, renormalised), so output is the target's distribution;
+    it consumes the same draws as decoding without drafts, so greedy and seeded output are
+    token-for-token what they would be without speculation.
+
+    ``masks`` holds the grammar's mask for each row, when the drafts are a constrained sequence's
+    forced tokens (engine/sampling/constraints/fast_forward.py).
+    """
+    drafts = seq.take_drafts()
+    accepted = 0
+    for i in range(len(drafts) + 1):
+        [sample] = sampler(rows[i : i + 1], [seq], masks[i : i + 1] if masks is not None else None)
+        emit(seq, sample)
+        matched = i < len(drafts) and sample.token_id == drafts[i]
+        accepted += matched
+        if not matched or seq.is_finished:
+            break
+    return Verification(len(drafts), accepted)

@@ -9,9 +9,11 @@ own threads with the GIL released while the forward runs.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +21,11 @@ from llguidance import LLExecutor, LLMatcher
 
 # llguidance.numpy, not llguidance.torch: the torch module decorates a kernel we do not use with
 # torch.compile at import, which imports torch._dynamo (~1.8 s of every server's and CLI's start).
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 NEG_INF = float("-inf")
 
@@ -72,9 +78,25 @@ class MaskFiller:
 
     def start(self, matchers: Sequence[LLMatcher | None]) -> Future[torch.Tensor]:
         """Begin filling one bitmask row per entry (rows of ``None`` stay all-allowed and unused)."""
+        return self._submit(self._fill, list(matchers))
+
+    def start_drafted(self, jobs: Sequence[tuple[LLMatcher, list[int]]]) -> Future[list[torch.Tensor]]:
+        """Begin filling the masks of rows that verify drafts: per (matcher, drafts), ``1 + len(drafts)``
+        rows, row i for the matcher after its first i drafts; each matcher is left where it was."""
+        return self._submit(self._fill_drafted, [(m, list(d)) for m, d in jobs])
+
+    def _submit(self, fill: Callable[[Any], Any], work: Any) -> Future[Any]:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return self._worker.submit(self._fill, list(matchers))
+        return self._worker.submit(fill, work)
+
+    def _fill_drafted(self, jobs: list[tuple[LLMatcher, list[int]]]) -> list[torch.Tensor]:
+        sizes = [1 + len(drafts) for _, drafts in jobs]
+        bitmask = allocate_token_bitmask(sum(sizes), self.vocab_size)
+        starts = itertools.accumulate([0, *sizes[:-1]])
+        fill_next_token_bitmask_par_with_draft_tokens(
+            shared_executor(), [(m, start, drafts) for (m, drafts), start in zip(jobs, starts, strict=True)], bitmask)
+        return list(torch.from_numpy(bitmask).split(sizes))
 
     def _fill(self, matchers: list[LLMatcher | None]) -> torch.Tensor:
         bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
