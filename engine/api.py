@@ -27,6 +27,7 @@ from protoserve.engine.errors import (
     EngineError,
     EngineStoppedError,
     InvalidRequestError,
+    ModelUnloadedError,
     QueueFullError,
 )
 from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
@@ -82,6 +83,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineStoppedError",
+    "ModelUnloadedError",
     "FinishReason",
     "InvalidRequestError",
     "ModelConfig",

@@ -7,22 +7,38 @@ call per step and event loop. Only the thread touches the LLMEngine after
 start(), except for ``LLMEngine.prepare`` (validation), which reads immutable
 state and so runs in the caller's task and raises there (in a worker thread for
 a request with a constraint, whose grammar may compile there).
+
+An idle engine may be evicted: its LLMEngine (weights and KV pool) is closed and dropped, and the
+next request loads it again before it is queued, waiting for the load (Ollama's keep-alive). An
+engine may also be unloaded for good: requests still running then end with ModelUnloadedError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+import functools
+import gc
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from protoserve.engine.config import EngineConfig
-from protoserve.engine.errors import EngineError, EngineStoppedError, InvalidRequestError, QueueFullError
+from protoserve.engine.errors import (
+    EngineError,
+    EngineStoppedError,
+    InvalidRequestError,
+    ModelUnloadedError,
+    QueueFullError,
+)
 from protoserve.engine.llm_engine import AdmittedRequest, LLMEngine
+from protoserve.engine.loader.heap import release_freed_memory
 from protoserve.engine.lora.stack import AdapterStack
 from protoserve.engine.request import RequestOutput, TokenizedRequest
+from protoserve.engine.sampling.constraints.constraint import Constraint
 from protoserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -39,9 +55,16 @@ class _Stream:
 class AsyncEngine:
     """Thread-stepped engine with an async generator per request."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    # How often wait_idle looks at the live requests: a drain is not timed closer than this.
+    IDLE_POLL_S = 0.02
+
+    def __init__(
+        self, engine: LLMEngine, model_name: str, reload: Callable[[], LLMEngine] | None = None
+    ) -> None:
+        """``reload`` loads the same engine again after :meth:`evict`; None: it is never evicted."""
+        self.engine: LLMEngine | None = engine  # None while evicted or once unloaded
         self.model_name = model_name
+        self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.quantization = engine.quantization
@@ -50,6 +73,9 @@ class AsyncEngine:
         self.num_parameters = engine.num_parameters
         self.model_summary = engine.model_summary
         self.kv_bytes_per_token = engine.runner.kv_cache.bytes_per_token  # the pool's, as GetModel reports it
+        # What it holds while resident, for the server's memory budget.
+        self.weight_bytes = engine.runner.model.weight_bytes()
+        self.kv_pool_bytes = engine.runner.kv_cache.nbytes
         self.sampling_defaults = engine.sampling_defaults
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -58,13 +84,42 @@ class AsyncEngine:
         self._live: set[str] = set()  # accepted and not yet finished (guarded by _lock)
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stopping = False
+        self._stop_error: EngineStoppedError | None = None  # what requests get once stopping; None: cancelled
+        self._parking = False  # the step thread returns once idle (evict)
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._reload = reload
+        self._residency = asyncio.Lock()  # one evict or reload at a time
+        self._users = 0  # generate() calls under way, from entry to exit (event loop only)
+        self._last_used = time.monotonic()
+        # Called with a reload's seconds after an evicted engine loads again (the server's load metric).
+        self.on_reload: Callable[[float], None] | None = None
 
     @property
     def adapters(self) -> AdapterStack | None:
         """The engine's LoRA adapters (engine/lora), None when it serves none."""
-        return self.engine.adapters
+        return self.engine.adapters if self.engine is not None else None
+
+    @property
+    def resident(self) -> bool:
+        """Whether the weights and KV pool are in memory (not evicted, not unloaded)."""
+        return self.engine is not None
+
+    def requests_under_way(self) -> int:
+        """Requests between generate()'s entry and exit: loading the model, queued or running."""
+        return max(self._users, len(self._live))
+
+    def idle_seconds(self) -> float:
+        """Seconds since the last request ended; 0 while one is under way."""
+        if self._users or self._live:
+            return 0.0
+        return time.monotonic() - self._last_used
+
+    def compile_constraint(self, constraint: Constraint | None) -> object:
+        """Compile ``constraint`` ahead (LLMEngine.compile_constraint, thread-safe). While evicted it is
+        left to the request's own prepare after the reload, which refuses it the same way."""
+        engine = self.engine
+        return engine.compile_constraint(constraint) if engine is not None else None
 
     @classmethod
     def from_pretrained(
@@ -82,28 +137,97 @@ class AsyncEngine:
         )
         if model_name is None:
             model_name = _default_model_name(model_path)
-        return cls(engine, model_name)
+        reload = None
+        if engine.config.tensor_parallel_size == 1:  # ranks of a sharded model live as long as the server
+            reload = functools.partial(LLMEngine.from_pretrained, model_path, dtype=dtype,
+                                       quantization=quantization, config=config, progress=False)
+        return cls(engine, model_name, reload)
 
     # -- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
-        """Start the step thread (idempotent)."""
+        """Start the step thread (idempotent; not while evicted)."""
         with self._lock:
-            if self._thread is not None or self._stopping:
+            if self._thread is not None or self._stopping or self.engine is None:
                 return
             self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
             self._thread.start()
 
-    async def shutdown(self) -> None:
-        """Stop taking requests, finish pending ones as cancelled, and stop the thread."""
+    async def shutdown(self, error: EngineStoppedError | None = None) -> None:
+        """Stop taking requests and stop the thread; pending requests finish as cancelled, or fail with
+        ``error`` when given (so do requests that arrive from now on)."""
         with self._lock:
             self._stopping = True
+            self._stop_error = error
             thread = self._thread
         self._wakeup.set()
         if thread is not None:
             await asyncio.to_thread(thread.join)
         # No step runs any more: the prefix cache may be persisted, other tensor-parallel ranks may stop.
-        await asyncio.to_thread(self.engine.close)
+        async with self._residency:  # not while an evicted engine reloads
+            if self.engine is not None:
+                await asyncio.to_thread(self.engine.close)
+
+    async def unload(self) -> None:
+        """Shut down for good: requests still running fail with ModelUnloadedError, then the weights and
+        KV pool are freed (the engine must no longer be referenced elsewhere for that)."""
+        await self.shutdown(ModelUnloadedError(self.model_name))
+        engine, self.engine = self.engine, None
+        del engine
+        await asyncio.to_thread(_collect_freed)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for no request to be under way; True when none is."""
+        deadline = time.monotonic() + timeout_s
+        while self._users or self._live:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(self.IDLE_POLL_S)
+        return True
+
+    async def evict(self) -> bool:
+        """Free the weights and KV pool of an idle engine; its next request loads them again.
+
+        False, doing nothing, while a request is under way, when already evicted or stopping, and for an
+        engine that cannot be reloaded as it is: sharded (tensor parallel), or serving LoRA adapters
+        (loaded at run time, they would not come back).
+        """
+        async with self._residency:
+            with self._lock:
+                engine = self.engine
+                if (engine is None or self._reload is None or engine.adapters is not None or self._users
+                        or self._live or self._stopping):
+                    return False
+                self._parking = True
+                thread, self._thread = self._thread, None
+            self._wakeup.set()
+            if thread is not None:
+                await asyncio.to_thread(thread.join)
+            with self._lock:
+                self._parking = False
+            self.engine = None
+            await asyncio.to_thread(engine.close)
+            del engine
+            await asyncio.to_thread(_collect_freed)
+            log.info("model %s evicted after %.0fs idle", self.model_name, self.idle_seconds())
+            return True
+
+    async def _ensure_resident(self) -> float:
+        """Load an evicted engine again; returns the seconds the caller waited for it (0 when resident)."""
+        if self.engine is not None:
+            return 0.0
+        started = time.monotonic()
+        async with self._residency:
+            if self.engine is None and not self._stopping:
+                assert self._reload is not None  # evict() leaves only reloadable engines
+                engine = await asyncio.to_thread(self._reload)
+                self.engine = engine
+                self._stats = engine.stats()
+                seconds = time.monotonic() - started
+                log.info("model %s loaded again in %.1fs", self.model_name, seconds)
+                if self.on_reload is not None:
+                    self.on_reload(seconds)
+        return time.monotonic() - started
 
     # -- requests ------------------------------------------------------------
 
@@ -120,22 +244,40 @@ class AsyncEngine:
         first token, decode time, tokens) then goes to ``on_abandoned`` when given,
         which the cleanup waits for (one step at most).
         """
+        self._users += 1
+        outputs = self._generate(request, on_abandoned)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()  # now, not at garbage collection: its cleanup aborts the request
+            self._users -= 1
+            self._last_used = time.monotonic()
+
+    async def _generate(
+        self, request: TokenizedRequest, on_abandoned: Callable[[RequestOutput], None] | None
+    ) -> AsyncIterator[RequestOutput]:
+        waited = await self._ensure_resident()
+        engine = self.engine
+        if engine is None or self._stopping:
+            raise self._stopped()
         self.start()
         if request.sampling.constraint is not None:
             # A constraint may compile here (milliseconds, up to a second for a big grammar): off the loop.
-            prepared = await asyncio.to_thread(self.engine.prepare, request)
+            prepared = await asyncio.to_thread(engine.prepare, request)
         else:
-            prepared = self.engine.prepare(request)
+            prepared = engine.prepare(request)
+        del engine  # a failed request's traceback keeps this frame: it must not keep the engine
         rid = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._stopping:
-                raise EngineStoppedError("the engine is shutting down")
+                raise self._stopped()
             if rid in self._live:
                 raise InvalidRequestError([("request_id", f"request {rid!r} is already running")])
             # The engine thread decides at a full waiting queue (a newcomer may displace a longer-queued
             # tenant's request); only the hand-over list itself is bounded here.
-            if len(self._inbox) >= self.engine.config.max_queue:
+            if len(self._inbox) >= self.config.max_queue:
                 raise QueueFullError(len(self._inbox) + self._stats.waiting)
             self._live.add(rid)
             self._inbox.append((prepared, stream))
@@ -148,6 +290,8 @@ class AsyncEngine:
                     done = True
                     raise item
                 done = item.finished
+                if done and waited and item.stats is not None:
+                    item.stats.model_load_s = waited
                 yield item
                 if done:
                     return
@@ -158,6 +302,13 @@ class AsyncEngine:
                     final = await _final_output(stream.queue)
                     if final is not None:
                         on_abandoned(final)
+
+    def _stopped(self) -> EngineStoppedError:
+        """A new error for a request refused or ended by the stop: a shared instance would gather every
+        request's traceback, and with them the frames that hold the engine."""
+        if self._stop_error is None:
+            return EngineStoppedError("the engine is shutting down")
+        return copy.copy(self._stop_error)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request from any thread; True if it was waiting or running."""
@@ -176,21 +327,24 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        assert engine is not None  # start() runs no thread while evicted
         while True:
             with self._lock:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
-                stopping = self._stopping
+                stopping, parking = self._stopping, self._parking
             for prepared, stream in inbox:
-                self._admit(prepared, stream)
+                self._admit(engine, prepared, stream)
             for rid in aborts:
                 engine.abort(rid)
-            if stopping:
+            if stopping and self._stop_error is not None and self._streams:
+                self._fail_all(engine, self._stopped())
+            elif stopping:
                 for rid in list(engine.requests):
                     engine.abort(rid)
             if not engine.has_unfinished():
                 self._stats = engine.stats()
-                if stopping:
+                if stopping or parking:
                     return
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -199,15 +353,15 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as exc:  # a failing forward must not hang every caller
                 log.exception("engine step failed; failing all live requests")
-                self._fail_all(exc)
+                self._fail_all(engine, exc)
                 continue
             self._stats = engine.stats()
             self._deliver(outputs)
 
-    def _admit(self, prepared: AdmittedRequest, stream: _Stream) -> None:
+    def _admit(self, engine: LLMEngine, prepared: AdmittedRequest, stream: _Stream) -> None:
         rid = prepared.request.request_id
         try:
-            shed = self.engine.add_request(prepared)
+            shed = engine.add_request(prepared)
         except EngineError as exc:
             with self._lock:
                 self._live.discard(rid)
@@ -217,7 +371,7 @@ class AsyncEngine:
         for shed_id in shed:  # refused as if it had arrived at the full queue
             with self._lock:
                 self._live.discard(shed_id)
-            _put(self._streams.pop(shed_id), QueueFullError(self.engine.config.max_queue))
+            _put(self._streams.pop(shed_id), QueueFullError(self.config.max_queue))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
@@ -236,16 +390,22 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 pass
 
-    def _fail_all(self, exc: Exception) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort(rid)
-        self.engine.step()  # nothing is scheduled: this only collects the cancellations
+    def _fail_all(self, engine: LLMEngine, exc: Exception) -> None:
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        engine.step()  # nothing is scheduled: this only collects the cancellations
         failed, self._streams = self._streams, {}
         for stream in failed.values():
             _put(stream, exc)
         with self._lock:
             self._live.difference_update(failed)
-        self._stats = self.engine.stats()
+        self._stats = engine.stats()
+
+
+def _collect_freed() -> None:
+    """Free a dropped engine's tensors now (its objects hold reference cycles) and hand the pages back."""
+    gc.collect()
+    release_freed_memory()
 
 
 async def _final_output(queue: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput | None:

@@ -45,6 +45,17 @@ class EngineStoppedError(EngineError):
     """The engine is shutting down and takes no new requests."""
 
 
+class ModelUnloadedError(EngineStoppedError):
+    """The model was unloaded (an admin's UnloadModel) before the request finished, or as it arrived."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        super().__init__(f"model {model!r} was unloaded before the request finished")
+
+    def __reduce__(self) -> tuple[type[ModelUnloadedError], tuple[str]]:
+        return type(self), (self.model,)  # copies (one per request) rebuild from the model's name
+
+
 class AdapterCapacityError(EngineError):
     """Every LoRA slot holds an adapter that requests are using: retry once one finishes.
 

@@ -140,6 +140,8 @@ class RequestStats:
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Seconds the request waited for its model to load (an idle-evicted model reloading), before arrival.
+    model_load_s: float = 0.0
     # Seconds between consecutive steps that gave this request tokens (all choices together).
     inter_token_latencies_s: list[float] = field(default_factory=list)
 

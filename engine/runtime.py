@@ -19,6 +19,7 @@ from protoserve.engine.execution.profiling import FusedStepCall, all_position_lo
 from protoserve.engine.llm import LLM, Completion
 from protoserve.engine.llm_engine import LLMEngine
 from protoserve.engine.loader.errors import ModelLoadError
+from protoserve.engine.loader.footprint import Footprint, estimate_footprint
 from protoserve.engine.loader.gguf_checkpoint import GGUFCheckpoint
 from protoserve.engine.loader.hf_checkpoint import open_hf_checkpoint
 from protoserve.engine.loader.load import LoadedModel, load_model
@@ -57,6 +58,7 @@ __all__ = [
     "Completion",
     "EmbeddingModel",
     "EmbeddingWorker",
+    "Footprint",
     "FusedStepCall",
     "GrammarCompiler",
     "LLMEngine",
@@ -69,6 +71,7 @@ __all__ = [
     "adapter_problems",
     "adapter_tensor_name",
     "all_position_logits",
+    "estimate_footprint",
     "load_model",
     "lora_projection_shapes",
     "per_token_forward",
