@@ -42,6 +42,7 @@ from protoserve.server.calls.stream_write_timeout import (
     StreamWriteTimeoutInterceptor,
 )
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MODEL_NAME_CHARS, MAX_SEND_MESSAGE_BYTES
+from protoserve.server.models.model_lifecycle import LoadSettings, ModelLifecycle
 from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.models.model_spec import ModelSpec, engine_config_for
 from protoserve.server.models.sampling_mapping import served_defaults
@@ -55,17 +56,19 @@ from protoserve.server.rag.service import RagService
 from protoserve.server.responses.store import Bounds, ResponseStore
 from protoserve.server.runtime.event_loop import loop_name
 from protoserve.server.runtime.health import Readiness
+from protoserve.server.runtime.memory_budget import MemoryBudget, default_budget_bytes
 from protoserve.server.runtime.ports import PortUnavailable, check_can_listen
 from protoserve.server.runtime.reflection import enable_reflection
 from protoserve.server.security.auth import Authenticator
 from protoserve.server.security.identity_secret import default_data_dir
 from protoserve.server.security.rate_limit import RateLimiter
 from protoserve.server.security.tls import TlsCertificates, TlsFiles
-from protoserve.server.services.adapter_service import AdapterService, load_startup_adapters
+from protoserve.server.services.adapter_service import AdapterService
 from protoserve.server.services.anthropic.service import MessagesService
 from protoserve.server.services.embeddings import EmbeddingService, Retrieval, ServedEmbedder
 from protoserve.server.services.inference_service import InferenceService
 from protoserve.server.services.metrics_service import MetricsService
+from protoserve.server.services.model_service import ModelService
 from protoserve.server.services.openai.responses_service import ResponsesService
 from protoserve.server.services.openai.service import OpenAIService
 from protoserve.v1 import (
@@ -79,6 +82,8 @@ from protoserve.v1 import (
     inference_pb2_grpc,
     metrics_pb2,
     metrics_pb2_grpc,
+    models_pb2,
+    models_pb2_grpc,
     rag_pb2,
     rag_pb2_grpc,
 )
@@ -106,6 +111,7 @@ SERVICE_NAMES = (
     embeddings_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
     rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name,
     adapters_pb2.DESCRIPTOR.services_by_name["AdapterService"].full_name,
+    models_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
     metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
     grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
 )
@@ -190,6 +196,12 @@ class ServerConfig:
     loras: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter loaded at start (--lora)
     max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0: DEFAULT_MAX_LORAS if loras, else off
     tls: TlsFiles | None = None  # certificate (and client CA) for the gRPC port and the gateway; None: plaintext
+    # Bytes the generative models' weights and KV pools may take (server/runtime/memory_budget.py);
+    # None: a share of the memory available at start.
+    memory_budget_bytes: int | None = None
+    # Seconds without requests after which a generative model is evicted and reloaded on its next
+    # request (server/models/model_lifecycle.py); None: never.
+    model_idle_timeout_s: float | None = None
 
 
 class ServerApp:
@@ -239,7 +251,17 @@ class ServerApp:
         self._gateway_socket_dir: str | None = None
         self.http_gateway = http_gateway
         self.engine: AsyncEngine | None = None  # the default model's
-        self._engines: list[AsyncEngine] = []  # the engines this app loaded, to shut down with it
+        # Taken before any model loads: the models given at start count against it too.
+        self.budget = MemoryBudget(config.memory_budget_bytes or default_budget_bytes())
+        self.lifecycle = ModelLifecycle(
+            LoadSettings(config.dtype, config.quantization, config.engine, config.progress, config.loras,
+                         config.max_loras),
+            self.models,
+            self.metrics,
+            self.budget,
+            lambda engine, card, aliases: self.attach_engine(engine, card, aliases=aliases, serving=False),
+        )
+        self._idle_eviction: asyncio.Task[None] | None = None
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
@@ -288,11 +310,15 @@ class ServerApp:
             ResponsesService(*services, store=self.response_store), server
         )
         adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterService(*services), server)
+        models_pb2_grpc.add_ModelServiceServicer_to_server(
+            ModelService(*services, lifecycle=self.lifecycle, default_grace_s=self.config.grace_period_s), server
+        )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentService(*services, registry=self.tools, retrieval=self.retrieval), server
         )
         metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
-            MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness), server
+            MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness, budget=self.budget),
+            server,
         )
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceService(*services), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
@@ -362,44 +388,17 @@ class ServerApp:
         if self.config.embeddings:
             await self.load_retrieval()
         await self.readiness.set_serving()
+        if self.config.model_idle_timeout_s is not None:
+            self._idle_eviction = asyncio.create_task(self.lifecycle.evict_idle(self.config.model_idle_timeout_s))
 
     async def _load_generative(self, spec: ModelSpec) -> None:
         """Load one generative model on an engine of its own and serve it under its names."""
-        from protoserve.engine.api import ModelKind, ModelLoadError, resolve_model
-        from protoserve.engine.runtime import AsyncEngine
+        from protoserve.engine.api import ModelLoadError
 
-        started = time.monotonic()
-        # The engine resolves the name again (and applies the card's sampling values); the card records the file.
-        resolved = await asyncio.to_thread(resolve_model, spec.source)
-        if resolved.kind == ModelKind.EMBEDDING:
-            raise ModelLoadError(resolved.path, f"{spec.source} is an embedding model: serve it with --embedding-model")
         if spec.name is not None and len(spec.name) > MAX_MODEL_NAME_CHARS:
-            raise ModelLoadError(resolved.path, f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
-        engine = await asyncio.to_thread(
-            AsyncEngine.from_pretrained,
-            spec.source,
-            dtype=self.config.dtype,
-            quantization=self.config.quantization,
-            config=engine_config_for(spec, self.config.engine, len(self.config.models)),
-            progress=self.config.progress,
-            model_name=spec.name,
-        )
-        self._engines.append(engine)
-        if self.config.loras or self.config.max_loras:
-            await asyncio.to_thread(load_startup_adapters, engine.engine, self.config.loras, self.config.max_loras)
-        engine.start()
-        card = ModelCard(
-            dtype=self.config.dtype,
-            quantization=engine.quantization,
-            source=os.fspath(resolved.path),
-            kv_cache_dtype=engine.kv_cache_dtype,
-            sampling_defaults=engine.sampling_defaults,
-        )
-        aliases = spec.aliases
-        if not spec.names and resolved.name and resolved.name != engine.model_name:
-            aliases = (resolved.name,)  # the catalogue's short name it was asked for by
-        await self.attach_engine(engine, card, aliases=aliases, serving=False)
-        self.metrics.observe_load(engine.model_name, time.monotonic() - started)
+            raise ModelLoadError(spec.source or "", f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters")
+        config = engine_config_for(spec, self.config.engine, len(self.config.models))
+        await self.lifecycle.load(spec, config, within_budget=False)
 
     async def load_retrieval(self) -> None:
         """Load the embedding model and open the RAG store (indexes rebuilt from SQLite if need be)."""
@@ -508,9 +507,10 @@ class ServerApp:
         if self._gateway_socket_dir is not None:
             shutil.rmtree(self._gateway_socket_dir, ignore_errors=True)
             self._gateway_socket_dir = None
-        for engine in self._engines:
-            await engine.shutdown()
-        self._engines.clear()
+        if self._idle_eviction is not None:
+            self._idle_eviction.cancel()
+            self._idle_eviction = None
+        await self.lifecycle.shutdown()
         if self.response_store is not None:
             await asyncio.to_thread(self.response_store.close)
             self.response_store = None

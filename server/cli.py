@@ -223,6 +223,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         loras=tuple(args.lora),
         max_loras=args.max_loras,
         tls=_tls_files(args),
+        memory_budget_bytes=args.memory_budget,
+        model_idle_timeout_s=args.model_idle_timeout,
     )
     from protoserve.server.observability.request_log import use_json_lines
     from protoserve.server.observability.tracing_setup import configure_tracing

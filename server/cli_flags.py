@@ -537,6 +537,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--grace-period", type=float, default=10.0, help="seconds in-flight calls get on shutdown [10]"
     )
     parser.add_argument(
+        "--memory-budget",
+        type=_byte_count,
+        metavar="BYTES",
+        help="bytes the generative models' weights and KV pools may take together; a model loaded at run "
+        "time (ModelService.LoadModel) that would pass it is refused [80%% of the memory available at start]",
+    )
+    parser.add_argument(
+        "--model-idle-timeout",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="free a generative model's weights and KV pool after this long without requests; its next "
+        "request loads it again and waits for it (Ollama's keep-alive) [off]",
+    )
+    parser.add_argument(
         "--metrics-port", type=_port, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
     )
     parser.add_argument(

@@ -29,6 +29,7 @@ from protoserve.engine.api import (
     ContextLengthError,
     EngineStoppedError,
     InvalidRequestError,
+    ModelUnloadedError,
     QueueFullError,
 )
 from protoserve.server.limits import ECHO_CHARS, MAX_MODEL_NAME_CHARS
@@ -242,6 +243,13 @@ def to_service_error(exc: BaseException) -> ServiceError:
             str(exc),
             retry_after_s=exc.retry_after_s,
             metadata={"queue_len": str(exc.queue_len)},
+        )
+    if isinstance(exc, ModelUnloadedError):
+        return ServiceError(
+            grpc.StatusCode.UNAVAILABLE,
+            inference_pb2.ERROR_REASON_MODEL_UNLOADED,
+            f"{exc}: an admin unloaded it (UnloadModel)",
+            metadata={"model": clip(exc.model)},
         )
     if isinstance(exc, EngineStoppedError):
         return draining()

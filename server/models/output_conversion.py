@@ -56,6 +56,7 @@ def stats_to_proto(stats: RequestStats | None) -> pb.RequestStats:
         kv_bytes=stats.kv_bytes,
         preemptions=stats.preemptions,
         truncated_prompt_tokens=stats.truncated_prompt_tokens,
+        model_load_seconds=stats.model_load_s,
         **_spec_stats(stats),
     )
 

@@ -125,7 +125,7 @@ class RequestConverter:
             return ""
         to_path = path_function(paths)
         try:
-            await asyncio.to_thread(self.engine.engine.compile_constraint, constraint)
+            await asyncio.to_thread(self.engine.compile_constraint, constraint)
         except InvalidRequestError as exc:
             renamed = [(to_path(name), problem) for name, problem in exc.violations]
             raise errors.invalid_argument(renamed) from None

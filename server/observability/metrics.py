@@ -33,7 +33,8 @@ protoserve_request_prefill_time_seconds   histogram  first scheduling to first t
 protoserve_request_decode_time_seconds    histogram  first token to finish
 protoserve_model_loaded                   gauge      1 for each served model, with its ``kind``
                                                      (chat, completion, embedding)
-protoserve_model_load_seconds             histogram  a model's load, from its file to serving
+protoserve_model_load_seconds             histogram  a model's load, from its file to serving (at start,
+                                                     LoadModel, reloads after idle eviction)
 protoserve_identity_requests_total        counter    finished requests by ``identity`` (opt-in)
 protoserve_identity_input_tokens_total    counter    their prompt tokens by ``identity`` (opt-in)
 protoserve_identity_output_tokens_total   counter    their generated tokens by ``identity`` (opt-in)
@@ -167,7 +168,7 @@ class EngineCollector(Collector):
             stats, label = served.engine.stats(), [served.name]
             running.add_metric(label, stats.running)
             waiting.add_metric(label, stats.waiting)
-            capacity.add_metric(label, served.engine.engine.config.max_queue)
+            capacity.add_metric(label, served.engine.config.max_queue)
             kv.add_metric(label, stats.kv_usage)
             prompt.add_metric(label, stats.prompt_tokens_total)
             generation.add_metric(label, stats.generation_tokens_total)

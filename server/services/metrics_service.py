@@ -3,7 +3,8 @@
 A snapshot is about the default model (the first loaded) and the server: the
 engine's gauges and totals, requests by finish reason and status, latency
 percentiles, token throughput over the last minute, and usage per identity
-keyed by the identity hash. With auth on, a valid API key is required; the
+keyed by the identity hash; and every generative model's memory (weights, KV
+pool, resident or evicted) against the server's memory budget. With auth on, a valid API key is required; the
 server does not have to be ready, so metrics can be watched while the model
 loads.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,12 +29,26 @@ from protoserve.server.observability.metric_windows import LatencyStats
 from protoserve.server.observability.metrics import ServerMetrics
 from protoserve.server.observability.usage import IdentityUsage, UsageLedger
 from protoserve.server.runtime.health import Phase, Readiness
+from protoserve.server.runtime.memory_budget import MemoryBudget
 from protoserve.server.security.auth import Authenticator, Identity
 from protoserve.v1 import metrics_pb2 as pb
 from protoserve.v1 import metrics_pb2_grpc
 
+if TYPE_CHECKING:
+    from protoserve.engine.runtime import AsyncEngine
+
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100
+
+
+def _memory(engine: AsyncEngine) -> pb.ModelMemory:
+    """What one model's engine holds now; zeros while it is evicted."""
+    if not engine.resident:
+        return pb.ModelMemory(name=engine.model_name, resident=False)
+    stats = engine.stats()
+    return pb.ModelMemory(name=engine.model_name, resident=True, weight_bytes=engine.weight_bytes,
+                          kv_pool_bytes=engine.kv_pool_bytes, kv_blocks_total=stats.kv_blocks_total,
+                          kv_blocks_free=stats.kv_blocks_free)
 
 
 def _summary(stats: LatencyStats) -> pb.LatencySummary:
@@ -49,8 +65,12 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
         metrics: ServerMetrics,
         usage: UsageLedger,
         readiness: Readiness,
+        *,
+        budget: MemoryBudget | None = None,
     ) -> None:
+        """``budget``: the memory budget models load within; None reports none."""
         self.models = models
+        self.budget = budget
         self.auth = auth
         self.metrics = metrics
         self.usage = usage
@@ -83,6 +103,10 @@ class MetricsService(metrics_pb2_grpc.MetricsServiceServicer):
             for key, latency in self.metrics.latencies(name).items():
                 getattr(snap, key).CopyFrom(_summary(latency))
             snap.prompt_throughput, snap.generation_throughput = self.metrics.throughput(name)
+        snap.models.extend(_memory(served.engine) for served in served_models)
+        if self.budget is not None:
+            snap.memory_budget_bytes = self.budget.total_bytes
+            snap.memory_reserved_bytes = self.budget.reserved_bytes
         for identity_id, usage in self._usage_of(identity).items():
             snap.usage_by_identity[identity_id].CopyFrom(
                 pb.IdentityUsage(
