@@ -289,6 +289,8 @@ def test_path_variables_response_body_and_get_routes(http, fake_backend):
         "created": 1,
         "owned_by": "protoserve",
         "parent": None,  # a base model: vLLM's null (an adapter names its base model here)
+        "max_model_len": None,  # the fake backend sets none; a served model always has one
+        "kind": "",
     }
     assert http.get("/v1/models/nope").status_code == 404
     assert http.get("/v1/inference/models/fake").json()["model"]["name"] == "fake"
