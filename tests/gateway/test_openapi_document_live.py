@@ -115,7 +115,7 @@ def test_every_operation_that_needs_a_key_says_so(api, document):
 def test_operations_that_need_an_admin_key_refuse_a_plain_one(api, document, live_server_auth):
     key = {"authorization": f"Bearer {live_server_auth.api_keys[0]}"}
     admin = [(p, v, o) for p, v, o in operations(document) if ADMIN_NOTE in o.get("description", "")]
-    assert {p for p, _, _ in admin} == {"/v1/adapters", "/v1/adapters/{name}"}
+    assert {p for p, _, _ in admin} == {"/v1/adapters", "/v1/adapters/{name}", "/v1/models", "/v1/models/{name}"}
     for path, verb, operation in admin:
         assert _status(api, path, verb, operation, key) == 403, f"{verb.upper()} {path}"
 
