@@ -20,6 +20,10 @@ class ContextPolicy(StrEnum):
     RESERVE_GENERATION = "reserve_generation"  # drop the prompt's start so max_tokens always fits
 
 
+# The smallest temperature above 0 (greedy) that sampling uses; smaller ones are raised to it.
+MIN_TEMPERATURE = 1e-2
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping parameters (defaults as vLLM/OpenAI).
@@ -65,6 +69,12 @@ class SamplingParams:
     xtc_probability: float = 0.0  # llama.cpp's XTC: how often to drop the likeliest candidates; 0 disables
     xtc_threshold: float = 0.1
     speculative: SpeculativeParams | None = None
+
+    def __post_init__(self) -> None:
+        # Logits over a smaller temperature overflow float32: infinities whose softmax is NaN, which
+        # failed the whole engine step (every live request). vLLM raises such temperatures to the same floor.
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
         """Return (field, problem) pairs for every invalid parameter; empty when valid."""

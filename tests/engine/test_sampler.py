@@ -260,3 +260,13 @@ def test_top_n_sigma_is_validated_and_off_under_mirostat():
         mirostat_mode=2, top_n_sigma=1.0
     ).validate()
 
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-8])
+def test_a_tiny_temperature_samples_the_likeliest_token_instead_of_failing(temperature):
+    """Logits over 1e-40 overflow to inf (NaN probabilities, no nucleus left): raised to the floor, as vLLM does."""
+    sp = SamplingParams(temperature=temperature, top_p=0.5, top_k=10, min_p=0.1, seed=1)
+    assert sp.temperature == 1e-2 and not sp.greedy
+    logits = rand_logits(5)
+    result = sampler.sample_row(logits.clone(), make_seq(sp))
+    assert result.token_id == int(torch.argmax(logits))
