@@ -13,6 +13,13 @@ path, the matcher's advance). At c=1 the requests run one at a time and the
 figure is decode tokens/s after the first token, pooled over the requests; at
 c=16 they are all sent at once and the figure is output tokens over wall time.
 
+Fast-forward figures (``ff``): at c=1, JSON Schemas of many fixed keys and short values (the
+output is mostly keys and punctuation the grammar forces), run with grammar fast-forward (the
+engine's default: forced tokens drafted and verified in the forward of the token before them),
+step by step (fast-forward off) and unconstrained with the same token counts, in rotating order
+over rounds; ``ff.ratio.c1`` is fast-forward / unconstrained, and the details give the steps each
+path took per output token.
+
 Compile figures: ``first`` is ``GrammarCompiler.compile`` of a schema the cache
 has not seen (median over the schemas, llguidance's tokenizer view already
 built: its one-off build is a detail, as is the first mask fill, where
@@ -40,6 +47,8 @@ SECTION = "constrained"
 WORKLOAD = 7
 PROMPT_LEN = 32
 RATIO_TARGET = Target(0.9, "higher")  # the issue's: constraints cost at most a tenth of the speed
+FF_TARGET = Target(1.2, "higher")  # issue 48: forced tokens skip their forwards, so schema-heavy output is faster
+FF_PATHS = ("ff", "stepwise", "plain")
 _ids = itertools.count()
 
 NAME = {"type": "string", "maxLength": 24}
@@ -66,6 +75,19 @@ BENCH_SCHEMAS: list[dict[str, Any]] = [
     _obj({"event": NAME, "when": {"type": "string", "format": "date"},
           "where": {"anyOf": [NAME, {"type": "null"}]}}),
 ]
+FLAG = {"type": "boolean"}
+COUNT = {"type": "integer", "minimum": 0, "maximum": 999}
+# Schema-heavy output: long fixed keys, short values, enums with long shared prefixes.
+HEAVY_SCHEMAS: list[dict[str, Any]] = [
+    _obj({"customer_account_number": COUNT, "customer_display_name": {"type": "string", "maxLength": 12},
+          "preferred_contact_method": {"enum": ["email_address", "telephone_number", "postal_mail"]},
+          "marketing_emails_opt_in": FLAG, "loyalty_program_member": FLAG, "loyalty_points_balance": COUNT,
+          "account_status": {"enum": ["active_in_good_standing", "suspended_pending_review"]}}),
+    _obj({"server_hostname": {"type": "string", "maxLength": 12}, "listen_port_number": COUNT,
+          "enable_transport_layer_security": FLAG, "maximum_concurrent_connections": COUNT,
+          "request_timeout_seconds": COUNT, "enable_response_compression": FLAG,
+          "log_verbosity_level": {"enum": ["debug_messages", "informational_messages", "warnings_only"]}}),
+]
 
 
 @dataclass(frozen=True)
@@ -75,12 +97,14 @@ class Sizes:
     c16_requests: int
     rounds: int
     concurrency: int = 16
+    ff_max_tokens: int = 192  # room for a schema-heavy object: each run ends with its grammar
 
 
-SIZES = {"smoke": Sizes(16, 2, 4, 1, 4), "default": Sizes(96, 4, 16, 4), "full": Sizes(128, 8, 32, 6)}
+SIZES = {"smoke": Sizes(16, 2, 4, 1, 4, 32), "default": Sizes(96, 4, 16, 4), "full": Sizes(128, 8, 32, 6)}
 
 
-def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, constrained: bool) -> list[Any]:
+def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, constrained: bool,
+              schemas: list[dict[str, Any]] = BENCH_SCHEMAS) -> list[Any]:
     from protoserve.engine.api import Constraint, SamplingParams, TokenizedRequest
 
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -88,7 +112,7 @@ def _requests(prompts: list[tuple[int, ...]], max_tokens: list[int] | int, const
     for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         sp = SamplingParams(max_tokens=limit, temperature=0.0)
         if constrained:
-            sp.constraint = Constraint.json_schema(BENCH_SCHEMAS[i % len(BENCH_SCHEMAS)])
+            sp.constraint = Constraint.json_schema(schemas[i % len(schemas)])
         else:
             sp.ignore_eos = True
         out.append(TokenizedRequest(f"constrained-{next(_ids)}", list(prompt), sp))
@@ -162,6 +186,52 @@ def _speed_step(ctx: BenchContext, sizes: Sizes) -> Step:
     return Step(SECTION, EngineModel(variant), "constrained decoding vs plain, engine-direct", run, expects)
 
 
+def _fast_forward_step(ctx: BenchContext, sizes: Sizes) -> Step:
+    variant = ctx.profile.serving_variant
+    names = {path: f"{SECTION}.ff.{'json' if path == 'ff' else path}.c1" for path in FF_PATHS}
+    ratio_name = f"{SECTION}.ff.ratio.c1"
+
+    def run(loaded: Any) -> list[Figure]:
+        from bench import engine_direct
+
+        engine = engine_direct.make_engine(loaded, variant, deterministic=True)
+        factory = ctx.factory(WORKLOAD)
+        prompts = [factory.prompt(PROMPT_LEN) for _ in range(sizes.c1_requests)]
+        first = run_tokenized(engine, _requests(prompts, sizes.ff_max_tokens, True, HEAVY_SCHEMAS), 1)
+        counts = [t.output_tokens for t in first]
+        pools = {path: Pooled() for path in FF_PATHS}
+        steps = dict.fromkeys(FF_PATHS, 0)
+        for round_ in range(sizes.rounds):
+            for path in FF_PATHS[round_ % 3:] + FF_PATHS[: round_ % 3]:
+                # One engine for all three paths (same prefix cache, same pool); the switch is read each step.
+                engine.fast_forward.enabled = path != "stepwise"
+                before = engine.stats().num_steps
+                limits = sizes.ff_max_tokens if path != "plain" else counts
+                timelines = run_tokenized(engine, _requests(prompts, limits, path != "plain", HEAVY_SCHEMAS), 1)
+                if [t.output_tokens for t in timelines] != counts:
+                    raise RuntimeError("a greedy rerun generated other token counts than the first run")
+                pools[path].add(timelines, 1)
+                steps[path] += engine.stats().num_steps - before
+        engine.fast_forward.enabled = True
+        tokens = sum(counts) * sizes.rounds
+        details = {"requests": len(counts), "rounds": sizes.rounds, "tokens": tokens,
+                   "mean_tokens": significant(sum(counts) / len(counts))}
+        figures = [Figure(names[path], pools[path].rate, "tok/s", SECTION, note=note,
+                          details={**details, "steps_per_token": significant(steps[path] / tokens)})
+                   for path, note in (("ff", f"schema-heavy JSON, grammar fast-forward, {variant.label}"),
+                                      ("stepwise", "the same, fast-forward off"),
+                                      ("plain", "same prompts and token counts, unconstrained"))]
+        figures.append(Figure(ratio_name, pools["ff"].rate / pools["plain"].rate, "ratio", SECTION, target=FF_TARGET,
+                              details={"ff_tok_s": significant(pools["ff"].rate),
+                                       "stepwise_tok_s": significant(pools["stepwise"].rate),
+                                       "plain_tok_s": significant(pools["plain"].rate)}))
+        return figures
+
+    expects = (*((names[path], "tok/s") for path in FF_PATHS), (ratio_name, "ratio"))
+    return Step(SECTION, EngineModel(variant), "schema-heavy JSON with grammar fast-forward vs plain, c=1", run,
+                expects)
+
+
 def _compile_step(ctx: BenchContext) -> Step:
     variant = ctx.profile.serving_variant
     first_name, cached_name = f"{SECTION}.compile.first", f"{SECTION}.compile.cached"
@@ -204,4 +274,5 @@ def _compile_step(ctx: BenchContext) -> Step:
 
 
 def steps(ctx: BenchContext) -> list[Step]:
-    return [_compile_step(ctx), _speed_step(ctx, SIZES.get(ctx.profile.name, SIZES["default"]))]
+    sizes = SIZES.get(ctx.profile.name, SIZES["default"])
+    return [_compile_step(ctx), _speed_step(ctx, sizes), _fast_forward_step(ctx, sizes)]

@@ -31,8 +31,11 @@ def test_registered_with_its_figures_and_the_issue_target():
     names = [name for step in steps for name, _ in step.expects]
     assert names == ["constrained.compile.first", "constrained.compile.cached",
                      "constrained.engine.json.c1", "constrained.engine.plain.c1", "constrained.ratio.c1",
-                     "constrained.engine.json.c16", "constrained.engine.plain.c16", "constrained.ratio.c16"]
+                     "constrained.engine.json.c16", "constrained.engine.plain.c16", "constrained.ratio.c16",
+                     "constrained.ff.json.c1", "constrained.ff.stepwise.c1", "constrained.ff.plain.c1",
+                     "constrained.ff.ratio.c1"]
     assert constrained.RATIO_TARGET.met(0.9) and not constrained.RATIO_TARGET.met(0.89)
+    assert constrained.FF_TARGET.met(1.2) and not constrained.FF_TARGET.met(1.19)
 
 
 def test_c1_pools_decode_time_after_each_first_token_and_c16_wall_time():
@@ -45,6 +48,6 @@ def test_c1_pools_decode_time_after_each_first_token_and_c16_wall_time():
     assert (c16.tokens, c16.seconds) == (17, pytest.approx(6.5))
 
 
-@pytest.mark.parametrize("schema", constrained.BENCH_SCHEMAS)
+@pytest.mark.parametrize("schema", constrained.BENCH_SCHEMAS + constrained.HEAVY_SCHEMAS)
 def test_bench_schemas_are_well_formed_constraints(schema):
     assert Constraint.json_schema(json.dumps(schema)).validate() == []
