@@ -63,8 +63,9 @@ def estimate_footprint(
     mode = stored if quantization == AUTO else quantization
     weights = weight_bytes(model_config, dtype, mode, config.quant_group_size)
     kv_dtype_bytes = _kv_dtype_bytes(config.kv_cache_dtype, dtype, mode)
-    block_bytes = (2 * model_config.num_layers * config.block_size * model_config.num_kv_heads
-                   * model_config.head_dim * kv_dtype_bytes)
+    layout = model_config.kv_layout  # shared: DeepSeek's latent pool keeps one vector per token, not K and V
+    block_bytes = ((1 if layout.shared else 2) * model_config.num_layers * config.block_size * layout.num_heads
+                   * layout.head_dim * kv_dtype_bytes)
     blocks = resolve_num_blocks(config, block_bytes)
     return Footprint(weight_bytes=weights, kv_pool_bytes=blocks * block_bytes, kv_blocks=blocks)
 

@@ -342,3 +342,16 @@ def test_gguf_loads_the_same_model(checkpoint, tmp_path: Path) -> None:
     b = Driver(from_hf.model, PagedKVCache.for_model(from_hf.config, 256, 4)).run(prompts, all_at_once)
     for x, y in zip(a, b, strict=True):
         assert (x - y).abs().max() < 1e-5
+
+
+def test_the_load_budget_estimates_the_latent_pool(checkpoint, gqa_checkpoint) -> None:
+    """LoadModel's memory estimate (engine/loader/footprint.py) sizes the pool as the engine builds it."""
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.loader.footprint import estimate_footprint
+
+    for path in (checkpoint("v3")[0], gqa_checkpoint[0]):
+        config = EngineConfig(max_kv_blocks=8, block_size=4)
+        engine = LLMEngine(load_model(path, progress=False), config)
+        estimate = estimate_footprint(path, "float32", "none", config)
+        assert (estimate.kv_blocks, estimate.kv_pool_bytes) == (8, 8 * engine.runner.block_bytes), path
