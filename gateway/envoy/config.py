@@ -318,6 +318,14 @@ def _routes(browser: BrowserRules) -> list[dict]:
         }
     ]
     for prefix in GATEWAY_PREFIXES:
+        # Listing models is quick; loading one (POST, ModelService) takes as long as the load.
+        if prefix == "/v1/models":
+            routes.append({
+                **_route({"prefix": prefix, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+                         {"cluster": "protoserve_http", "timeout": SHORT_TIMEOUT, "hash_policy": hash_policy,
+                          "retry_policy": http_retry}),
+                "typed_per_filter_config": no_transcoding,
+            })
         # Completions stream as SSE for as long as they generate: no overall timeout, an idle one.
         routes.append(
             {
@@ -325,7 +333,7 @@ def _routes(browser: BrowserRules) -> list[dict]:
                     {"prefix": prefix},
                     {
                         "cluster": "protoserve_http",
-                        "timeout": SHORT_TIMEOUT if prefix == "/v1/models" else "0s",
+                        "timeout": "0s",
                         "idle_timeout": STREAM_IDLE_TIMEOUT,
                         "hash_policy": hash_policy,
                         "retry_policy": http_retry,

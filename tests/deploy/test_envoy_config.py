@@ -147,6 +147,10 @@ def test_health_checks_outlier_detection_and_safe_retries(descriptor):
         retry_on = set(route["route"].get("retry_policy", {}).get("retry_on", "").split(","))
         # Never after the replica may have started the work: no plain reset, 5xx or gateway-error.
         assert not retry_on & {"reset", "5xx", "gateway-error", "retriable-4xx"}, route
+    models = [r for r in _routes(config) if r["match"].get("prefix") == "/v1/models"]
+    # Listing models has the short timeout; loading one (POST /v1/models, ModelService) none.
+    assert [(r["match"].get("headers"), r["route"]["timeout"]) for r in models] == [
+        ([{"name": ":method", "string_match": {"exact": "GET"}}], "10s"), (None, "0s")]
     by_match = {r["match"].get("path") or r["match"]["prefix"]: r for r in _routes(config)}
     assert by_match["/v1/ws/completions"]["route"]["upgrade_configs"] == [{"upgrade_type": "websocket"}]
     for prefix in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v2/"):
