@@ -214,3 +214,30 @@ def test_smollm2_json_schema_outputs_equal_in_fewer_forwards(smollm2):
     assert json.loads(fast[0].choices[0].text).keys() == ORDER["properties"].keys()
     assert fast_stats.grammar_ff_accepted_tokens > 20
     assert fast_stats.num_steps < plain_stats.num_steps * 0.7
+
+
+# -- the GPU path: the Triton kernels, here under the CPU interpreter ----------------------------------
+
+
+@pytest.mark.slow  # the Triton kernels under the CPU interpreter: make test, not make test-fast
+def test_triton_path_gives_the_step_by_step_output(tiny_model_dir, monkeypatch):
+    """On the device kernels the forced run's K/V come from a multi-token forward (its prefill attention,
+    its matmuls over several rows) where step by step they came from one-token decodes: the tokens must
+    not change."""
+    from protoserve.engine.loader.load import load_model
+    from protoserve.engine.models import device_ops
+    from protoserve.kernels import triton as triton_kernels
+
+    if not (triton_kernels.available() and triton_kernels.interpreting()):
+        pytest.skip("the Triton interpreter is not set up (TRITON_INTERPRET=1 before triton is imported)")
+    monkeypatch.setattr(device_ops, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    loaded = load_model(str(tiny_model_dir), dtype="float32", quantization="none", progress=False)
+    assert loaded.model.fused_step is None  # the Triton kernels, not the C++ step
+    reqs = [request(f"t{i}", c, i, temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=48)
+            for i, c in enumerate(CONSTRAINTS.values())]
+    runs = {}
+    for ff in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(grammar_fast_forward=ff, max_kv_blocks=64, block_size=4))
+        runs[ff] = (LLM(engine=engine).run([clone(r) for r in reqs]), engine.stats())
+    assert [outcome(c) for c in runs[True][0]] == [outcome(c) for c in runs[False][0]]
+    assert runs[True][1].grammar_ff_accepted_tokens > 0
