@@ -231,8 +231,8 @@ at::Tensor DecoderStep::forward(at::Tensor x, const at::Tensor& cos, const at::T
   thread_local ActivationCodes step_codes;
   if (step_plans.size() < windows.size()) step_plans.resize(windows.size());
   for (size_t k = 0; k < windows.size(); ++k)
-    plan_attention(step_plans[k], block_tables, query_start_loc, seq_lens, T, H, D, pool0.size(0), pool0.size(1),
-                   windows[k]);
+    plan_attention(step_plans[k], block_tables, query_start_loc, seq_lens, T, H, pool0.size(2), D, pool0.size(0),
+                   pool0.size(1), windows[k]);
   const AttentionPlan* const plans = step_plans.data();
   ActivationCodes* const codes = &step_codes;
 

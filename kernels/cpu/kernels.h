@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace protoserve {
@@ -103,18 +104,35 @@ struct AttentionTile {
   int32_t seq;   // sequence
   int32_t pos0;  // position of the first query
 };
+// One unit of work: KV heads kvh0 .. kvh0 + nkv - 1 of a tile, over its whole key range (part < 0)
+// or only over its keys in partition `part` (paged_attention.cpp's PARTITION), all heads.
+struct AttentionUnit {
+  int32_t tile;
+  int16_t kvh0;
+  int16_t nkv;
+  int32_t part;
+};
 struct AttentionPlan {
   std::vector<AttentionTile> tiles;
+  std::vector<AttentionUnit> units;  // handed out in this order
+  std::vector<int64_t> tile_slot;    // a split tile's first slot of `partials` (one per partition); -1: not split
+  int64_t slot_floats = 0;
   int64_t total_work = 0;  // query heads x visible keys x head_dim, for the fork/join decision
   const int32_t* block_tables = nullptr;
   int64_t max_blocks = 0;
   int64_t num_tokens = 0;
   int64_t sliding_window = 0;
+  // Written during a call by whichever threads run a split tile's units (the plan is otherwise read-only
+  // there): each partition's softmax state, and per tile the partitions done (back to 0 once merged).
+  mutable std::vector<float> partials;
+  mutable std::unique_ptr<std::atomic<int32_t>[]> done;
+  int64_t done_size = 0;
 };
-// Throws on inconsistent indices (block ids are checked against num_blocks).
+// Throws on inconsistent indices (block ids are checked against num_blocks). The units are cut for
+// at::get_num_threads() threads; which units exist changes no result.
 void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                    const at::Tensor& seq_lens, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
-                    int64_t num_blocks, int64_t block_size, int64_t sliding_window);
+                    const at::Tensor& seq_lens, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t sliding_window);
 // out [T, H, D] dense; q rows q_stride floats apart; caches float32 or bfloat16 [num_blocks, bs, KVH, D].
 // In a team, members take units from `next` (zero before the first member starts) and do not sync.
 void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t num_heads,

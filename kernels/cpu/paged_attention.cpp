@@ -22,6 +22,19 @@
 //   l       = l * exp(m - m') + p               (16 lanes, summed once at the end)
 //   acc     = acc * exp(m - m') + sum_u p_u v_u  (one FMA chain per lane, ascending u)
 //
+// Long contexts: the keys are cut into partitions of PARTITION positions aligned to position 0. A
+// query runs the walk above from a fresh state (m = -inf, l = 0, acc = 0) in each partition its keys
+// reach, and the partitions' states are folded in ascending order:
+//
+//   M = max(m_f, m_p);  l_f = l_p * exp(m_p - M) + l_f * exp(m_f - M);  the same for acc
+//
+// (a partition the query sees nothing of is skipped; the first one seen is taken as it is, so a
+// query within one partition gets exactly the single walk's bits). A partition's state depends on
+// nothing but the query and its keys, so the partitions of one stream's decode can run on different
+// threads (split-K, as GPU flash-decoding does: one sequence's decode spreads over every thread and
+// reads whole cached rows, all KV heads side by side), or in turn on one thread (prefill): the same
+// bits either way.
+//
 // Batch invariance: every one of those operations is a function of the query's
 // own q vector, its position and its sequence's cached K/V only. Which other
 // tokens are in the batch decides only which units exist and which thread runs
@@ -68,6 +81,7 @@ namespace {
 constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one vector of scores)
 constexpr int LANES = 16;      // floats per vector (simd.h)
 constexpr int QUERY_TILE = 8;  // consecutive queries of a sequence sharing each loaded K/V block
+constexpr int PARTITION = 256;  // key positions per partition (a multiple of KEY_BLOCK)
 // P @ V register tile: query heads x 16-column chunks of accumulators kept in registers (16 of
 // AVX-512's 32 zmm; 8 of AVX2's 16 ymm, each vector being two of them).
 #if defined(PROTOSERVE_SIMD_AVX512)
@@ -264,6 +278,10 @@ struct Scratch {
   std::vector<float> probs;  // [QUERY_TILE, heads, KEY_BLOCK] this block's scores, then probabilities
   std::vector<float> corr;   // [QUERY_TILE, heads] this block's rescale factors
   std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
+  // The fold of the partitions done so far, laid out as acc / m / l.
+  std::vector<float> facc;
+  std::vector<float> fm;
+  std::vector<F16> fl;
 
   void fit(const Problem& pb) {  // room for a unit of every KV head
     const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.num_heads * pb.head_dim, g = QUERY_TILE * pb.num_heads;
@@ -275,6 +293,9 @@ struct Scratch {
     grow(probs, g * KEY_BLOCK);
     grow(corr, g);
     grow(kbuf, static_cast<size_t>(KEY_BLOCK) * pb.head_dim);
+    grow(facc, gd);
+    grow(fm, g);
+    grow(fl, g);
   }
 
  private:
@@ -285,6 +306,14 @@ struct Scratch {
 };
 
 inline int first_key(const Problem& pb, int pos) { return pb.window > 0 ? std::max(0, pos - pb.window + 1) : 0; }
+
+// Keys a walk covers: the whole range (part < 0) or one partition's.
+struct KeyRange {
+  int lo, hi;
+  static KeyRange of_part(int part) {
+    return part < 0 ? KeyRange{0, std::numeric_limits<int>::max()} : KeyRange{part * PARTITION, part * PARTITION + PARTITION - 1};
+  }
+};
 
 // Slot (row of the flattened cache) of positions j0+ua .. j0+ub of sequence `table`.
 inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua, int ub, int64_t slots[16]) {
@@ -434,6 +463,10 @@ inline void store_bf16_acc(float* out, const float* acc, int head_dim, F16 denom
 }
 #endif
 
+// bfloat16 pools with D a multiple of 32 multiply in bfloat16 (scores and P @ V by vdpbf16ps).
+template <typename KT, int CH>
+constexpr bool uses_bf16_products = BF16_ATTENTION && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
+
 // Ask for one head's cached rows (D values at base + slots[u] * row_stride, u = 0..last) into L1.
 // The tile asks for the next key block's rows while this one computes: a sequence's blocks are
 // scattered, so the hardware prefetcher cannot guess them, and decode reads every row from beyond
@@ -463,9 +496,9 @@ struct FirstRows {
 };
 
 template <typename KT>
-void first_rows(const Problem& pb, const Tile& tile, int kvh0, FirstRows<KT>& out) {
+void first_rows(const Problem& pb, const Tile& tile, int kvh0, KeyRange keys, FirstRows<KT>& out) {
   const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
-  const int lo = first_key(pb, tile.pos0), hi = tile.pos0 + tile.n - 1;
+  const int lo = std::max(first_key(pb, tile.pos0), keys.lo), hi = std::min(tile.pos0 + tile.n - 1, keys.hi);
   out.kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * pb.head_dim;
   out.vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * pb.head_dim;
   out.last = std::min(hi - lo, KEY_BLOCK - 1 - lo % KEY_BLOCK);
@@ -476,16 +509,17 @@ void first_rows(const Problem& pb, const Tile& tile, int kvh0, FirstRows<KT>& ou
 // short batch over the threads; all heads in one unit read each cached row (all heads side by side)
 // in one pass, which DRAM serves far better than three interleaved strided walks. Either way each
 // (query, head) runs the same operations on the same rows in the same order: the same bits.
+// It leaves each (query, head)'s state in s.acc / s.m / s.l (only keys within `keys`).
 template <typename KT, int CH>
-void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scratch& s, const FirstRows<KT>& after) {
+void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, KeyRange keys, Scratch& s,
+                     const FirstRows<KT>& after) {
   const int D = pb.head_dim, chunks = D / LANES, G = pb.group, GD = G * D, HG = nkv * G, HGD = nkv * GD;
   const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
   const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
   const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * D;
   const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * D;
 
-  // bfloat16 pools with D a multiple of 32 multiply in bfloat16 (scores and P @ V by vdpbf16ps).
-  constexpr bool bf16_products = BF16_ATTENTION && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
+  constexpr bool bf16_products = uses_bf16_products<KT, CH>;
   const F16 scale = simd::set1(pb.scale);
   for (int i = 0; i < tile.n; ++i) {  // the unit's heads are consecutive in a query row
     const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
@@ -508,7 +542,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
   // tile sees, then for each query its own lanes qa..qb (none when qa > qb: the block is outside
   // its range), its scores, its softmax update, its P @ V. Each step runs over all the
   // tile's queries before the next, so the core has independent work to overlap.
-  const int tile_lo = first_key(pb, tile.pos0), tile_hi = tile.pos0 + tile.n - 1;
+  const int tile_lo = std::max(first_key(pb, tile.pos0), keys.lo), tile_hi = std::min(tile.pos0 + tile.n - 1, keys.hi);
   const int kb_last = tile_hi / KEY_BLOCK;
   const float* krow[16];
   const uint16_t* kbrow[16];  // bf16 scores: the cached rows themselves
@@ -537,8 +571,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
     }
     for (int i = 0; i < tile.n; ++i) {
       const int pos = tile.pos0 + i;
-      qa[i] = std::max(first_key(pb, pos) - j0, 0);
-      qb[i] = std::min(pos - j0, KEY_BLOCK - 1);
+      qa[i] = std::max(std::max(first_key(pb, pos), keys.lo) - j0, 0);
+      qb[i] = std::min(std::min(pos, keys.hi) - j0, KEY_BLOCK - 1);
     }
     for (int h = 0; h < nkv; ++h) {
       const int next_mid = std::min(next_ub, KEY_BLOCK / 2 - 1);
@@ -595,14 +629,20 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
         prefetch_rows(next_v + h * D, next_slots + next_mid + 1, next_ub - next_mid - 1, row_stride, D);
     }
   }
+}
 
+// The tile's output rows for its heads kvh0 .. kvh0 + nkv - 1: acc / sum of l's lanes, from a state laid
+// out as Scratch's ([query, head] of D accumulators and of 16 l lanes).
+template <typename KT, int CH>
+void write_out(const Problem& pb, const Tile& tile, int kvh0, int nkv, const float* acc_all, const F16* l) {
+  const int D = pb.head_dim, chunks = D / LANES, G = pb.group, HG = nkv * G, HGD = HG * D;
   for (int i = 0; i < tile.n; ++i) {
     float* orow = pb.out + ((tile.row + i) * pb.num_heads + static_cast<int64_t>(kvh0) * G) * D;
     for (int g = 0; g < HG; ++g) {
-      const F16 denom = simd::set1(simd::reduce_add(s.l[i * HG + g]));
-      const float* acc = &s.acc[i * HGD + g * D];
+      const F16 denom = simd::set1(simd::reduce_add(l[i * HG + g]));
+      const float* acc = acc_all + i * HGD + g * D;
 #if defined(PROTOSERVE_SIMD_BF16)
-      if constexpr (bf16_products) {
+      if constexpr (uses_bf16_products<KT, CH>) {
         store_bf16_acc(orow + g * D, acc, D, denom);
         continue;
       }
@@ -611,6 +651,100 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Scr
         simd::store(orow + g * D + c * LANES, simd::div(simd::load(acc + c * LANES), denom));
     }
   }
+}
+
+// ---- partitions ---------------------------------------------------------------------------
+
+// A partition's state, or the fold so far: `states` (query, head) pairs of m, 16 l lanes and D accumulators.
+struct StateView {
+  float* m;
+  float* l;  // 16 floats per state
+  float* acc;
+};
+
+inline StateView scratch_state(Scratch& s) { return {s.m.data(), reinterpret_cast<float*>(s.l.data()), s.acc.data()}; }
+inline StateView fold_state(Scratch& s) { return {s.fm.data(), reinterpret_cast<float*>(s.fl.data()), s.facc.data()}; }
+
+// A split tile's slot in plan.partials: [QUERY_TILE * H] m, then l lanes, then accumulators.
+inline StateView slot_state(float* slot, int num_heads, int head_dim) {
+  const int64_t states = static_cast<int64_t>(QUERY_TILE) * num_heads;
+  return {slot, slot + states, slot + states * (1 + LANES)};
+}
+
+inline void copy_state(StateView from, StateView to, int states, int head_dim) {
+  std::copy(from.m, from.m + states, to.m);
+  std::copy(from.l, from.l + states * LANES, to.l);
+  std::copy(from.acc, from.acc + static_cast<int64_t>(states) * head_dim, to.acc);
+}
+
+inline void clear_fold(StateView fold, int states) { std::fill(fold.m, fold.m + states, NEG_INF); }
+
+// fold = fold (+) part for each state, as the top of this file says: a state the partition did not reach
+// (m = -inf) leaves the fold as it is; into an empty fold the partition's state is copied; otherwise
+// both are rescaled to the larger max (one factor is exp(0) = 1 exactly) and added.
+inline void fold_in(StateView fold, StateView part, int states, int head_dim) {
+  for (int e = 0; e < states; ++e) {
+    const float mp = part.m[e], mf = fold.m[e];
+    float* la = fold.l + e * LANES;
+    float* aa = fold.acc + static_cast<int64_t>(e) * head_dim;
+    const float* lb = part.l + e * LANES;
+    const float* ab = part.acc + static_cast<int64_t>(e) * head_dim;
+    if (mp == NEG_INF) continue;
+    if (mf == NEG_INF) {
+      fold.m[e] = mp;
+      std::copy(lb, lb + LANES, la);
+      std::copy(ab, ab + head_dim, aa);
+      continue;
+    }
+    const float M = std::max(mf, mp);
+    const F16 ca = exp_nonpositive(simd::set1(mf - M), 0xFFFF), cb = exp_nonpositive(simd::set1(mp - M), 0xFFFF);
+    simd::store(la, simd::fmadd(simd::load(lb), cb, simd::mul(simd::load(la), ca)));
+    for (int d = 0; d < head_dim; d += LANES)
+      simd::store(aa + d, simd::fmadd(simd::load(ab + d), cb, simd::mul(simd::load(aa + d), ca)));
+    fold.m[e] = M;
+  }
+}
+
+inline int first_part(const Problem& pb, const Tile& tile) { return first_key(pb, tile.pos0) / PARTITION; }
+inline int last_part(const Tile& tile) { return (tile.pos0 + tile.n - 1) / PARTITION; }
+
+// One unit on the vector path. A whole tile walks its partitions in turn (its rows prefetched across
+// the partition boundaries) and folds them; a split tile's partition leaves its state in the plan's
+// slot, and whichever unit finishes the tile's last partition folds them all in ascending order.
+template <typename KT, int CH>
+void unit_vec(const Problem& pb, const protoserve::AttentionPlan& plan, const protoserve::AttentionUnit& unit,
+              Scratch& s, const FirstRows<KT>& after) {
+  const Tile& tile = plan.tiles[unit.tile];
+  const int states = tile.n * unit.nkv * pb.group, p0 = first_part(pb, tile), p1 = last_part(tile);
+  if (unit.part >= 0) {
+    attend_tile_vec<KT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(unit.part), s, after);
+    float* slots = plan.partials.data() + plan.tile_slot[unit.tile] * plan.slot_floats;
+    copy_state(scratch_state(s), slot_state(slots + (unit.part - p0) * plan.slot_floats, pb.num_heads, pb.head_dim),
+               states, pb.head_dim);
+    std::atomic<int32_t>& done = plan.done[unit.tile];
+    if (done.fetch_add(1, std::memory_order_acq_rel) != p1 - p0) return;
+    done.store(0, std::memory_order_relaxed);  // the next call's count starts afresh
+    const StateView fold = fold_state(s);
+    clear_fold(fold, states);
+    for (int p = 0; p <= p1 - p0; ++p)
+      fold_in(fold, slot_state(slots + p * plan.slot_floats, pb.num_heads, pb.head_dim), states, pb.head_dim);
+    write_out<KT, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
+    return;
+  }
+  if (p0 == p1) {  // the common case: one walk, no fold
+    attend_tile_vec<KT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(p0), s, after);
+    write_out<KT, CH>(pb, tile, unit.kvh0, unit.nkv, s.acc.data(), s.l.data());
+    return;
+  }
+  const StateView fold = fold_state(s);
+  clear_fold(fold, states);
+  for (int p = p0; p <= p1; ++p) {
+    FirstRows<KT> next;
+    if (p < p1) first_rows(pb, tile, unit.kvh0, KeyRange::of_part(p + 1), next);
+    attend_tile_vec<KT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(p), s, p < p1 ? next : after);
+    fold_in(fold, scratch_state(s), states, pb.head_dim);
+  }
+  write_out<KT, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
 }
 
 // Any D: each query of the tile alone, the same block walk in plain scalar code.
@@ -662,14 +796,10 @@ void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s
 }
 
 template <typename KT>
-void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, const protoserve::Team* team,
+void run(const Problem& pb, const protoserve::AttentionPlan& plan, const protoserve::Team* team,
          std::atomic<int64_t>& next) {
   const int threads = team != nullptr ? team->size : at::get_num_threads();
-  // A unit per (tile, KV head) while tiles are too few to keep every thread busy (one stream's
-  // decode); a unit per tile, all its KV heads, once there are a couple of tiles per thread.
-  const int heads_per_unit = static_cast<int64_t>(tiles.size()) >= 2 * threads ? pb.num_kv_heads : 1;
-  const int64_t units_per_tile = pb.num_kv_heads / heads_per_unit;
-  const int64_t units = static_cast<int64_t>(tiles.size()) * units_per_tile;
+  const int64_t units = static_cast<int64_t>(plan.units.size());
   const bool vector = pb.head_dim % LANES == 0;
   // Units are handed out one at a time: a causal prefill's units differ many-fold in cost,
   // and which thread runs a unit changes nothing in its result.
@@ -683,31 +813,74 @@ void run(const Problem& pb, const std::vector<Tile>& tiles, int64_t total_work, 
     while (u < units) {
       const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
       FirstRows<KT> after;
-      if (vector && following < units)
-        first_rows(pb, tiles[following / units_per_tile], static_cast<int>(following % units_per_tile) * heads_per_unit,
-                   after);
-      const Tile& tile = tiles[u / units_per_tile];
-      const int kvh0 = static_cast<int>(u % units_per_tile) * heads_per_unit, nkv = heads_per_unit;
+      if (vector && following < units) {
+        const protoserve::AttentionUnit& f = plan.units[following];
+        const Tile& ft = plan.tiles[f.tile];
+        first_rows(pb, ft, f.kvh0, KeyRange::of_part(f.part >= 0 ? f.part : first_part(pb, ft)), after);
+      }
+      const protoserve::AttentionUnit& unit = plan.units[u];
       switch (pb.head_dim) {  // the common head sizes with the query held in registers
-        case 16: attend_tile_vec<KT, 1>(pb, tile, kvh0, nkv, scratch, after); break;
-        case 32: attend_tile_vec<KT, 2>(pb, tile, kvh0, nkv, scratch, after); break;
-        case 64: attend_tile_vec<KT, 4>(pb, tile, kvh0, nkv, scratch, after); break;
-        case 128: attend_tile_vec<KT, 8>(pb, tile, kvh0, nkv, scratch, after); break;
+        case 16: unit_vec<KT, 1>(pb, plan, unit, scratch, after); break;
+        case 32: unit_vec<KT, 2>(pb, plan, unit, scratch, after); break;
+        case 64: unit_vec<KT, 4>(pb, plan, unit, scratch, after); break;
+        case 128: unit_vec<KT, 8>(pb, plan, unit, scratch, after); break;
         default:
           if (vector) {
-            attend_tile_vec<KT, 0>(pb, tile, kvh0, nkv, scratch, after);
+            unit_vec<KT, 0>(pb, plan, unit, scratch, after);
           } else {
-            for (int kvh = kvh0; kvh < kvh0 + nkv; ++kvh) attend_tile_scalar<KT>(pb, tile, kvh, scratch);
+            for (int kvh = unit.kvh0; kvh < unit.kvh0 + unit.nkv; ++kvh)
+              attend_tile_scalar<KT>(pb, plan.tiles[unit.tile], kvh, scratch);
           }
       }
       u = following;
     }
   };
-  if (team != nullptr || threads <= 1 || units <= 1 || total_work < MIN_PARALLEL_WORK || at::in_parallel_region()) {
+  if (team != nullptr || threads <= 1 || units <= 1 || plan.total_work < MIN_PARALLEL_WORK ||
+      at::in_parallel_region()) {
     worker();  // a team member takes units beside the others already running
   } else {
     at::parallel_for(0, std::min<int64_t>(threads, units), 1, [&](int64_t, int64_t) { worker(); });
   }
+}
+
+// The plan's units for `threads` threads. While tiles are too few to keep every thread busy (one
+// stream's decode), a tile spanning several partitions is split into one unit per partition (all KV
+// heads: each cached row read whole) and a one-partition tile into a unit per KV head; a tile holding
+// more than its share of the call's work is split too, so that it does not finish last. Otherwise a
+// unit is a whole tile with all its KV heads. Split tiles' units go first: they are the long ones.
+void cut_units(protoserve::AttentionPlan& plan, const std::vector<int64_t>& tile_work, int64_t total_work,
+               int num_kv_heads, int num_heads, int head_dim, int threads) {
+  const bool few = static_cast<int64_t>(plan.tiles.size()) < 2 * threads;
+  const bool vector = head_dim % LANES == 0;
+  plan.units.clear();
+  plan.tile_slot.assign(plan.tiles.size(), -1);
+  int64_t slots = 0;
+  std::vector<protoserve::AttentionUnit> rest;
+  for (size_t t = 0; t < plan.tiles.size(); ++t) {
+    const Tile& tile = plan.tiles[t];
+    const int p0 = (plan.sliding_window > 0 ? std::max<int64_t>(0, tile.pos0 - plan.sliding_window + 1) : 0) / PARTITION;
+    const int p1 = (tile.pos0 + tile.n - 1) / PARTITION;
+    const auto ti = static_cast<int32_t>(t);
+    const auto kvh = static_cast<int16_t>(num_kv_heads);
+    if (vector && p1 > p0 && threads > 1 && (few || tile_work[t] * 2 * threads > total_work)) {
+      plan.tile_slot[t] = slots;
+      slots += p1 - p0 + 1;
+      for (int p = p0; p <= p1; ++p) plan.units.push_back({ti, 0, kvh, p});
+    } else if (few && threads > 1) {
+      for (int h = 0; h < num_kv_heads; ++h) rest.push_back({ti, static_cast<int16_t>(h), 1, -1});
+    } else {
+      rest.push_back({ti, 0, kvh, -1});
+    }
+  }
+  plan.units.insert(plan.units.end(), rest.begin(), rest.end());
+  plan.slot_floats = static_cast<int64_t>(QUERY_TILE) * num_heads * (1 + LANES + head_dim);
+  if (static_cast<int64_t>(plan.partials.size()) < slots * plan.slot_floats)
+    plan.partials.resize(slots * plan.slot_floats);
+  if (plan.done_size < static_cast<int64_t>(plan.tiles.size())) {
+    plan.done_size = static_cast<int64_t>(plan.tiles.size());
+    plan.done = std::make_unique<std::atomic<int32_t>[]>(plan.done_size);
+  }
+  for (int64_t t = 0; t < static_cast<int64_t>(plan.tiles.size()); ++t) plan.done[t].store(0, std::memory_order_relaxed);
 }
 
 }  // namespace
@@ -717,8 +890,8 @@ namespace protoserve {
 bool attention_multiplies_in_bf16() { return BF16_ATTENTION; }
 
 void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                    const at::Tensor& seq_lens, int64_t T, int64_t H, int64_t D, int64_t num_blocks, int64_t bs,
-                    int64_t sliding_window) {
+                    const at::Tensor& seq_lens, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
+                    int64_t bs, int64_t sliding_window) {
   for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
                 "block_tables, query_start_loc and seq_lens must be contiguous int32 CPU tensors");
@@ -731,7 +904,9 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
   plan.tiles.clear();
+  std::vector<int64_t> tile_work;  // visible (query, key) pairs of each tile
   int64_t total_work = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t start = qsl[b], n = qsl[b + 1] - qsl[b], len = lens[b];
@@ -745,15 +920,20 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
       const int64_t m = std::min<int64_t>(QUERY_TILE, n - i0);
       plan.tiles.push_back(
           {start + i0, static_cast<int32_t>(m), static_cast<int32_t>(b), static_cast<int32_t>(len - n + i0)});
+      int64_t work = 0;
+      for (int64_t pos = len - n + i0; pos < len - n + i0 + m; ++pos)
+        work += sliding_window > 0 ? std::min<int64_t>(pos + 1, sliding_window) : pos + 1;
+      tile_work.push_back(work);
+      total_work += work;
     }
-    for (int64_t pos = len - n; pos < len; ++pos)
-      total_work += sliding_window > 0 ? std::min<int64_t>(pos + 1, sliding_window) : pos + 1;
   }
   plan.total_work = total_work * H * D;
   plan.block_tables = tables;
   plan.max_blocks = max_blocks;
   plan.num_tokens = T;
   plan.sliding_window = sliding_window;
+  cut_units(plan, tile_work, total_work, static_cast<int>(KVH), static_cast<int>(H), static_cast<int>(D),
+            std::max(1, at::get_num_threads()));
 }
 
 void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t H,
@@ -778,9 +958,9 @@ void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_s
   std::atomic<int64_t> own{0};
   std::atomic<int64_t>& counter = next != nullptr ? *next : own;
   if (k_cache.scalar_type() == at::kFloat)
-    run<float>(pb, plan.tiles, plan.total_work, team, counter);
+    run<float>(pb, plan, team, counter);
   else
-    run<uint16_t>(pb, plan.tiles, plan.total_work, team, counter);
+    run<uint16_t>(pb, plan, team, counter);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -802,7 +982,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK(D > 0 && bs > 0, "empty head_dim or block_size");
   thread_local AttentionPlan plan;  // its tile list is reused across calls
-  plan_attention(plan, block_tables, query_start_loc, seq_lens, T, H, D, num_blocks, bs, sliding_window);
+  plan_attention(plan, block_tables, query_start_loc, seq_lens, T, H, KVH, D, num_blocks, bs, sliding_window);
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
   paged_attention_into(plan, q.data_ptr<float>(), q.size(0) > 1 ? q.stride(0) : H * D, H, k_cache, v_cache,

@@ -287,6 +287,67 @@ def test_same_bits_any_thread_count() -> None:
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+# -- long contexts: key partitions, split across threads or walked in turn ------------------------
+
+LONG = [  # (dtype, window): partitions of 256 keys; the window crosses their boundaries
+    (torch.float32, 0),
+    (torch.bfloat16, 0),
+    (torch.bfloat16, 300),
+]
+
+
+@pytest.mark.parametrize("dtype,window", LONG, ids=[f"{str(d)[6:]}-w{w}" for d, w in LONG])
+def test_long_context_matches_reference(dtype: torch.dtype, window: int) -> None:
+    """Queries whose keys span several partitions (a decode at 700, a chunk across 512) against the reference."""
+    g = torch.Generator().manual_seed(17 + window)
+    cache = make_cache([700, 530, 9], 3, 64, 16, dtype, g)
+    q_all = [torch.randn(n, 9, 64, generator=g) for n in cache.lens]
+    step = Step([(0, 699, 1), (1, 500, 30), (2, 0, 9)])
+    out = run(cache, q_all, step, 0.125, window)
+    in_bf16 = pa.multiplies_in_bf16(dtype, 64)
+    reference = functools.partial(pa.paged_attention_reference, round_query=in_bf16)
+    tolerance = 2**-9 * cache.v.float().abs().max().item() if in_bf16 else 1e-5
+    for a, b in zip(out, run(cache, q_all, step, 0.125, window, fn=reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype,window", LONG, ids=[f"{str(d)[6:]}-w{w}" for d, w in LONG])
+def test_long_context_same_bits_split_or_walked(dtype: torch.dtype, window: int) -> None:
+    """A lone decode splits its partitions across threads; in a batch of many tiles each tile walks
+    them in turn on one thread; in a batch where it holds most of the work it splits again. The
+    partitions' fold is the same, so the bits are, on 1 or 2 threads and in any prompt chunking."""
+    g = torch.Generator().manual_seed(23 + window)
+    lens = [600, *[40] * 12]
+    cache = make_cache(lens, 3, 64, 16, dtype, g)
+    q_all = [torch.randn(n, 9, 64, generator=g) for n in cache.lens]
+    positions = [*range(250, 262), *range(508, 516), 599]
+    before = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results[f"alone, {threads} threads"] = torch.cat(
+                [run(cache, q_all, Step([(0, p, 1)]), 0.125, window)[0] for p in positions]
+            )
+        shorts = [(s, 0, 40) for s in range(1, len(lens))]  # 60 tiles: whole-tile units
+        for name, sizes in {"whole prompt": [600], "chunks of 256": [256], "chunks of 7, 100": [7, 100]}.items():
+            parts, p, i = [], 0, 0
+            while p < 600:
+                c = min(sizes[i % len(sizes)], 600 - p)
+                parts.append(run(cache, q_all, Step([(0, p, c), *shorts]), 0.125, window)[0])
+                p, i = p + c, i + 1
+            results[f"{name}, with short prompts"] = torch.cat(parts)[positions]
+        decodes = [(s, 39, 1) for s in range(1, len(lens))]  # few tiles beside the long one's: it splits
+        results["among decodes"] = torch.cat(
+            [run(cache, q_all, Step([*decodes, (0, p, 1)]), 0.125, window)[-1] for p in positions]
+        )
+    finally:
+        torch.set_num_threads(before)
+    first = results.pop("alone, 1 threads")
+    for name, out in results.items():
+        assert torch.equal(out, first), f"differs {name}"
+
+
 # -- in the engine's cache -------------------------------------------------------------------
 
 
