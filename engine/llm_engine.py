@@ -125,7 +125,8 @@ class LLMEngine:
         self.kv_offload = start_offload(self.config, loaded, self.runner.kv_cache, self.block_manager)
         self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu")
         self.speculator = Speculator(self.config, self.sampler)
-        self.fast_forward = FastForward(self.config.grammar_fast_forward, self.sampler)
+        self.fast_forward = FastForward(self.config.grammar_fast_forward, self.sampler,
+                                        self.config.max_num_batched_tokens)
         self.requests: dict[str, RunningRequest] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

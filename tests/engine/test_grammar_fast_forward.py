@@ -241,3 +241,16 @@ def test_triton_path_gives_the_step_by_step_output(tiny_model_dir, monkeypatch):
         runs[ff] = (LLM(engine=engine).run([clone(r) for r in reqs]), engine.stats())
     assert [outcome(c) for c in runs[True][0]] == [outcome(c) for c in runs[False][0]]
     assert runs[True][1].grammar_ff_accepted_tokens > 0
+
+
+def test_forced_tokens_never_crowd_a_running_sequence_out_of_a_step(make_engine):
+    """Drafts fit in what the step's token budget leaves after every running sequence's own token: each
+    decoding sequence advances every step, however long its neighbours' forced runs."""
+    engine = make_engine(max_num_batched_tokens=10)
+    for i in range(6):
+        engine.add_request(request(f"b{i}", CONSTRAINTS["json_schema"], i, temperature=1.0, seed=i))
+    while engine.has_unfinished():
+        decoding = {s: s.num_tokens for s in engine.scheduler.running if s.num_uncomputed_tokens == 1}
+        engine.step()
+        assert all(s.is_finished or s.num_tokens > before for s, before in decoding.items())
+    assert engine.stats().grammar_ff_accepted_tokens > 0

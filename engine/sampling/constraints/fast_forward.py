@@ -23,7 +23,7 @@ speculative decoding (speculative/speculator.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,20 +44,25 @@ class FastForwardCounts:
 class FastForward:
     """Drafts each constrained sequence's forced tokens before the forward, verifies them after it."""
 
-    enabled: bool
+    enabled: bool  # read each step: EngineConfig.grammar_fast_forward at the start
     sampler: Sampler  # the engine's own: verification samples exactly as decoding does
-
-    def __post_init__(self) -> None:
-        self.counts = FastForwardCounts()
+    token_budget: int  # EngineConfig.max_num_batched_tokens
+    counts: FastForwardCounts = field(default_factory=FastForwardCounts)
 
     def propose(self, running: list[Sequence]) -> None:
-        """Append its forced tokens to every running constrained sequence about to decode."""
+        """Append its forced tokens to every running constrained sequence about to decode, within what the
+        step's token budget leaves once every running sequence has its own tokens: the scheduler serves
+        running sequences in turn until the budget is spent, so a draft must not crowd another one out."""
         if not self.enabled:
             return
+        spare = self.token_budget - sum(seq.num_uncomputed_tokens for seq in running)
         for seq in running:
-            forced = forced_tokens(seq)
+            if spare <= 0:
+                return
+            forced = forced_tokens(seq)[:spare]
             if forced:
                 seq.add_drafts(forced)
+                spare -= len(forced)
 
     def verify(self, seq: Sequence, rows: torch.Tensor, masks: torch.Tensor,
                emit: Callable[[Sequence, SampleResult], None]) -> Verification:
