@@ -6,10 +6,11 @@ unmeasured: that fixes how many tokens each produces (greedy decoding repeats
 itself exactly) and caches the prompts' blocks. Then each round runs them
 constrained, and the same prompts unconstrained with EOS ignored and
 ``max_tokens`` set to exactly those counts, the two in alternating order
-(ABBA), so both paths do the same work at every step (same prompts, same prefix
-hits, same batch shape) and drift in the machine's load falls on both alike:
-the ratio is the price of the constraint alone (mask fill, the sampler's masked
-path, the matcher's advance). At c=1 the requests run one at a time and the
+(ABBA), so both paths produce as many tokens from the same prompts (same prefix
+hits) and drift in the machine's load falls on both alike: the ratio is the
+constraint's price (mask fill, the sampler's masked path, the matcher's advance)
+less what grammar fast-forward, on as served, saves (forced tokens take no
+forward of their own). At c=1 the requests run one at a time and the
 figure is decode tokens/s after the first token, pooled over the requests; at
 c=16 they are all sent at once and the figure is output tokens over wall time.
 
