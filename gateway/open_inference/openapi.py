@@ -215,8 +215,11 @@ def _ok(route: Route) -> dict[str, dict[str, Any]]:
         }}
         return {"200": {"description": "The outputs.", "content": content}}
     if route.server_streaming:
-        events = {"type": "string", "description": "Server-Sent Events: each `data:` field a "
-                  "triton.GenerateResponse with the new text, or `{\"error\": ...}` last if it fails."}
+        # An event as OpenAPI 3.2 describes SSE: its `data` field JSON of the response (or the error).
+        events = {"type": "object", "description": "Server-Sent Events: each `data:` field a "
+                  "triton.GenerateResponse with the new text, or `{\"error\": ...}` last if it fails.",
+                  "properties": {"data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+                      "anyOf": [{"$ref": _REF + "triton.GenerateResponse"}, {"$ref": _REF + "kserve.Error"}]}}}}
         return {"200": {"description": "The text as it is generated.", "content": {"text/event-stream": {"schema": events}}}}
     return {"200": {"description": "The generated text.", "content": _json("triton.GenerateResponse")}}
 

@@ -21,8 +21,10 @@ from protoserve.gateway.open_inference.tensor_json import (
     HEADER_LENGTH,
     TensorBodyError,
     infer_response_body,
+    mapping,
     parse_infer,
     put_parameters,
+    read_object,
     texts_of,
 )
 from protoserve.gateway.runtime.errors import HttpError, from_rpc_error, gateway_error
@@ -94,14 +96,12 @@ class OpenInferenceRoutes:
 
     @staticmethod
     def _generate_request(request: oip.ModelInferRequest, body: bytes, *, streaming: bool) -> None:
-        try:
-            document = json.loads(body or b"{}")
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TensorBodyError(f"the body is not JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise TensorBodyError("the body must be a JSON object")
-        parameters = dict(document.pop("parameters", None) or {})
-        request.id = str(document.pop("id", ""))
+        document = read_object(body or b"{}")
+        parameters = mapping(document.pop("parameters", None), "parameters")
+        request_id = document.pop("id", "")
+        if not isinstance(request_id, str):
+            raise TensorBodyError("id: must be a string")
+        request.id = request_id
         # Triton's vLLM examples put stream (and exclude_input_in_output) in parameters: tensors all the same.
         for key in ("stream", "exclude_input_in_output"):
             if key in parameters and key not in document:

@@ -11,11 +11,13 @@ form. Outputs come back as JSON ``data``, or as raw bytes after the JSON when th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from protoserve.gateway.runtime.json_codec import InvalidJson, loads
 from protoserve.open_inference import grpc_service_pb2 as oip
 
 _DTYPES = {
@@ -24,6 +26,9 @@ _DTYPES = {
     "INT64": np.dtype("<i8"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
 }
 HEADER_LENGTH = "inference-header-content-length"
+_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes "²"
+_INT64 = (-(2**63), 2**63)
+_INTEGER_TYPES = frozenset(("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"))
 
 
 class TensorBodyError(ValueError):
@@ -40,12 +45,12 @@ class InferBody:
 def parse_infer(body: bytes, header_length: str | None) -> InferBody:
     """The ModelInferRequest of a KServe REST infer body (model name and version come from the path)."""
     json_part, binary = _split(body, header_length)
-    document = _object(json_part)
+    document = read_object(json_part)
     unknown = set(document) - {"id", "parameters", "inputs", "outputs"}
     if unknown:
         raise TensorBodyError(f"{sorted(unknown)[0]}: unknown field of an inference request")
     request = oip.ModelInferRequest(id=_string(document.get("id", ""), "id"))
-    parameters = dict(document.get("parameters") or {})
+    parameters = mapping(document.get("parameters"), "parameters")
     all_binary = bool(parameters.pop("binary_data_output", False))
     put_parameters(request.parameters, parameters, "parameters")
     inputs = document.get("inputs")
@@ -58,11 +63,14 @@ def parse_infer(body: bytes, header_length: str | None) -> InferBody:
     if offset != len(binary):
         raise TensorBodyError(f"the body holds {len(binary) - offset} binary bytes no input claims")
     binary_outputs = set()
-    for index, spec in enumerate(document.get("outputs") or []):
+    outputs = document.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise TensorBodyError("outputs: must be a list of outputs")
+    for index, spec in enumerate(outputs):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise TensorBodyError(f"outputs[{index}]: must be an object with a name")
         wanted = request.outputs.add(name=spec["name"])
-        options = dict(spec.get("parameters") or {})
+        options = mapping(spec.get("parameters"), f"outputs[{index}].parameters")
         if options.pop("binary_data", False):
             binary_outputs.add(spec["name"])
         put_parameters(wanted.parameters, options, f"outputs[{index}].parameters")
@@ -72,20 +80,35 @@ def parse_infer(body: bytes, header_length: str | None) -> InferBody:
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
-    if not header_length.isdigit() or int(header_length) > len(body):
+    if not _DIGITS.fullmatch(header_length) or int(header_length) > len(body):
         raise TensorBodyError(f"header {HEADER_LENGTH} must be the JSON's byte count, at most the body's")
     length = int(header_length)
     return body[:length], body[length:]
 
 
-def _object(text: bytes) -> dict[str, Any]:
+def read_object(text: bytes) -> dict[str, Any]:
+    """A body's JSON object (as deep as the gateway reads any JSON, all of its strings text)."""
     try:
-        document = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = loads(text)
+    except InvalidJson as exc:
         raise TensorBodyError(f"the body is not JSON: {exc}") from None
     if not isinstance(document, dict):
         raise TensorBodyError("the body must be a JSON object")
+    try:
+        # A \ud800-\udfff escape alone is valid JSON but no text: it cannot be UTF-8 in a message.
+        json.dumps(document, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise TensorBodyError("the body holds a lone UTF-16 surrogate escape, which is not text") from None
     return document
+
+
+def mapping(value: Any, where: str) -> dict[str, Any]:
+    """An optional JSON object (parameters): {} when absent or null."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TensorBodyError(f"{where}: must be a JSON object")
+    return dict(value)
 
 
 def _string(value: Any, where: str) -> str:
@@ -119,17 +142,19 @@ def _input(request: oip.ModelInferRequest, spec: Any, index: int, binary: bytes,
     datatype, shape = spec.get("datatype"), spec.get("shape")
     if not isinstance(name, str) or not isinstance(datatype, str):
         raise TensorBodyError(f"{where}: needs a name and a datatype")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise TensorBodyError(f"{where}: shape must be a list of integers")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and _INT64[0] <= d < _INT64[1] for d in shape
+    ):
+        raise TensorBodyError(f"{where}: shape must be a list of 64-bit integers")
     request.inputs.add(name=name, datatype=datatype, shape=shape)
-    options = dict(spec.get("parameters") or {})
+    options = mapping(spec.get("parameters"), f"{where}.parameters")
     size = options.pop("binary_data_size", None)
     if options:
         raise TensorBodyError(f"{where}: unsupported input parameter {sorted(options)[0]!r}")
     if size is not None:
         if "data" in spec:
             raise TensorBodyError(f"{where}: give data or parameters.binary_data_size, not both")
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
             raise TensorBodyError(f"{where}: binary_data_size runs past the body's binary part")
         return binary[offset : offset + size], offset + size
     if "data" not in spec:
@@ -153,9 +178,10 @@ def _pack(where: str, datatype: str, values: list[Any]) -> bytes:
     if dtype is None:
         # The server names the datatype it does not know; JSON cannot carry one anyway.
         raise TensorBodyError(f"{where}: unknown datatype {datatype!r}")
-    kinds = (bool,) if datatype == "BOOL" else (int, float)
+    kinds = (bool,) if datatype == "BOOL" else (int,) if datatype in _INTEGER_TYPES else (int, float)
     if not all(isinstance(v, kinds) and (datatype == "BOOL" or not isinstance(v, bool)) for v in values):
-        raise TensorBodyError(f"{where}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'}")
+        what = "booleans" if datatype == "BOOL" else "integers" if datatype in _INTEGER_TYPES else "numbers"
+        raise TensorBodyError(f"{where}: {datatype} data must be {what}")
     try:
         return np.array(values, dtype=dtype).tobytes()
     except (OverflowError, ValueError):

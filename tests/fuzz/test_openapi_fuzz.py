@@ -14,7 +14,10 @@ elsewhere). Afterwards the server still answers and its KV pool is free.
 ``GET /v1/metrics:watch`` never ends by itself, so it is fuzzed in
 test_watch_metrics_fuzz below, reading the first event only. Bodies no schema
 describes (any JSON, JSON nested 1,200 levels deep, bytes that are not JSON)
-go to every POST route in test_any_body_gets_a_client_error.
+go to every POST route in test_any_body_gets_a_client_error. The Open Inference
+Protocol's infer route also gets tensors a client gets wrong, as JSON or as the
+binary tensor data extension with its length header right, wrong or missing
+(test_any_tensor_body_gets_a_client_error); its errors are KServe's ``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import schemathesis
 from fuzz_support import FUZZ_EXAMPLES, assert_idle_and_healthy, next_tenant
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from open_inference_strategies import rest_infer_bodies
 from proto_strategies import json_values
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
@@ -110,6 +114,24 @@ POST_PATHS = sorted(
 )
 
 
+def filled(path: str, model: str) -> str:
+    """A route's path with its variables filled: the served model, its version, a request id."""
+    for variable, value in (("{request_id}", "fuzz"), ("{model_name}", model), ("{model_version}", "1")):
+        path = path.replace(variable, quote(value, safe=""))
+    return path
+
+
+@pytest.fixture(scope="session")
+def served_model(gateway_url: str) -> str:
+    return httpx.get(f"{gateway_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
+
+
+def assert_error_body(response: httpx.Response) -> None:
+    """An error in its API's shape: OpenAI's or Anthropic's object, a google.rpc.Status, KServe's string."""
+    error = response.json()
+    assert isinstance(error.get("error"), dict | str) or "message" in error, error
+
+
 def any_body() -> st.SearchStrategy[bytes]:
     """Any JSON (nested up to 1,200 levels deep included), and bytes that are not JSON or not UTF-8."""
     as_json = json_values().map(lambda value: json.dumps(value).encode())
@@ -117,19 +139,39 @@ def any_body() -> st.SearchStrategy[bytes]:
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
-def test_any_body_gets_a_client_error(gateway_url: str, path: str) -> None:
+def test_any_body_gets_a_client_error(gateway_url: str, served_model: str, path: str) -> None:
     """A 4xx with an error body (or, when the body happens to be a valid request, a 200)."""
 
     @given(body=any_body())
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     def check(body: bytes) -> None:
-        url = f"{gateway_url}{path.replace('{request_id}', 'fuzz')}"
+        url = f"{gateway_url}{filled(path, served_model)}"
         headers = {"content-type": "application/json", **dict(next_tenant())}
         response = httpx.post(url, content=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
         assert response.status_code < 500, (response.status_code, response.text[:500])
         if response.status_code >= 400:
-            error = response.json()
-            assert isinstance(error.get("error"), dict) or "message" in error, error
+            assert_error_body(response)
+
+    check()
+
+
+def test_any_tensor_body_gets_a_client_error(gateway_url: str, served_model: str) -> None:
+    """KServe infer bodies, JSON or binary: a 200 whose JSON part says where its binary part starts,
+    or a 4xx with KServe's error body."""
+    url = f"{gateway_url}{filled('/v2/models/{model_name}/infer', served_model)}"
+
+    @given(request=rest_infer_bodies())
+    @settings(max_examples=4 * FUZZ_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    def check(request: tuple[bytes, dict[str, str]]) -> None:
+        body, headers = request
+        response = httpx.post(url, content=body, headers={**headers, **dict(next_tenant())}, timeout=REQUEST_TIMEOUT_S)
+        assert response.status_code < 500, (response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            assert isinstance(response.json()["error"], str), response.text
+            return
+        length = response.headers.get("inference-header-content-length")
+        document = json.loads(response.content[: int(length)] if length else response.content)
+        assert document["model_name"] == served_model and document["outputs"], document
 
     check()
 
@@ -140,6 +182,9 @@ PATH_VARIABLE_ROUTES = [
     ("GET", "/v1/inference/models/{}", "status"),
     ("POST", "/v1/cancel/{}", "status"),
     ("GET", "/v1/chat/{}", "openai"),
+    ("GET", "/v2/models/{}", "kserve"),
+    ("POST", "/v2/models/{}/infer", "kserve"),
+    ("POST", "/v2/models/{}/generate", "kserve"),
 ]
 
 
@@ -157,7 +202,8 @@ def test_any_path_value_gets_a_json_error(gateway_url: str, method: str, templat
         assert response.headers["content-type"].startswith("application/json"), (url, response.text[:200])
         if response.status_code >= 400:
             error = response.json()
-            assert isinstance(error["error"], dict) if style == "openai" else "message" in error, error
+            shapes = {"openai": lambda: isinstance(error["error"], dict), "kserve": lambda: isinstance(error["error"], str)}
+            assert shapes.get(style, lambda: "message" in error)(), error
 
     check()
 

@@ -31,6 +31,13 @@ ROLE = {"enum": ["system", "user", "assistant"]}
 UNIT = {"type": "number", "minimum": 0.05, "maximum": 1}
 PENALTY = {"type": "number", "minimum": -2, "maximum": 2}
 OPENAI_STOP = {"anyOf": [TEXT, STOP_STRINGS]}
+# Open Inference sampling keys as request parameters: few tokens.
+OIP_SAMPLING = {
+    "type": "object",
+    "properties": {"max_tokens": {"type": "integer", "minimum": 1, "maximum": 8}, "temperature": {"enum": [0, 1]}},
+    "required": ["max_tokens"],
+    "additionalProperties": False,
+}
 CONTENT_PARTS = {
     "type": "array",
     "items": {
@@ -98,6 +105,18 @@ def field_schemas(model: str) -> dict[str, dict[str, Any]]:
         "protoserve.openai.v1.CreateCompletionRequest.logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "interval_ms": {"type": "integer", "minimum": 100, "maximum": 500},
+        # The Open Inference Protocol's REST bodies (gateway/open_inference/openapi.py): the LLM's tensors.
+        "kserve.InferenceRequest.parameters": OIP_SAMPLING,
+        "kserve.InferenceRequest.outputs": {"type": "array", "items": TEXT, "maxItems": 0},
+        "kserve.RequestInput.name": {"enum": ["text_input", "sampling_parameters", "exclude_input_in_output"]},
+        "kserve.RequestInput.datatype": {"enum": ["BYTES", "BOOL"]},
+        "kserve.RequestInput.shape": {"type": "array", "items": {"const": 1}, "minItems": 1, "maxItems": 1},
+        "kserve.RequestInput.data": {"type": "array", "items": {"anyOf": [TEXT, {"type": "boolean"}]},
+                                     "minItems": 1, "maxItems": 1},
+        "kserve.RequestInput.parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        "triton.GenerateRequest.text_input": TEXT,
+        "triton.GenerateRequest.parameters": OIP_SAMPLING,
+        "triton.GenerateRequest.sampling_parameters": {"enum": ['{"max_tokens": 4}', "{}"]},
     }
 
 
@@ -118,6 +137,9 @@ REQUIRED = {
     "protoserve.v1.TokenIds": ["ids"],
     "protoserve.v1.BatchRequest": ["requests"],
     "protoserve.v1.DetokenizeRequest": ["token_ids"],
+    "kserve.InferenceRequest": ["inputs"],
+    "kserve.RequestInput": ["name", "shape", "datatype", "data"],
+    "triton.GenerateRequest": ["text_input", "parameters"],
 }
 # Proto oneofs the OpenAPI document cannot express: exactly one of these must be set.
 ONE_OF = {
@@ -131,6 +153,7 @@ LIST_SIZES = {
     "protoserve.anthropic.v1.CountMessageTokensRequest": {"messages": (1, 4)},
     "protoserve.v1.ChatInput": {"messages": (1, 4)},
     "protoserve.v1.BatchRequest": {"requests": (1, 3)},
+    "kserve.InferenceRequest": {"inputs": (1, 2)},
 }
 
 
@@ -221,7 +244,19 @@ def tightened(document: dict[str, Any], model: str) -> dict[str, Any]:
                 schema["properties"][prop] = _not_null(schema["properties"][prop])
         if name in ONE_OF:
             schema["oneOf"] = [{"required": [member]} for member in ONE_OF[name]]
+    _name_the_served_model(document)
     return document
+
+
+def _name_the_served_model(document: dict[str, Any]) -> None:
+    """The Open Inference routes name the model in their path: the example's (the served model)."""
+    for path, operations in document["paths"].items():
+        if not path.startswith("/v2/"):
+            continue
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                if parameter["in"] == "path":
+                    parameter["schema"] = {"enum": [parameter["example"]]}
 
 
 def strategy(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
@@ -239,6 +274,8 @@ def strategy(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
         return st.integers(schema.get("minimum"), schema.get("maximum"))
     if kind == "number":
         return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False)
+    if kind == "boolean":
+        return st.booleans()
     if kind == "array":
         items = strategy(schema["items"])
         return st.lists(items, min_size=schema.get("minItems", 0), max_size=schema.get("maxItems"))
