@@ -38,6 +38,24 @@ _TENSOR_DATA = {
     "description": "The tensor's elements in row-major order, flat or nested by its shape: numbers, "
     "booleans (BOOL) or strings (BYTES).",
 }
+
+
+def _tensor(description: str) -> dict[str, Any]:
+    """A tensor in a request or a response: KServe's ``$request_input`` and ``$response_output``."""
+    return {
+        "type": "object",
+        "description": description,
+        "properties": {
+            "name": {"type": "string"},
+            "shape": _SHAPE,
+            "datatype": {"type": "string"},
+            "parameters": {"$ref": _REF + "kserve.Parameters"},
+            "data": _TENSOR_DATA,
+        },
+        "required": ["name", "shape", "datatype"],
+    }
+
+
 _ERROR = {
     "type": "object",
     "description": "An error, as KServe's REST protocol writes it.",
@@ -72,19 +90,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
         "required": ["name"],
     },
-    "kserve.RequestInput": {
-        "type": "object",
-        "description": "One input tensor: its elements in `data`, or (binary tensor data extension) "
-        "`parameters.binary_data_size` bytes of the binary part after the JSON.",
-        "properties": {
-            "name": {"type": "string"},
-            "shape": _SHAPE,
-            "datatype": {"type": "string"},
-            "parameters": {"$ref": _REF + "kserve.Parameters"},
-            "data": _TENSOR_DATA,
-        },
-        "required": ["name", "shape", "datatype"],
-    },
+    "kserve.RequestInput": _tensor("One input tensor: its elements in `data`, or (binary tensor data extension) "
+                                   "`parameters.binary_data_size` bytes of the binary part after the JSON."),
     "kserve.RequestOutput": {
         "type": "object",
         "description": "An output asked for; `parameters.binary_data` true answers it as raw bytes.",
@@ -103,19 +110,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
         "required": ["inputs"],
     },
-    "kserve.ResponseOutput": {
-        "type": "object",
-        "description": "One output tensor: its elements in `data`, or `parameters.binary_data_size` "
-        "bytes of the binary part after the JSON.",
-        "properties": {
-            "name": {"type": "string"},
-            "shape": _SHAPE,
-            "datatype": {"type": "string"},
-            "parameters": {"$ref": _REF + "kserve.Parameters"},
-            "data": _TENSOR_DATA,
-        },
-        "required": ["name", "shape", "datatype"],
-    },
+    "kserve.ResponseOutput": _tensor("One output tensor: its elements in `data`, or `parameters.binary_data_size` "
+                                     "bytes of the binary part after the JSON."),
     "kserve.InferenceResponse": {
         "type": "object",
         "properties": {

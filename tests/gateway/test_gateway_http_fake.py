@@ -427,10 +427,16 @@ def test_openapi_and_docs(http):
         (REPO / "gen" / "python" / "protoserve" / "generated" / "openapi.json").read_text()
     )
     document = served.json()
-    # The generated document, with the WebSocket route the gateway serves itself.
+    # The generated document, with the WebSocket route the gateway serves itself and the Open Inference
+    # routes (not proto JSON: KServe's schemas, gateway/open_inference/openapi.py).
     assert {path: document["paths"][path] for path in generated["paths"]} == generated["paths"]
-    assert set(document["paths"]) - set(generated["paths"]) == {"/v1/ws/completions"}
-    assert document["components"] == generated["components"]
+    added = set(document["paths"]) - set(generated["paths"])
+    assert "/v1/ws/completions" in added and "/v2" in added
+    assert added - {"/v1/ws/completions"} == {p for p in added if p.startswith("/v2")}
+    assert document["components"]["securitySchemes"] == generated["components"]["securitySchemes"]
+    schemas = document["components"]["schemas"]
+    assert {k: schemas[k] for k in generated["components"]["schemas"]} == generated["components"]["schemas"]
+    assert {k.split(".")[0] for k in set(schemas) - set(generated["components"]["schemas"])} == {"kserve", "triton"}
     # The reference: every route and the protos' comments, readable without scripts or the internet.
     reference = http.get("/docs/reference")
     assert reference.status_code == 200 and reference.headers["content-type"].startswith("text/html")
@@ -441,6 +447,7 @@ def test_openapi_and_docs(http):
         "/v1/generate:stream",
         "/health",
         "/v1/ws/completions",
+        "/v2/models/{model_name}/infer",
     ):
         assert path in page
     assert "SamplingParams controls how tokens are chosen" in page
