@@ -38,19 +38,50 @@ DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
 
 
 class BoundedWriteContext:
-    """A ServicerContext whose ``write`` gives up after ``timeout_s``; everything else is the call's own."""
+    """A ServicerContext whose ``write`` gives up after ``timeout_s``; everything else is the call's own.
+
+    One timer per call watches the write in progress, instead of an ``asyncio.timeout`` per write:
+    a stream writes once per token, and arming and cancelling a timeout each time cost the
+    event loop more than the rest of the write's Python around grpc's own."""
 
     def __init__(self, context: grpc.aio.ServicerContext, timeout_s: float, method: str) -> None:
         self._context = context
         self._timeout_s = timeout_s
         self._method = method
         self.stalled = False
+        self._writing_since: float | None = None  # loop time the write in progress began
+        self._writer: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
     async def write(self, message: Any) -> None:
         """Write ``message``; raise the DEADLINE_EXCEEDED ServiceError when the client takes none for too long."""
+        if self._writing_since is not None:
+            # Two tasks writing at once (grpc queues the second): each gets its own timeout.
+            await self._write_alone(message)
+            return
+        loop = asyncio.get_running_loop()
+        self._writing_since = since = loop.time()
+        self._writer = asyncio.current_task()
+        if self._timer is None:
+            self._timer = loop.call_at(since + self._timeout_s, self._check)
+        try:
+            await self._context.write(message)
+        except asyncio.CancelledError:
+            # Our own cancel (and nobody else's) is the timeout; any other cancel goes on up.
+            if self.stalled and self._writer is not None and self._writer.uncancel() == 0:
+                log.info(
+                    "%s: the client read nothing for %g s (--stream-idle-timeout); ending its stream",
+                    self._method, self._timeout_s,
+                )  # fmt: skip
+                raise self.error() from None
+            raise
+        finally:
+            self._writing_since = None
+
+    async def _write_alone(self, message: Any) -> None:
         try:
             async with asyncio.timeout(self._timeout_s):
                 await self._context.write(message)
@@ -61,6 +92,26 @@ class BoundedWriteContext:
                 self._method, self._timeout_s,
             )  # fmt: skip
             raise self.error() from None
+
+    def _check(self) -> None:
+        """The timer: cancel a write that has waited ``timeout_s``, else watch the current one, if any."""
+        self._timer = None
+        since = self._writing_since
+        if since is None or self._writer is None:
+            return  # no write in progress: the next one arms the timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() - since >= self._timeout_s:
+            self.stalled = True
+            self._writer.cancel()
+        else:
+            self._timer = loop.call_at(since + self._timeout_s, self._check)
+
+    def close(self) -> None:
+        """The call is over: stop watching."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._writer = None
 
     def error(self) -> errors.ServiceError:
         """What the call ends with once a write has timed out."""
@@ -92,6 +143,8 @@ def _bounded(behavior, timeout_s: float, method: str):
             if not bounded.stalled:
                 raise
             await errors.abort(context, bounded.error())
+        finally:
+            bounded.close()
 
     return handler
 
