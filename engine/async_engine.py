@@ -242,7 +242,8 @@ class AsyncEngine:
         iteration early (aclose, task cancelled) aborts the request, which frees its
         KV blocks within one step. The abort's own final output (its stats: time to
         first token, decode time, tokens) then goes to ``on_abandoned`` when given,
-        which the cleanup waits for (one step at most).
+        which the cleanup waits for (one step at most). A caller that falls behind gets the
+        outputs queued meanwhile folded into one (``_coalesce``).
         """
         self._users += 1
         outputs = self._generate(request, on_abandoned)
@@ -283,12 +284,14 @@ class AsyncEngine:
             self._inbox.append((prepared, stream))
         self._wakeup.set()
         done = False
+        error: BaseException | None = None  # taken from the queue while coalescing, raised next
         try:
             while True:
-                item = await stream.queue.get()
+                item = error if error is not None else await stream.queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                item, error = _coalesce(item, stream.queue)
                 done = item.finished
                 if done and waited and item.stats is not None:
                     item.stats.model_load_s = waited
@@ -298,7 +301,8 @@ class AsyncEngine:
         finally:
             if not done:
                 self.abort(rid)
-                if on_abandoned is not None:
+                # An error already taken was the request's last item: no final output follows it.
+                if on_abandoned is not None and error is None:
                     final = await _final_output(stream.queue)
                     if final is not None:
                         on_abandoned(final)
@@ -425,6 +429,46 @@ def _stream_items(out: RequestOutput) -> list[RequestOutput | BaseException]:
         return [out]
     partial = dataclasses.replace(out, finished=False, stats=None, error=None)
     return [partial, out.error] if partial.deltas else [out.error]
+
+
+def _coalesce(
+    output: RequestOutput, queue: asyncio.Queue[RequestOutput | BaseException]
+) -> tuple[RequestOutput, BaseException | None]:
+    """``output`` with the outputs already queued behind it folded in, and an error met there.
+
+    A caller that fell behind (a busy event loop, a slow client) then takes several steps'
+    tokens in one output, and writes them as one message, instead of paying a message per token
+    and falling further behind, as vLLM's output collector does. A caller that keeps up sees
+    one output per step as before."""
+    while not output.finished and not queue.empty():
+        later = queue.get_nowait()
+        if isinstance(later, BaseException):
+            return output, later
+        output = _merged(output, later)
+    return output, None
+
+
+def _merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: each choice's text, tokens and logprobs
+    joined in order, everything else (finished, stats, error) from the later one."""
+    deltas = {d.index: dataclasses.replace(d, token_ids=list(d.token_ids), logprobs=list(d.logprobs))
+              for d in first.deltas}
+    for delta in later.deltas:
+        into = deltas.get(delta.index)
+        if into is None:
+            deltas[delta.index] = delta
+            continue
+        into.text += delta.text
+        into.token_ids.extend(delta.token_ids)
+        into.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
+    return dataclasses.replace(
+        later,
+        deltas=list(deltas.values()),
+        num_prompt_tokens=later.num_prompt_tokens or first.num_prompt_tokens,
+        stats=later.stats or first.stats,
+    )
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

@@ -195,3 +195,29 @@ async def test_failing_step_fails_its_requests_and_the_engine_goes_on(make_engin
     assert outs[-1].finished and outs[-1].deltas[0].finish_reason == FinishReason.LENGTH
     assert eng.stats().kv_blocks_free == eng.stats().kv_blocks_total
     await eng.shutdown()
+
+
+def _logprob_request(rid: str, max_tokens: int) -> TokenizedRequest:
+    return TokenizedRequest(rid, list(range(10, 90)), SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2))
+
+
+async def test_a_caller_that_falls_behind_gets_the_queued_steps_in_one_output(engine):
+    steady = await collect(engine, _logprob_request("steady", 48))
+
+    stream = engine.generate(_logprob_request("behind", 48))
+    first = await anext(stream)
+    # Take nothing more until the engine has finished the request: every later step waits queued.
+    await wait_for(lambda: "behind" not in engine.engine.requests)
+    rest = [out async for out in stream]
+
+    assert len(rest) == 1 and rest[0].finished and rest[0].stats is not None
+    behind = [first, *rest]
+    tokens = [t for out in behind for d in out.deltas for t in d.token_ids]
+    assert tokens == [t for out in steady for d in out.deltas for t in d.token_ids]
+    assert "".join(d.text for out in behind for d in out.deltas) == "".join(
+        d.text for out in steady for d in out.deltas)
+    merged = rest[0].deltas[0]
+    assert len(merged.logprobs) == len(merged.token_ids) == 48 - len(first.deltas[0].token_ids)
+    assert [p.chosen.token_id for p in merged.logprobs] == merged.token_ids
+    assert merged.finish_reason == FinishReason.LENGTH
