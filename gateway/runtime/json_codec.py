@@ -119,9 +119,14 @@ def json_depth(data: bytes) -> int:
     return max(accumulate(memoryview(steps).cast("b")), default=0)
 
 
+# One encoder for every message: json.dumps with options builds a new one per call, a third of
+# the time of a stream's small per-token chunks.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def dumps(value: Any) -> bytes:
     """Compact single-line JSON (safe inside one SSE ``data:`` field)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(value).encode()
 
 
 def parse_message(
