@@ -32,10 +32,12 @@ class LlamaBenchResult:
     tokens_per_s: float
     stddev: float
     threads: int
+    depth: int = 0  # tokens already in the context (``-d``) when the test starts
 
     @property
     def key(self) -> str:
-        return f"{self.test}.fa{self.flash_attn}"
+        at = f"@d{self.depth}" if self.depth else ""
+        return f"{self.test}{at}.fa{self.flash_attn}"
 
 
 def bench_command(
@@ -55,6 +57,29 @@ def bench_command(
     return [
         str(binary), "-m", str(model), "-p", str(prompt), "-n", str(generate), "-t", str(threads),
         "-fa", ",".join(str(fa) for fa in flash_attn), "-r", str(repetitions), "-o", "json",
+    ]  # fmt: skip
+
+
+def depth_command(
+    binary: Path,
+    model: Path,
+    threads: int,
+    prompts: Sequence[int],
+    generate: int,
+    depths: Sequence[int],
+    flash_attn: int,
+    repetitions: int,
+) -> list[str]:
+    """``-p`` each of ``prompts`` (0: none) and ``-n generate`` (0: none), each over every context depth
+    of ``depths`` (``-d``: tokens put in the context before the timed part): the long-context tests."""
+    if not prompts or not depths or min(*prompts, *depths, generate) < 0 or threads < 1 or repetitions < 1:
+        raise ValueError(f"bad long-context test: prompts {list(prompts)}, generate {generate}, depths {list(depths)}")
+    if flash_attn not in (0, 1):
+        raise ValueError(f"flash_attn takes 0 or 1, got {flash_attn}")
+    return [
+        str(binary), "-m", str(model), "-p", ",".join(map(str, prompts)), "-n", str(generate),
+        "-d", ",".join(map(str, depths)),
+        "-t", str(threads), "-fa", str(flash_attn), "-r", str(repetitions), "-o", "json",
     ]  # fmt: skip
 
 
@@ -86,7 +111,7 @@ def parse_results(stdout: str) -> list[LlamaBenchResult]:
         prompt, gen = int(row["n_prompt"]), int(row["n_gen"])
         test = f"pp{prompt}" if gen == 0 else f"tg{gen}" if prompt == 0 else f"pp{prompt}+tg{gen}"
         out.append(LlamaBenchResult(test, _flash_attn(row["flash_attn"]), float(row["avg_ts"]),
-                                    float(row["stddev_ts"]), int(row["n_threads"])))
+                                    float(row["stddev_ts"]), int(row["n_threads"]), int(row.get("n_depth", 0))))
     return out
 
 
