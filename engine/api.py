@@ -55,7 +55,7 @@ from protoserve.engine.request import (
     TokenLogprob,
 )
 from protoserve.engine.sampling.constraints.constraint import Constraint, ConstraintKind
-from protoserve.engine.sampling.sampling_params import ContextPolicy, SamplingParams
+from protoserve.engine.sampling.sampling_params import MIROSTAT_REPLACES, ContextPolicy, SamplingParams
 from protoserve.engine.speculative.params import SpeculativeParams
 from protoserve.engine.tracing import CHAT, TEXT_COMPLETION, RequestTrace
 
@@ -67,6 +67,7 @@ __all__ = [
     "DEVICES",
     "DTYPES",
     "KV_CACHE_DTYPES",
+    "MIROSTAT_REPLACES",
     "QUANTIZATION_MODES",
     "TEXT_COMPLETION",
     "AdapterCapacityError",

@@ -235,19 +235,47 @@ def live_server_auth():
     server.stop()
 
 
+# Servers spawn_server started, each with whether a session-scoped fixture started it (it lives for the
+# session) or a test or narrower fixture did (it is killed when its test module ends). Each server holds
+# about 1 GB: kept to the session's end, the suite's would not fit in the machine's memory.
+_SPAWNED: list[tuple[LiveServer, bool]] = []
+_session_fixture_setups = 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    global _session_fixture_setups
+    session = fixturedef.scope == "session"
+    _session_fixture_setups += session
+    try:
+        yield
+    finally:
+        _session_fixture_setups -= session
+
+
 @pytest.fixture(scope="session")
 def spawn_server():
-    """Start private server processes; whatever is still running at session end is killed."""
-    started: list[LiveServer] = []
+    """Start private server processes. One a session-scoped fixture starts lives until the session
+    ends; any other is killed when its test module ends (``_module_servers``)."""
 
     def spawn(*extra_args: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> LiveServer:
         server = start_server_process(*extra_args, env=env, wait_ready=wait_ready)
-        started.append(server)
+        _SPAWNED.append((server, _session_fixture_setups > 0))
         return server
 
     yield spawn
-    for server in started:
+    for server, _ in _SPAWNED:
         server.stop(signal.SIGKILL, timeout=5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_servers() -> Iterator[None]:
+    """Kill the servers this module's tests and fixtures spawned once the module is done."""
+    first = len(_SPAWNED)
+    yield
+    for server, for_session in _SPAWNED[first:]:
+        if not for_session:
+            server.stop(signal.SIGKILL, timeout=5)
 
 
 class InProcessServer:

@@ -36,7 +36,13 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from protoserve.engine.api import Constraint, ConstraintKind, SamplingParams, SpeculativeParams
+from protoserve.engine.api import (
+    MIROSTAT_REPLACES,
+    Constraint,
+    ConstraintKind,
+    SamplingParams,
+    SpeculativeParams,
+)
 from protoserve.server import errors
 from protoserve.server.limits import (
     MAX_CONSTRAINT_CHARS,
@@ -225,7 +231,13 @@ class SamplingMapping:
         ``api_defaults`` are the API's own defaults for fields it leaves unset (the completions
         API's 16 ``max_tokens``); ``converted`` are fields the service converted itself, which win.
         """
-        values = {**(api_defaults or {}), **self.defaults, **set_values(message, converted), **converted}
+        explicit = {**set_values(message, converted), **converted}
+        defaults = self.defaults
+        if explicit.get("mirostat_mode"):
+            # Mirostat picks the candidates itself: a served default for a filter it replaces (a model card's
+            # top_p) is not the request's choice, so it does not apply; one the request sets is refused.
+            defaults = {name: value for name, value in defaults.items() if name not in MIROSTAT_REPLACES}
+        values = {**(api_defaults or {}), **defaults, **explicit}
         fields = message.DESCRIPTOR.fields_by_name
         if "constraint" not in converted and "constraint" in fields and message.HasField("constraint"):
             values["constraint"] = constraint_from_proto(message.constraint)

@@ -223,7 +223,7 @@ def test_unknown_v1_paths_answer_in_openai_style(http, method, path):
 
 
 def test_unknown_paths_elsewhere_keep_google_rpc_status(http):
-    response = http.get("/v2/nothing")
+    response = http.get("/v9/nothing")  # (/v2 is the Open Inference Protocol's, with KServe's errors)
     assert response.status_code == 404 and response.json()["code"] == 5
 
 
@@ -231,7 +231,7 @@ def test_wrong_methods_on_openai_paths_are_405_in_openai_style(http, client):
     for method, path in (
         ("DELETE", "/v1/completions"),
         ("GET", "/v1/chat/completions"),
-        ("POST", "/v1/models"),
+        ("PUT", "/v1/models"),  # (POST is ModelService.LoadModel)
     ):
         response = http.request(method, path)
         assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"

@@ -17,7 +17,8 @@ from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 
 PROMPT = "The capital of France is"
-SECOND_CHOICE = {"temperature": 1.0, "top_k": 2, "xtc_probability": 1.0, "xtc_threshold": 0.0}
+# top_p 1.0: the model's card default (0.9) would leave only the likeliest of the two.
+SECOND_CHOICE = {"temperature": 1.0, "top_k": 2, "top_p": 1.0, "xtc_probability": 1.0, "xtc_threshold": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_the_openai_client_sends_it_as_an_extra(base_url):
         model = client.models.list().data[0].id
         extra = {k: SECOND_CHOICE[k] for k in ("top_k", "xtc_probability", "xtc_threshold")}
         completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0,
-                                               extra_body=extra)
+                                               top_p=1.0, extra_body=extra)
         assert completion.choices[0].text == native["choices"][0]["text"]
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
