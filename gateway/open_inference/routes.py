@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
 
 import grpc
 from google.protobuf import json_format
@@ -52,6 +53,10 @@ class OpenInferenceRoutes:
     async def serve(self, route: Route, path_values: dict[str, str], scope: Scope, receive: Receive,
                     send: Send) -> None:
         """Answer one request; raises HttpError before anything is sent."""
+        if scope.get("query_string"):  # KServe's REST routes take no query parameters: none is ignored
+            names = sorted({name for name, _ in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)})
+            raise _bad(f"{', '.join(names) or 'query'}: unknown query parameter; the Open Inference Protocol's "
+                       "routes take none")
         metadata = self.gateway.call_metadata(scope)
         timeout = self.gateway.call_timeout(scope)
         request = route.request_type(**path_values)
