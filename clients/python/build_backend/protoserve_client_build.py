@@ -107,7 +107,8 @@ def generate_stubs(out_dir: Path, project_dir: Path) -> list[Path]:
 
     protos, googleapis = find_proto_roots(project_dir)
     well_known = Path(grpc_tools.__file__).parent / "_proto"
-    files = sorted(p.relative_to(protos).as_posix() for p in protos.rglob("*.proto"))
+    # The vendored Open Inference protos are the server's, served to tritonclient: not this client's.
+    files = sorted(p.relative_to(protos).as_posix() for p in protos.rglob("*.proto") if "vendor" not in p.parts)
     with tempfile.TemporaryDirectory() as tmp:
         rc = protoc.main(
             [
