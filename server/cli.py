@@ -32,9 +32,9 @@ from protoserve.server.cli_flags import (
     LOG_LEVELS,
     SAMPLING_DEFAULT_FLAGS,
     SPECULATIVE_MAX_BATCH,
-    build_parser,
 )
 from protoserve.server.cli_models import list_models
+from protoserve.server.cli_parser import build_parser
 from protoserve.server.errors import ServiceError, invalid_argument, to_service_error
 from protoserve.server.models.chat_turn import CHAT_ROLES, ChatTurn
 from protoserve.server.models.model_spec import ModelSpec, model_specs
