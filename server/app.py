@@ -14,9 +14,7 @@ import importlib.util
 import logging
 import os
 import shutil
-import signal
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,9 +29,8 @@ from protoserve.anthropic.v1 import messages_pb2, messages_pb2_grpc
 from protoserve.engine.api import EngineConfig
 from protoserve.open_inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc, responses_pb2, responses_pb2_grpc
-from protoserve.server import exit_codes
 from protoserve.server.agent.service import AgentService
-from protoserve.server.agent.tool_registry import ToolRegistry, ToolRegistryError
+from protoserve.server.agent.tool_registry import ToolRegistry
 from protoserve.server.calls.inflight import InflightRequests
 from protoserve.server.calls.request_decoding import RequestDecodingInterceptor
 from protoserve.server.calls.request_scope import RequestScopeInterceptor
@@ -54,7 +51,6 @@ from protoserve.server.observability.usage import UsageLedger
 from protoserve.server.open_inference.service import OpenInferenceService
 from protoserve.server.rag.service import RagService
 from protoserve.server.responses.store import Bounds, ResponseStore
-from protoserve.server.runtime.event_loop import loop_name
 from protoserve.server.runtime.health import Readiness
 from protoserve.server.runtime.memory_budget import MemoryBudget, default_budget_bytes
 from protoserve.server.runtime.ports import PortUnavailable, check_can_listen
@@ -527,89 +523,3 @@ def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def _file_error(exc: OSError | ValueError) -> str:
-    """One line for a file that cannot be read: its name and the OS's reason."""
-    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"cannot read {exc.filename}: {exc.strerror.lower()}"
-    return str(exc)
-
-
-async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = None) -> int:
-    """Run a server until SIGTERM/SIGINT, then drain; returns the process exit code."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            log.info("received %s: shutting down", signal.Signals(signum).name)
-            stop.set()
-        else:
-            # A second signal means "now": skip the rest of the grace period.
-            log.warning("received %s again: aborting in-flight calls", signal.Signals(signum).name)
-            app.inflight.abort_all()
-
-    try:
-        app = ServerApp(config, http_gateway=http_gateway)
-    except ToolRegistryError as exc:
-        # An installed tool package that is broken: its owner's to fix, named in the message.
-        print(f"protoserve: {exc}", file=sys.stderr, flush=True)
-        return exit_codes.USAGE
-    except (OSError, ValueError) as exc:
-        # A file a flag names (API keys, secrets) that cannot be read or used: the user's to fix.
-        print(f"protoserve: {_file_error(exc)}", file=sys.stderr, flush=True)
-        return exit_codes.USAGE
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    if app.tls is not None:
-        # Files that changed are picked up at the next handshake anyway; SIGHUP re-reads them regardless.
-        loop.add_signal_handler(signal.SIGHUP, app.tls.reload)
-    try:
-        await app.start()
-    except PortUnavailable as exc:
-        print(f"protoserve: {exc}", file=sys.stderr, flush=True)
-        await app.stop()
-        return exit_codes.PORT_UNAVAILABLE
-    http = f", http on {config.host}:{app.http_port}" if app.http_port is not None else ""
-    if app.metrics_port is not None:
-        http += f", metrics on {config.host}:{app.metrics_port}"
-    print(f"protoserve listening on {app.grpc_target} (grpc){http}", flush=True)
-    if app.tls is not None:
-        mutual = f", client certificates from {config.tls.client_ca_file}" if app.tls.current.mutual else ""
-        log.info("TLS on the gRPC and HTTP ports (certificate sha256 %s%s)", app.tls.current.fingerprint, mutual)
-    log.info("event loop: %s", loop_name(loop))
-
-    load = asyncio.create_task(app.load_model())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if load.done() and load.exception() is not None:
-        from protoserve.engine.api import ModelLoadError
-
-        exc = load.exception()
-        # A bad path or checkpoint, or an option it cannot take (ValueError, e.g. --max-model-len
-        # beyond its context): one line. Anything else is a bug, so keep the traceback.
-        user_error = isinstance(exc, ModelLoadError | OSError | ValueError)
-        log.log(logging.DEBUG if user_error else logging.ERROR, "model loading failed", exc_info=exc)
-        print(f"protoserve: could not load the model: {exc}", file=sys.stderr, flush=True)
-        stopping.cancel()
-        await app.stop()
-        return exit_codes.MODEL_LOAD
-    if not load.done():
-        # Shutdown asked for while loading: stop serving now; the loading thread
-        # cannot be interrupted, so the process exits when it returns.
-        await app.readiness.set_draining()
-        await app.stop()
-        load.cancel()
-        return 0
-    # Health is SERVING now: "listening" came first (probes get answers while the model
-    # loads), so this is the line that says requests will be answered.
-    served = ", ".join(m.name for m in app.models.listing())
-    print(f"protoserve ready: serving {served} on {app.grpc_target} (grpc){http}", flush=True)
-    await stopping
-    await app.drain()
-    log.info("stopped")
-    return 0

@@ -173,7 +173,8 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 
 def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    from protoserve.server.app import ServerConfig, serve
+    from protoserve.server.app import ServerConfig
+    from protoserve.server.process import serve
 
     worker = _torchrun_worker(args, engine_config)  # before binding ports: rank 0 alone listens
     if worker is not None:
