@@ -115,6 +115,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(
             self.config, loaded.config.max_position_embeddings, self.runner.num_blocks
         )
+        # Every rank builds its engine here, so each shard's rope follows the served context too.
+        loaded.model.serve_context(self.max_model_len)
         self.vocab_size = loaded.config.vocab_size
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(loaded.config.eos_token_ids)

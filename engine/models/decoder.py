@@ -298,6 +298,9 @@ class Decoder(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The context the engine serves (None until it says, see serve_context): dynamic NTK's base
+        # and longrope's factor set depend on it.
+        self.max_model_len: int | None = None
         self.rope = self._rope()
         # Sliding layers of a family with a local rope base (Gemma 3) rotate by this one, unscaled.
         self.local_rope = self._local_rope()
@@ -327,15 +330,25 @@ class Decoder(nn.Module):
         if self.fused_step is not None:
             self.fused_step.fine_activations = precision == "exact"
 
+    def serve_context(self, max_model_len: int) -> None:
+        """Fix the rope tables for the context the engine serves (its resolved max_model_len), which is
+        known only once the KV pool is sized, after the model is built. Call before the first step: keys
+        cached under the old tables would no longer match. The frequencies stay on their device."""
+        device = self.rope.inv_freq.device
+        self.max_model_len = max_model_len
+        self.rope = self._rope()
+        self.local_rope = self._local_rope()
+        self._ropes_on(device)
+
     def _rope(self) -> RopeSpec:
         c = self.config
-        return rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        return rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, self.max_model_len)
 
     def _local_rope(self) -> RopeSpec | None:
         c = self.config
         if c.rope_local_theta is None:
             return None
-        return rope_spec(c.head_dim, c.rope_local_theta, None, c.max_position_embeddings)
+        return rope_spec(c.head_dim, c.rope_local_theta, None, c.max_position_embeddings, self.max_model_len)
 
     def _layer_ropes(self) -> list[int]:
         """Per layer, 0 for the global rope table or 1 for the local one."""
@@ -405,7 +418,10 @@ class Decoder(nn.Module):
             for m in self.modules():
                 if isinstance(m, GroupedExperts):
                     m.stack_for_fused_kernel()
-        # The rope tables' frequencies on the device too: no host copy inside a step (nor a CUDA graph).
+        self._ropes_on(device)
+
+    def _ropes_on(self, device: torch.device) -> None:
+        """The rope tables' frequencies on ``device``: no host copy inside a step (nor a CUDA graph)."""
         self.rope = dataclasses.replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
         if self.local_rope is not None:
             self.local_rope = dataclasses.replace(self.local_rope, inv_freq=self.local_rope.inv_freq.to(device))

@@ -70,9 +70,7 @@ def _diffs(hf, prompts: list[list[int]], ours: list[torch.Tensor]) -> list[torch
 
 def _short_context(model) -> None:
     """The rope the engine fixes for a served context within the original one: the short factors."""
-    c = model.config
-    model.rope = rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
-                           max_model_len=PHI_ORIGINAL)
+    model.serve_context(PHI_ORIGINAL)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
@@ -117,6 +115,41 @@ def test_the_factor_set_matters(checkpoint, family: str) -> None:
         prompts = _prompts(lengths, seed=3)
         diffs = _diffs(hf, prompts, Driver(model, paged_cache(model)).run(prompts, all_at_once))
         assert all(d[0] < 1e-4 and d.max() > 1e-2 for d in diffs)
+
+
+@pytest.mark.parametrize("max_model_len", [PHI_ORIGINAL, None], ids=["within-original", "default"])
+def test_the_engine_fixes_the_factor_set_for_its_served_context(checkpoint, max_model_len: int | None) -> None:
+    """LLMEngine hands the max_model_len it resolves to the rope. Served within the original context,
+    short prompts' greedy tokens through the engine equal transformers' (short factors, as transformers
+    and vLLM take at that length); served at the config's context (the default), the model rotates by
+    the long factors, which transformers' short-sequence logits do not match."""
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.llm import LLM
+    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.request import TokenizedRequest
+    from protoserve.engine.sampling.sampling_params import SamplingParams
+
+    path, hf = checkpoint("phi3")
+    loaded = load_model(path, progress=False)
+    c = loaded.config
+    engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=256, block_size=4, max_model_len=max_model_len))
+    assert engine.max_model_len == (max_model_len or c.max_position_embeddings)
+    long = max_model_len is None
+    expected = rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
+                         max_model_len=None if long else PHI_ORIGINAL)
+    assert torch.equal(engine.runner.model.rope.inv_freq, expected.inv_freq)
+    prompts = _prompts(SHORT_PROMPTS, seed=8)
+    if long:
+        model = engine.runner.model
+        diffs = _diffs(hf, prompts, Driver(model, paged_cache(model)).run(prompts, all_at_once))
+        assert all(d[0] < 1e-4 and d.max() > 1e-2 for d in diffs)
+        return
+    requests = [TokenizedRequest(f"short-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0,
+                                                                   ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    for i, prompt in enumerate(prompts):
+        assert done[f"short-{i}"].choices[0].token_ids == hf_greedy(hf, prompt, GREEDY), f"short-{i}"
 
 
 @pytest.mark.parametrize("family", PHI_FAMILIES)

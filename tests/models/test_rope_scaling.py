@@ -856,3 +856,40 @@ def test_scaled_llama_logits_match_transformers(tmp_path, scaling: dict) -> None
     ours = Driver(loaded.model, paged_cache(loaded.model)).run([prompt], all_at_once)[0]
     assert ref.abs().max() > 1.0
     assert (ours - ref).abs().max() < 1e-4
+
+
+def test_the_engine_serves_dynamic_ntk_for_its_resolved_context(tiny_checkpoint, tmp_path) -> None:
+    """LLMEngine fixes dynamic NTK's base for the max_model_len it resolves (here the config's
+    context, as no larger one is served): the unscaled base transformers takes for every sequence
+    that short, so the served logits equal transformers'. The base for max_position_embeddings *
+    factor, which the model had before the engine said its context, does not."""
+    import json
+    import shutil
+
+    from decoder_test_helpers import Driver, all_at_once, paged_cache
+    from transformers import AutoModelForCausalLM
+
+    from protoserve.engine.config import EngineConfig
+    from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.loader.load import load_model
+
+    path = tmp_path / "dynamic"
+    shutil.copytree(tiny_checkpoint("llama")[0], path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 50000.0}
+    raw.pop("rope_scaling", None)
+    (path / "config.json").write_text(json.dumps(raw))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    loaded = load_model(path, progress=False)
+    before = loaded.model.rope
+    engine = LLMEngine(loaded, EngineConfig(max_kv_blocks=256, block_size=4))
+    assert engine.max_model_len == raw["max_position_embeddings"]
+    model = engine.runner.model
+    prompt = torch.randint(0, raw["vocab_size"], (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    ours = Driver(model, paged_cache(model)).run([prompt], all_at_once)[0]
+    assert (ours - ref).abs().max() < 1e-4
+    model.rope = before
+    unserved = Driver(model, paged_cache(model)).run([prompt], all_at_once)[0]
+    assert (unserved - ref).abs().max() > 1e-2
