@@ -320,7 +320,8 @@ class LLMEngine:
         if state is None or state.finished:
             return False
         for seq in state.seqs:
-            if self.kv_offload is not None and self.kv_offload.drop(seq):
+            parked = self.kv_offload is not None and self.kv_offload.drop(seq)
+            if parked and seq.num_preemptions == 0:  # parked on arrival: the scheduler never had it
                 seq.status = SequenceStatus.FINISHED
             elif not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -336,6 +337,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        self._park_preempted()
         self._admit_restored()
         self.speculator.propose(self.scheduler.running)
         self.fast_forward.propose(self.scheduler.running)
@@ -353,12 +355,29 @@ class LLMEngine:
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
 
+    def _park_preempted(self) -> None:
+        """A preempted sequence recomputes its prefix when it is admitted again, and blocks of that prefix
+        evicted from the pool since may be on disk: it waits for them as a new request does, once the free
+        blocks could hold it (until then more of its blocks may go). Once per preemption, so a pool too
+        tight to keep them until it runs cannot keep it parked."""
+        if self.kv_offload is None:
+            return
+        bm = self.block_manager
+        for seq in [s for s in self.scheduler.waiting if s.num_preemptions > s.num_preemptions_reloaded
+                    and bm.num_free_blocks >= bm.blocks_for(s.num_tokens)]:
+            if self.kv_offload.park(seq):
+                seq.num_preemptions_reloaded = seq.num_preemptions
+                self.scheduler.set_aside(seq)
+
     def _admit_restored(self) -> None:
         """Hand the scheduler the parked requests whose prefix blocks came off disk (engine/kv_offload);
         with nothing else to run, wait for them."""
         if self.kv_offload is not None and self.kv_offload.num_parked:
             for seq in self.kv_offload.restored(wait=not self.scheduler.has_unfinished()):
-                self.scheduler.add(seq)
+                if seq.num_preemptions:  # still its tenant's since the preemption
+                    self.scheduler.put_back(seq)
+                else:
+                    self.scheduler.add(seq)
 
     def close(self) -> None:
         """After the last step: persist the prefix cache's blocks (kv_offload_dir) and release the runner."""

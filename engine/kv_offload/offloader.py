@@ -132,6 +132,9 @@ class KVOffloader:
     def _install(self, parked: ParkedSequence) -> None:
         bm = self.block_manager
         payloads = parked.payloads.result()
+        # Adopting takes the free queue's front, where the part of the prefix still in memory may sit
+        # (a preempted sequence's own blocks): those go to the back first, so the loaded ones continue them.
+        bm.touch(bm.match_prefix(parked.seq.full_block_hashes(bm.block_size)))
         # Each adopted block takes the free queue's front: never more than it holds, so none evicts another.
         for h, data in zip(parked.hashes, payloads[: bm.num_free_blocks], strict=False):
             block_id = bm.adopt(h, parked.seq.cache_salt)

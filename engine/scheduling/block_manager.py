@@ -164,6 +164,12 @@ class BlockManager:
         block.salt = salt
         self.cached[h] = block_id
 
+    def touch(self, block_ids: Seq[int]) -> None:
+        """Make the free ones among ``block_ids`` the most recently used, last evicted, in order."""
+        for block_id in block_ids:
+            if block_id in self.free_queue:
+                self.free_queue.move_to_end(block_id)
+
     def adopt(self, h: bytes, salt: bytes) -> int | None:
         """A block to load the K/V of cached block ``h`` into: published under ``h`` and left free (most
         recently used), as if computed and released. None when ``h`` is cached already or nothing is free."""

@@ -98,6 +98,14 @@ class Scheduler:
         self.fair.join(seq.tenant)
         self.waiting.append(seq)
 
+    def set_aside(self, seq: Sequence) -> None:
+        """Take a waiting sequence out of the queue while its prefix comes off disk (engine/kv_offload); it
+        stays its tenant's, and ``put_back`` returns it to the queue with its arrival and age kept."""
+        self.waiting.remove(seq)
+
+    def put_back(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -392,7 +400,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._charge_output(seq)
-        else:
+        elif seq in self.waiting:  # else set aside (set_aside)
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
         self.fair.leave(seq.tenant)

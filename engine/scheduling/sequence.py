@@ -58,6 +58,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
     num_cached_blocks: int = 0  # leading table blocks already published to the prefix cache
     num_preemptions: int = 0
+    # num_preemptions when its prefix last came back off disk (engine/kv_offload): once per preemption.
+    num_preemptions_reloaded: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # Where the output stands in its constraint's grammar: it has taken every generated token, and

@@ -140,3 +140,24 @@ def test_a_request_waiting_for_its_blocks_can_be_cancelled(make_engine, tmp_path
     assert out.request_id == "p" and out.finished
     assert not restarted.has_unfinished() and restarted.kv_offload.num_parked == 0
     assert restarted.block_manager.num_free_blocks == restarted.block_manager.num_blocks
+
+
+def test_a_preempted_request_reloads_its_evicted_prefix_from_disk(make_engine, tmp_path):
+    """B is preempted (recompute) when the pool runs out; A then grows into the free queue, evicting B's
+    tail blocks, which are written to disk. When B is admitted again it reads them back, as a new
+    request would, instead of recomputing them; both outputs equal an engine's with room for both."""
+    a = TokenizedRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                         cache_salt=b"alice")
+    b = TokenizedRequest("b", OTHER, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                         cache_salt=b"alice")
+    roomy = make_engine()
+    expected = {c.request_id: c.choices[0].token_ids for c in LLM(engine=roomy).run([a, b])}
+    assert roomy.stats().preemptions_total == 0
+
+    engine = make_engine(kv_offload_dir=str(tmp_path), max_kv_blocks=27)  # both prompts and one block more
+    done = {c.request_id: c for c in LLM(engine=engine).run([a, b])}
+    assert {rid: c.choices[0].token_ids for rid, c in done.items()} == expected
+    assert done["b"].stats.preemptions == 1 and done["a"].stats.preemptions == 0
+    # A's 3 blocks past the pool took B's 3 tail blocks; B's 13 usable blocks were all hits again.
+    assert engine.kv_offload.counters.blocks_loaded == 3
+    assert engine.stats().prefix_cache_hits == (len(OTHER) + 8) // BLOCK * BLOCK
