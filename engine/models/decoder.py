@@ -403,9 +403,6 @@ class Decoder(nn.Module):
         ``pack_for_kernels``: quantized layers repack into the layouts the device's kernels read, float
         layers move as they are (the device's GEMM library multiplies them); the fused C++ step stays off.
         Raises ValueError for a block the device's attention lacks."""
-        if self.config.attn_logit_softcapping is not None:  # soft-capped scores run on the CPU's tiled path only
-            raise ValueError(f"{self.config.architecture}: attn_logit_softcapping is not supported on "
-                             f"device {device.type} (serve it on the cpu)")
         if self.config.kv_lora_rank:  # the device kernels are untested on MLA's shared latent pool
             raise ValueError(f"{self.config.architecture}: multi-head latent attention is not supported on "
                              f"device {device.type} (serve it on the cpu)")

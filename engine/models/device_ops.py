@@ -21,8 +21,9 @@ from protoserve.kernels.cpu import packed_linear as cpu_linear
 from protoserve.kernels.cpu import paged_attention as cpu_attention
 from protoserve.kernels.cpu.packed_linear import PackedWeight
 
-# (q, k_pool, v_pool, batch, scale, sliding_window) -> [T, H, D] float32 or q's dtype
-PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch, float, "int | None"], torch.Tensor]
+# (q, k_pool, v_pool, batch, scale, sliding_window, logit_softcap) -> [T, H, D] float32 or q's dtype
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch, float, "int | None",
+                           "float | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class DeviceOps:
     pack_layout: str
     paged_attention: PagedAttention | None
     kv_dtypes: tuple[torch.dtype, ...]  # pool dtypes paged_attention takes
+    # paged_attention soft-caps scores (Gemma 2); False: it is given no cap, and a capped model
+    # attends on the PyTorch tiles instead
+    attention_softcap: bool = False
     # (x, E4M3 codes [N, K], per-channel scales [N], bias) -> float32 [M, N]; None: no FP8 weights here
     fp8_linear: Callable[..., torch.Tensor] | None = None
     # (x, w_gate_up [E, 2I, H], w_down [E, H, I], expert ids [T, k], routing weights [T, k]) -> float32
@@ -53,7 +57,9 @@ class DeviceOps:
         return self.rms_norm is not None and x.dtype in self.norm_dtypes
 
 
-def _cpu_attention(q, k_pool, v_pool, batch: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
+def _cpu_attention(q, k_pool, v_pool, batch: ForwardBatch, scale: float, window: int | None,
+                   softcap: float | None) -> torch.Tensor:
+    assert softcap is None, "the CPU kernel has no soft cap (DeviceOps.attention_softcap)"
     return cpu_attention.paged_attention(q, k_pool, v_pool, batch.block_tables, batch.query_start_loc,
                                          batch.seq_lens, scale, window)
 
@@ -80,15 +86,17 @@ def _cpu_ops() -> DeviceOps:
     )
 
 
-def _triton_attention(q, k_pool, v_pool, batch: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
+def _triton_attention(q, k_pool, v_pool, batch: ForwardBatch, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:
     from protoserve.kernels.triton.paged_attention import paged_decode_attention
     from protoserve.kernels.triton.prefill_attention import prefill_attention
 
     longest = max(batch.query_lens_list)
     if longest == 1:  # every sequence decodes one token: rows are sequences, in order
-        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, scale, window)
+        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, scale, window,
+                                      softcap)
     return prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                             scale, window, max_query_len=longest)
+                             scale, window, max_query_len=longest, logit_softcap=softcap)
 
 
 def _triton_linear(x: torch.Tensor, pack: PackedWeight, bias: torch.Tensor | None, fine: bool) -> torch.Tensor:
@@ -137,6 +145,7 @@ def _triton_ops() -> DeviceOps:
         pack_layout="portable",
         paged_attention=_triton_attention,
         kv_dtypes=(torch.float32, torch.bfloat16),
+        attention_softcap=True,
         fp8_linear=_triton_fp8_linear,
         fused_moe=fused_moe,
     )

@@ -69,7 +69,7 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None  # path "fast": the single-token sequences, attended together
     context_slots: dict[int, torch.Tensor]  # path "fast", other sequences: slots of positions 0..seq_len-1
     path: AttentionPath
-    logit_softcap: float | None = None  # Gemma 2's attention-logit soft-capping (paths "tiled" and "sdpa")
+    logit_softcap: float | None = None  # Gemma 2's attention-logit soft-capping
 
 
 class KVCache(ABC):
@@ -212,8 +212,9 @@ class PagedKVCache(KVCache):
         self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool,
         logit_softcap: float | None = None,
     ) -> AttentionMetadata:
-        # Neither the kernels nor SDPA cap scores: a soft-capped model takes the tiles in both modes.
-        if logit_softcap is not None:
+        # Neither the C++ kernel nor SDPA cap scores: there a soft-capped model takes the tiles in both
+        # modes; the Triton kernels cap them (DeviceOps.attention_softcap).
+        if logit_softcap is not None and not (self.use_kernel and self.ops.attention_softcap):
             plan = build_tile_plan(
                 batch, self.block_size, sliding_window, num_heads // self.num_kv_heads, self.num_kv_heads
             )
@@ -221,7 +222,7 @@ class PagedKVCache(KVCache):
                                      logit_softcap)
         if self.use_kernel:  # no plan to build: the kernel walks the block tables itself
             return AttentionMetadata(
-                batch, sliding_window, deterministic, num_heads, None, None, {}, path="kernel"
+                batch, sliding_window, deterministic, num_heads, None, None, {}, "kernel", logit_softcap
             )
         if deterministic:
             plan = build_tile_plan(
@@ -250,7 +251,8 @@ class PagedKVCache(KVCache):
         # First the new K/V into the pool: every path (the kernel too) reads the context from it.
         self._write(self.k[layer], self.v[layer], k, v, batch.slot_mapping)
         if meta.path == "kernel":
-            out = self.ops.paged_attention(q, self.k[layer], self.v[layer], batch, scale, meta.sliding_window)
+            out = self.ops.paged_attention(q, self.k[layer], self.v[layer], batch, scale, meta.sliding_window,
+                                           meta.logit_softcap)
             return out if out.dtype == q.dtype else out.to(q.dtype)
         k_slots = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         v_slots = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)

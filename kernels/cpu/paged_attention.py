@@ -96,11 +96,13 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     round_query: bool = False,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The kernel's contract written out plainly: one query at a time, in float64, -> float32.
 
     ``round_query``: score against ``bfloat16(float32(q) * scale)``, as the kernel does where
-    ``multiplies_in_bf16`` says so (its rounding of P is not modelled)."""
+    ``multiplies_in_bf16`` says so (its rounding of P is not modelled). ``logit_softcap``: scores
+    ``cap * tanh(scores / cap)`` before the softmax, the Triton kernels' option (this kernel has none)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -124,5 +126,7 @@ def paged_attention_reference(
                 scores = torch.einsum("hd,lhd->hl", scaled, k)
             else:
                 scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
+            if logit_softcap:
+                scores = torch.tanh(scores / logit_softcap) * logit_softcap
             out[row] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
     return out.float()

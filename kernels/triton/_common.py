@@ -93,13 +93,31 @@ def load_kv_tile(k_ptr, v_ptr, table_row_ptr, keys, key_ok, d, d_ok, kv_head, bl
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m_i, l_i, acc, BF16: tl.constexpr, BF16_DOT: tl.constexpr):
+def tanh(x):
+    """tanh in float32 from exp (the interpreter runs no libdevice call): a short odd series where
+    ``1 - exp(-2|x|)`` would cancel (|x| < 1/8: the next term is below 1e-12), the exp form elsewhere."""
+    a = tl.abs(x)
+    t = tl.exp(-2.0 * a)
+    far = (1.0 - t) / (1.0 + t)
+    a2 = a * a
+    near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    y = tl.where(a < 0.125, near, far)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, softcap, BF16: tl.constexpr, BF16_DOT: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
     """One key tile of flash attention: scores of the visible keys, the running max, sum and output
-    rescaled; returns the new (m_i, l_i, acc). Under BF16 P is rounded to bfloat16 as the pool is."""
+    rescaled; returns the new (m_i, l_i, acc). Under BF16 P is rounded to bfloat16 as the pool is.
+    Under SOFTCAP the scores are ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); without
+    it that step is not compiled in, so an uncapped model's bits do not move."""
     if BF16_DOT:
         s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
     else:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if SOFTCAP:
+        s = softcap * tanh(s / softcap)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)

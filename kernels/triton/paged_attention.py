@@ -12,7 +12,8 @@ head, so each cached K/V row is read once per group rather than once per query h
 group's heads are the rows of one ``tl.dot`` (padded to 16, the GPU minimum). Keys are walked in
 tiles of ``BLOCK_N`` aligned to position 0 with an online softmax in float32; float32 pools
 multiply in IEEE float32, bfloat16 pools with the query and P rounded to bfloat16 as
-``prefill_attention`` does. One program walks the whole context (no split over the keys).
+``prefill_attention`` does. One program walks the whole context (no split over the keys). Scores
+are soft-capped as ``prefill_attention``'s when a cap is given.
 """
 
 from __future__ import annotations
@@ -28,20 +29,24 @@ from protoserve.kernels.triton._common import (
     online_softmax_step,
     round_to_bf16,
 )
-from protoserve.kernels.triton.prefill_attention import check_paged_operands, reference_prefill_attention
+from protoserve.kernels.triton.prefill_attention import (
+    check_paged_operands,
+    check_window_and_cap,
+    reference_prefill_attention,
+)
 
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_len_ptr,
-    scale, window, block_size, group, head_dim,
+    scale, window, softcap, block_size, group, head_dim,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_oh,
     stride_table,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BF16: tl.constexpr, BF16_DOT: tl.constexpr,
+    BF16: tl.constexpr, BF16_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,7 +73,8 @@ def _paged_decode_kernel(
         key_ok = (keys >= first) & (keys < seq_len)
         k, v = load_kv_tile(k_ptr, v_ptr, table_ptr + seq * stride_table, keys, key_ok, d, d_ok, kv_head,
                             block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
-        m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, BF16, BF16_DOT)
+        m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, softcap, BF16, BF16_DOT,
+                                            SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out, mask=q_mask)
 
@@ -81,16 +87,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, H, D], over the cache -> float32 [B, H, D].
 
     ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] (each at least 1) are int32 on q's
     device; the pools already hold this step's K/V. ``sliding_window`` None or 0: no window.
+    ``logit_softcap`` None or 0: scores uncapped; else ``cap * tanh(scores / cap)`` before the mask.
     """
     num_seqs = q.shape[0] if q.dim() == 3 else -1
     check_paged_operands(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
-    if sliding_window is not None and sliding_window < 0:
-        raise ValueError(f"sliding_window must be None, 0 (no window) or positive, got {sliding_window}")
+    check_window_and_cap(sliding_window, logit_softcap)
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -101,14 +108,14 @@ def paged_decode_attention(
     cpu = interpreted(_paged_decode_kernel)
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens,
-        float(scale), int(sliding_window or 0), k_cache.shape[1], group, head_dim,
+        float(scale), int(sliding_window or 0), float(logit_softcap or 0.0), k_cache.shape[1], group, head_dim,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         BLOCK_G=next_pow2(group, 16), BLOCK_N=16 if cpu else 64, BLOCK_D=next_pow2(head_dim, 16),
-        BF16=bf16, BF16_DOT=bf16 and not cpu,
+        BF16=bf16, BF16_DOT=bf16 and not cpu, SOFTCAP=bool(logit_softcap),
     )  # fmt: skip
     return out
 
@@ -122,9 +129,10 @@ def reference_paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     round_query: bool = False,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The contract in plain PyTorch: the prefill reference with one query per sequence, its last
     position (float64 -> float32 [B, H, D])."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return reference_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       sliding_window, round_query)
+                                       sliding_window, round_query, logit_softcap)

@@ -14,7 +14,9 @@ can see in tiles of ``BLOCK_N`` aligned to position 0 (each key's slot looked up
 table, so any block size works) with an online softmax in float32. Float32 pools multiply in
 IEEE float32 (no TF32); bfloat16 pools multiply as flash attention does: scores against the
 scaled query rounded to bfloat16, P @ V with P rounded to bfloat16, the softmax in float32 (what
-the CPU kernel does where ``multiplies_in_bf16``).
+the CPU kernel does where ``multiplies_in_bf16``). With ``logit_softcap`` the scores become
+``cap * tanh(scores / cap)`` before the mask and softmax, as transformers' Gemma 2 computes them (the
+CPU kernel has no cap: there a capped model attends on the engine's PyTorch tiles).
 """
 
 from __future__ import annotations
@@ -44,14 +46,14 @@ BLOCK_M = 16  # tl.dot needs at least 16 rows on a GPU
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, seq_len_ptr,
-    scale, window, block_size, group, head_dim,
+    scale, window, softcap, block_size, group, head_dim,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_table,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BF16: tl.constexpr, BF16_DOT: tl.constexpr,
+    BF16: tl.constexpr, BF16_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -90,7 +92,7 @@ def _prefill_attention_kernel(
         k, v = load_kv_tile(k_ptr, v_ptr, table_ptr + seq * stride_table, keys, key_ok, d, d_ok, kv_head,
                             block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
         visible = (keys[None, :] >= first[:, None]) & (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, BF16, BF16_DOT)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, softcap, BF16, BF16_DOT, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :], out, mask=q_mask)
 
@@ -124,6 +126,14 @@ def check_paged_operands(
     check_unit_stride("block_tables", block_tables)
 
 
+def check_window_and_cap(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """The options both attention launchers share: None or 0 turns either off."""
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (no window) or positive, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap >= 0:  # NaN too
+        raise ValueError(f"logit_softcap must be None, 0 (no cap) or positive, got {logit_softcap}")
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,20 +144,21 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     max_query_len: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cache -> float32 [T, H, D] (see the module docstring).
 
     ``block_tables`` [B, max_blocks], ``query_start_loc`` [B+1] and ``seq_lens`` [B] are int32 on
     q's device, as ``ForwardBatch`` holds them. ``sliding_window`` None or 0: no window.
     ``max_query_len``: the longest run of new rows, when the caller knows it (saves a device sync).
+    ``logit_softcap`` None or 0: scores uncapped; else ``cap * tanh(scores / cap)`` before the mask.
     """
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(INDEX_DTYPE,), device=q.device)
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs < 0:
         raise ValueError("query_start_loc must hold B+1 prefix sums, got an empty tensor")
     check_paged_operands(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
-    if sliding_window is not None and sliding_window < 0:
-        raise ValueError(f"sliding_window must be None, 0 (no window) or positive, got {sliding_window}")
+    check_window_and_cap(sliding_window, logit_softcap)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
@@ -161,14 +172,15 @@ def prefill_attention(
     grid = (num_seqs, triton.cdiv(max_query_len, BLOCK_M), num_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        float(scale), int(sliding_window or 0), k_cache.shape[1], num_heads // k_cache.shape[2], head_dim,
+        float(scale), int(sliding_window or 0), float(logit_softcap or 0.0), k_cache.shape[1],
+        num_heads // k_cache.shape[2], head_dim,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=16 if cpu else 64, BLOCK_D=next_pow2(head_dim, 16),
-        BF16=bf16, BF16_DOT=bf16 and not cpu,
+        BF16=bf16, BF16_DOT=bf16 and not cpu, SOFTCAP=bool(logit_softcap),
     )  # fmt: skip
     return out
 
@@ -183,8 +195,9 @@ def reference_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     round_query: bool = False,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The contract the CPU kernel has (kernels/cpu/paged_attention.py's reference, float64 ->
-    float32 [T, H, D]), on q's device; ``round_query`` as there."""
+    float32 [T, H, D]), on q's device; ``round_query`` and ``logit_softcap`` as there."""
     cpu = [t.cpu() for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)]
-    return paged_attention_reference(*cpu, scale, sliding_window, round_query).to(q.device)
+    return paged_attention_reference(*cpu, scale, sliding_window, round_query, logit_softcap).to(q.device)

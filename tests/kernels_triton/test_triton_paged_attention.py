@@ -27,12 +27,13 @@ from protoserve.kernels.triton.prefill_attention import prefill_attention  # noq
 DECODES = [(n - 1, n) for n in (1, 4, 5, 6, 23)]
 
 
-def run(case: PagedCase, device: torch.device, window: int | None, strided: bool = False) -> torch.Tensor:
+def run(case: PagedCase, device: torch.device, window: int | None, strided: bool = False,
+        logit_softcap: float | None = None) -> torch.Tensor:
     b = case.batch
     q = strided_rows(case.q.to(device)) if strided else case.q.to(device)
     return paged_decode_attention(
         q, case.k.to(device), case.v.to(device),
-        b.block_tables.to(device), b.seq_lens.to(device), case.scale, window,
+        b.block_tables.to(device), b.seq_lens.to(device), case.scale, window, logit_softcap,
     ).cpu()  # fmt: skip
 
 
@@ -54,6 +55,23 @@ def test_matches_reference(
     )
     assert out.dtype == torch.float32 and out.shape == case.q.shape
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=bf16_tolerance(case.v) if bf16 else 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 4], ids=["nowin", "win4"])
+def test_soft_cap_matches_reference(window: int | None, dtype: torch.dtype, device) -> None:
+    """Scores ``cap * tanh(scores / cap)`` before the mask, as the reference caps them; the cap matters,
+    and a cap of 0 is none (the same bits as no cap)."""
+    case = paged_case(DECODES, 8, 2, head_dim=40, block_size=5, dtype=dtype, seed=31)
+    b = case.batch
+    bf16 = dtype == torch.bfloat16
+    capped = run(case, device, window, logit_softcap=1.5)
+    ref = reference_paged_decode_attention(case.q, case.k, case.v, b.block_tables, b.seq_lens, case.scale, window,
+                                           round_query=bf16, logit_softcap=1.5)
+    torch.testing.assert_close(capped, ref, rtol=1e-5, atol=bf16_tolerance(case.v) if bf16 else 2e-5)
+    plain = run(case, device, window)
+    assert (capped - plain).abs().max().item() > 0.1
+    assert torch.equal(run(case, device, window, logit_softcap=0.0), plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -112,3 +130,5 @@ def test_bad_arguments_name_the_field(device) -> None:
         paged_decode_attention(q, k.half(), v.half(), tables, lens, 1.0)
     with pytest.raises(ValueError, match="v_cache has shape"):
         paged_decode_attention(q, k, v[:1], tables, lens, 1.0)
+    with pytest.raises(ValueError, match="logit_softcap must be None, 0 \\(no cap\\) or positive"):
+        paged_decode_attention(q, k, v, tables, lens, 1.0, logit_softcap=-2.0)

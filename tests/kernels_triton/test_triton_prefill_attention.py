@@ -58,6 +58,23 @@ def test_matches_reference(heads: int, kv_heads: int, window: int | None, dtype:
         assert (out - exact).abs().max().item() > 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 5], ids=["nowin", "win5"])
+def test_soft_cap_matches_reference(window: int | None, dtype: torch.dtype, device) -> None:
+    """Gemma 2's ``cap * tanh(scores / cap)`` before the mask: against the float64 reference with the
+    same cap; the cap changes the result, and a cap of 0 is none (the same bits as no cap)."""
+    case = paged_case(SPANS, 4, 2, head_dim=24, block_size=5, dtype=dtype, seed=23)
+    b = case.batch
+    bf16 = dtype == torch.bfloat16
+    capped = run(case, device, window, logit_softcap=1.5)
+    ref = reference_prefill_attention(case.q, case.k, case.v, b.block_tables, b.query_start_loc, b.seq_lens,
+                                      case.scale, window, round_query=bf16, logit_softcap=1.5)
+    torch.testing.assert_close(capped, ref, rtol=1e-5, atol=bf16_tolerance(case.v) if bf16 else 2e-5)
+    plain = run(case, device, window)
+    assert (capped - plain).abs().max().item() > 0.1
+    assert torch.equal(run(case, device, window, logit_softcap=0.0), plain)
+
+
 def test_window_changes_the_result(device) -> None:
     """The window must actually cut keys: with it off, the long sequences' outputs differ."""
     case = paged_case(SPANS, 2, 1, head_dim=16, block_size=4, dtype=torch.float32, seed=3)
@@ -125,3 +142,6 @@ def test_bad_arguments_name_the_field(device) -> None:
         prefill_attention(q3, k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1), tables, qsl, lens, 1.0)
     with pytest.raises(ValueError, match="sliding_window"):
         prefill_attention(q, k, v, tables, qsl, lens, 1.0, sliding_window=-1)
+    for cap in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="logit_softcap must be None, 0 \\(no cap\\) or positive"):
+            prefill_attention(q, k, v, tables, qsl, lens, 1.0, logit_softcap=cap)

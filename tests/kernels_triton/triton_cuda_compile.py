@@ -2,10 +2,11 @@
 
 Triton's front end and NVIDIA back end (with its bundled ptxas) run on the CPU: this builds each
 kernel down to a cubin for ``sm_<arch>`` in the variants the launchers use (float32 and bfloat16,
-every quantized format, FP8 weights), which catches what the interpreter never checks (typing of branches,
-native bfloat16 ``tl.dot``, early returns, 16-row dot minimums). It must run with
-``TRITON_INTERPRET`` off, so the kernels are defined as JIT functions: the test runs it in a
-subprocess. Prints one JSON object: {variant: "ok" or the error}.
+every quantized format, FP8 weights, soft-capped attention), which catches
+what the interpreter never checks (typing of branches, native bfloat16 ``tl.dot``, early returns,
+16-row dot minimums, shared memory past sm_90's). It must run with ``TRITON_INTERPRET`` off, so the
+kernels are defined as JIT functions: the test runs it in a subprocess. Prints one JSON object:
+{variant: "ok" or the error}.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ def variants() -> dict[str, tuple[object, dict[str, str], dict[str, object]]]:
 
     out: dict[str, tuple[object, dict[str, str], dict[str, object]]] = {}
     index = {"table_ptr": "*i32", "start_ptr": "*i32", "seq_len_ptr": "*i32"}
-    for pool in ("fp32", "bf16"):
+    # (pool, padded head size, soft cap): heads of 128, plain and capped (Gemma 2).
+    for pool, block_d, softcap in (("fp32", 128, False), ("bf16", 128, False), ("fp32", 128, True),
+                                   ("bf16", 128, True)):
         bf16 = pool == "bf16"
+        name = pool + ("-softcap" if softcap else "")
         ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{pool}", "v_ptr": f"*{pool}", "out_ptr": "*fp32", **index}
-        flags = {"BLOCK_N": 64, "BLOCK_D": 128, "BF16": bf16, "BF16_DOT": bf16}
-        out[f"prefill_attention/{pool}"] = (prefill_attention._prefill_attention_kernel, ptrs, {"BLOCK_M": 16, **flags})
-        out[f"paged_decode/{pool}"] = (paged_attention._paged_decode_kernel, ptrs, {"BLOCK_G": 16, **flags})
+        flags = {"BLOCK_N": 64, "BLOCK_D": block_d, "BF16": bf16, "BF16_DOT": bf16,
+                 "SOFTCAP": softcap}
+        out[f"prefill_attention/{name}"] = (prefill_attention._prefill_attention_kernel, ptrs, {"BLOCK_M": 16, **flags})
+        out[f"paged_decode/{name}"] = (paged_attention._paged_decode_kernel, ptrs, {"BLOCK_G": 16, **flags})
     for fmt, code in quantized_matmul.FORMATS.items():
         data, meta = ("*i8", "*fp32") if fmt == "int8" else ("*u8", "*fp32" if fmt == "int4" else "*fp16")
         ptrs = {"x_ptr": "*bf16", "data_ptr": data, "scale_ptr": meta, "min_ptr": meta, "bias_ptr": "*fp32",
@@ -64,6 +69,10 @@ def variants() -> dict[str, tuple[object, dict[str, str], dict[str, object]]]:
     return out
 
 
+# Shared memory one block may take on sm_90 (H100 / H200: 227 KiB).
+MAX_SHARED_BYTES = 232448
+
+
 def compile_all(arch: int) -> dict[str, str]:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -78,10 +87,15 @@ def compile_all(arch: int) -> dict[str, str]:
             elif arg.endswith("_ptr"):
                 signature[arg] = ptrs[arg]
             else:
-                signature[arg] = "fp32" if arg in ("scale", "eps") else "i32"
+                signature[arg] = "fp32" if arg in ("scale", "eps", "softcap") else "i32"
         try:
             compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", arch, 32))
-            results[name] = "ok" if compiled.asm.get("cubin") else "no cubin"
+            if not compiled.asm.get("cubin"):
+                results[name] = "no cubin"
+            elif compiled.metadata.shared > MAX_SHARED_BYTES:  # the launch would raise OutOfResources
+                results[name] = f"shared memory {compiled.metadata.shared} B > {MAX_SHARED_BYTES} B"
+            else:
+                results[name] = "ok"
         except Exception as e:  # reported per variant, the test names them
             results[name] = f"{type(e).__name__}: {str(e)[-400:]}"
     return results

@@ -274,13 +274,6 @@ def test_gemma2_caps_default_as_transformers(checkpoint, tmp_path: Path) -> None
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, None)
 
 
-def test_soft_capped_attention_refused_on_cuda(checkpoint) -> None:
-    """The device kernels cannot cap scores: moving Gemma 2 there is refused by the option's name."""
-    model = load_model(checkpoint("gemma2")[0], progress=False).model
-    with pytest.raises(ValueError, match="attn_logit_softcapping is not supported on device cuda"):
-        model.to_device(torch.device("cuda"))
-
-
 def test_command_r_gguf_with_qk_norms_refused(checkpoint, tmp_path: Path) -> None:
     """Command R+'s per-head q/k LayerNorms, as llama.cpp writes them ([heads, head_dim]), are refused."""
     _, hf = checkpoint("command_r")

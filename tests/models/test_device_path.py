@@ -9,8 +9,9 @@ Checked: every position's logits of float32 models within 1e-4 of transformers (
 Mistral's window, Qwen2 biases and tied head, Qwen3 q/k norms), through two chunks of one prompt
 (prefill, then a chunk over the cached part); greedy tokens of three concurrent requests through
 LLMEngine equal transformers'; int8 and int4 layers equal the product with their own dequantized
-codes; FP8 (E4M3) layers equal their codes' product and keep the logits close; refusals of what the
-device cannot serve.
+codes; FP8 (E4M3) layers equal their codes' product and keep the logits close; Gemma 2's soft-capped
+scores and DeepSeek's latent attention (one shared pool read as K and V) on the attention kernels,
+logits and greedy tokens against transformers and the CPU path; refusals of what the device cannot serve.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ def step_logits(model, cache: PagedKVCache, ids: list[int], computed: int, table
 
 
 def device_cache(loaded, device: torch.device, num_blocks: int = 32) -> PagedKVCache:
-    c = loaded.config
-    return PagedKVCache(c.num_layers, num_blocks, BLOCK, c.num_kv_heads, c.head_dim, torch.float32,
-                        device=device)
+    # The model's own KV layout: K/V per KV head, or MLA's one shared latent pool.
+    return PagedKVCache.for_model(loaded.config, num_blocks, BLOCK, torch.float32, device=device)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
@@ -162,6 +162,88 @@ def test_moe_experts_on_the_fused_kernel_equal_transformers(device, family, tmp_
     assert experts and all(e._stacks is not None for e in experts)
     assert calls == [len(ids)] * len(experts)  # the fused kernel ran every MoE layer
     assert (ours - hf_logits(hf_model, ids)).abs().max().item() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def family_checkpoint(tmp_path_factory):
+    """(directory, transformers model) of a tiny Gemma 2 (tests/models/dense_family_checkpoints.py: a window
+    of 8, attention scores capped at 5, which bends them) or DeepSeek-V2 (test_deepseek_family.py: MLA with
+    plain queries, group-routed experts beside two shared ones), built once per module."""
+    import warnings
+
+    from dense_family_checkpoints import make_checkpoint
+    from test_deepseek_family import _make_checkpoint as make_deepseek
+
+    makers = {"gemma2": lambda d: make_checkpoint("gemma2", d), "deepseek-v2": lambda d: make_deepseek("v2", d)}
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            directory = tmp_path_factory.mktemp(family)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                built[family] = (directory, makers[family](directory))
+        return built[family]
+
+    return get
+
+
+def counting_attention(monkeypatch) -> list:
+    """Every call of the Triton paged attention, as (rows, soft cap): proof the kernels served each layer."""
+    ops = device_ops.ops_for(torch.device("cuda"))
+    calls = []
+
+    def counted(q, k_pool, v_pool, batch, scale, window, softcap):
+        calls.append((q.shape[0], softcap))
+        return ops.paged_attention(q, k_pool, v_pool, batch, scale, window, softcap)
+
+    monkeypatch.setattr(device_ops, "_triton_ops", lambda: dataclasses.replace(ops, paged_attention=counted))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["gemma2"])
+def test_soft_capped_and_latent_attention_equal_transformers(device, family, family_checkpoint, monkeypatch):
+    """Gemma 2 (scores capped in the kernels) and DeepSeek-V2 (MLA: the kernels attend over one shared
+    latent pool): every position's logits within 1e-4 of transformers over a prefill and a chunk over
+    the cached part, every layer on the Triton attention."""
+    directory, hf_model = family_checkpoint(family)
+    calls = counting_attention(monkeypatch)
+    loaded = load_model(directory, progress=False, load_tokenizer=False, device=device)
+    ids = list(range(3, 40))  # past Gemma 2's window of 8
+    cache = device_cache(loaded, loaded.device)
+    assert (cache.v is cache.k) == (family == "deepseek-v2")
+    table = list(range(10))
+    ours = torch.cat([step_logits(loaded.model, cache, ids[:21], 0, table),
+                      step_logits(loaded.model, cache, ids, 21, table)])
+    assert (ours - hf_logits(hf_model, ids)).abs().max().item() < 1e-4
+    cap = loaded.config.attn_logit_softcapping
+    assert cap == (5.0 if family == "gemma2" else None)
+    assert calls == [(21, cap)] * loaded.config.num_layers + [(16, cap)] * loaded.config.num_layers
+
+
+@pytest.mark.parametrize("family", ["gemma2"])
+def test_soft_capped_and_latent_greedy_tokens_equal_the_cpu_path(device, family, family_checkpoint):
+    """Three concurrent requests through LLMEngine, chunked prefill beside decodes: the device path's greedy
+    tokens equal the CPU path's (the tiled soft-capped attention, the C++ or PyTorch MLA) and transformers'."""
+    from family_checkpoints import hf_greedy
+
+    directory, hf_model = family_checkpoint(family)
+    prompts = [[5, 17, 99, 3], list(range(40, 71)), [200, 1, 2, 3, 4, 5, 6, 7, 8]]
+    tokens = {}
+    for target in (device, "host"):
+        on_device = target == device
+        with pytest.MonkeyPatch.context() as patch:
+            if not on_device:  # the interpreted target routes CPU tensors to Triton: not for the host run
+                patch.setattr(device_ops, "TRITON_DEVICE_TYPES", frozenset({"cuda"}))
+            name = device if on_device else "cpu"
+            loaded = load_model(directory, progress=False, load_tokenizer=False, device=name)
+            engine = LLMEngine(loaded, EngineConfig(device=name, max_kv_blocks=48, block_size=BLOCK,
+                                                    max_num_batched_tokens=24))
+            assert (engine.runner.kv_cache.ops.name == "triton") == on_device
+            completions = LLM(engine=engine).generate(prompt_token_ids=prompts, max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True)
+        tokens[target] = [c.choices[0].token_ids for c in completions]
+    assert tokens[device] == tokens["host"] == [hf_greedy(hf_model, p, 12) for p in prompts]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
