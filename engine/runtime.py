@@ -42,7 +42,7 @@ from protoserve.engine.parallel.launch import run_worker_rank, torchrun_worker_r
 from protoserve.engine.sampling.constraints.compiler import GrammarCompiler
 from protoserve.engine.sampling.constraints.masks import MaskFiller
 from protoserve.engine.tokenizer.chat_template import ChatTemplateError
-from protoserve.engine.tokenizer.tokenizer import Tokenizer
+from protoserve.engine.tokenizer.tokenizer import Tokenizer, byte_level_alphabet
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -71,6 +71,7 @@ __all__ = [
     "adapter_problems",
     "adapter_tensor_name",
     "all_position_logits",
+    "byte_level_alphabet",
     "estimate_footprint",
     "load_model",
     "lora_projection_shapes",

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from tiny_checkpoint_ids import TINY_EOS, TINY_VOCAB
 
-
-def write_byte_tokenizer(directory: Path) -> None:
-    """A byte-level BPE tokenizer with no merges: one token per byte, plus an EOS special token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from protoserve.engine.tokenizer.tokenizer import byte_level_alphabet
-
-    alphabet = sorted(byte_level_alphabet().items(), key=lambda kv: kv[1])
-    vocab = {char: byte for char, byte in alphabet}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+from bench.tiny_checkpoints import write_byte_tokenizer
 
 
 def write_tiny_llama(directory: Path, max_positions: int = 4096) -> Path:

@@ -17,6 +17,7 @@ import torch
 from forward_batches import forward_batch, scheduled
 from torch import nn
 
+from bench.tiny_checkpoints import random_model
 from protoserve.engine.models.decoder import Decoder
 from protoserve.engine.models.kv_cache import ContiguousKVCache, KVCache, PagedKVCache
 
@@ -67,17 +68,7 @@ def make_hf_checkpoint(
     family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None
 ) -> nn.Module:
     """Save a tiny random transformers model of ``family`` to ``directory``; return it (float32, eval)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_tiny_config(family), dtype=torch.float32).eval()
-    # Larger weights than the default init, so logits are O(1) and errors are meaningful.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
+    model = random_model(hf_tiny_config(family), seed)  # logits O(1), so errors are meaningful
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return model

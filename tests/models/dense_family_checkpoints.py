@@ -1,7 +1,7 @@
 """Tiny random checkpoints of Gemma 2, StarCoder2, Command-R and Phi-3/4, and GGUF files of them.
 
-Each is saved with transformers' own classes and a byte-level tokenizer, as
-family_checkpoints.py does; ``write_gguf`` writes the same weights as llama.cpp's
+Each is saved with transformers' own classes and a byte-level tokenizer by
+bench/tiny_checkpoints.py, as family_checkpoints.py's are; ``write_gguf`` writes the same weights as llama.cpp's
 converter lays them out for the family's GGUF architecture (names, metadata keys,
 Gemma's norms stored as ``1 + w``, Phi-3's longrope factors as tensors; none permutes q/k rows).
 
@@ -17,8 +17,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from family_checkpoints import TINY, WINDOW, write_byte_tokenizer
+from family_checkpoints import TINY, WINDOW
 from torch import nn
+
+from bench.tiny_checkpoints import random_model, save_checkpoint
 
 FAMILIES = ("gemma2", "starcoder2", "command_r")
 PHI_FAMILIES = ("phi3", "phi4-mini")
@@ -68,21 +70,8 @@ def _phi_config(family: str):
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0) -> nn.Module:
     """Save a tiny random model of ``family`` (with a tokenizer) to ``directory``; return it (float32, eval)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).eval()
-    # Weights large enough that logits are O(1); Gemma's norms hold w of x * (1 + w).
-    norm_center = 0.0 if family == "gemma2" else 1.0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(norm_center + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory, safe_serialization=True)
-    write_byte_tokenizer(directory)
-    return model
+    # Gemma's norms hold w of x * (1 + w).
+    return save_checkpoint(random_model(hf_config(family), seed, 0.0 if family == "gemma2" else 1.0), directory)
 
 
 # family -> (GGUF architecture, Hugging Face layer part -> llama.cpp's part)

@@ -1,32 +1,27 @@
 """Tiny random checkpoints of the families with per-layer attention (Gemma 3, Qwen2/3 sliding windows).
 
 Each is saved with transformers' own classes and a byte-level tokenizer (so the
-engine can serve it); ``WINDOW`` is much shorter than the test prompts, so
+engine can serve it) by bench/tiny_checkpoints.py, whose names the model tests take from here; ``WINDOW`` is much shorter than the test prompts, so
 sliding and global layers see different contexts.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
 from torch import nn
 
-VOCAB = 320  # 256 byte tokens + <|endoftext|>; ids above have no text
-EOS = 256
-WINDOW = 8
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=512,
-    eos_token_id=EOS,
-    bos_token_id=None,
-    pad_token_id=None,
+from bench.tiny_checkpoints import (  # noqa: F401 - the names the model tests import from here
+    EOS,
+    TINY,
+    VOCAB,
+    hf_greedy,
+    random_model,
+    save_checkpoint,
+    write_byte_tokenizer,
 )
+
+WINDOW = 8
 FAMILIES = ("gemma3", "qwen2-swa", "qwen3-swa")
 
 
@@ -60,44 +55,7 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
-def write_byte_tokenizer(directory: Path) -> None:
-    """One token per byte plus an EOS special token (ids as in tests/engine's tiny checkpoint)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from protoserve.engine.tokenizer.tokenizer import byte_level_alphabet
-
-    vocab = dict(sorted(byte_level_alphabet().items(), key=lambda kv: kv[1]))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-
-
 def make_checkpoint(family: str, directory: Path, seed: int = 0) -> nn.Module:
     """Save a tiny random model of ``family`` (with a tokenizer) to ``directory``; return it (float32, eval)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).eval()
-    # Weights large enough that logits are O(1); Gemma's norms hold w of x * (1 + w).
-    norm_center = 0.0 if family == "gemma3" else 1.0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(norm_center + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory, safe_serialization=True)
-    write_byte_tokenizer(directory)
-    return model
-
-
-def hf_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation, the whole sequence re-run each step (no cache to trust)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    # Gemma's norms hold w of x * (1 + w).
+    return save_checkpoint(random_model(hf_config(family), seed, 0.0 if family == "gemma3" else 1.0), directory)

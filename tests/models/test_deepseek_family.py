@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, random_mix
-from family_checkpoints import EOS, VOCAB, hf_greedy, make_checkpoint, write_byte_tokenizer
+from family_checkpoints import EOS, VOCAB, hf_greedy, make_checkpoint
+from tiny_families import checkpoint_cache, mixed_batch
 from torch import nn
 
+from bench.tiny_checkpoints import hf_logits, random_model, random_prompts, save_checkpoint
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.models.kv_cache import PagedKVCache
@@ -54,34 +55,17 @@ def _hf_config(version: str):
 
 
 def _make_checkpoint(version: str, directory: Path) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config(version), dtype=torch.float32).eval()
+    model = random_model(_hf_config(version))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
         for module in model.modules():  # V3: a bias that changes which experts are chosen
             if getattr(module, "e_score_correction_bias", None) is not None:
                 module.e_score_correction_bias.copy_(0.1 * torch.randn_like(module.e_score_correction_bias))
-    model.save_pretrained(directory, safe_serialization=True)
-    write_byte_tokenizer(directory)
-    return model
+    return save_checkpoint(model, directory)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built: dict[str, tuple[Path, nn.Module]] = {}
-
-    def get(version: str) -> tuple[Path, nn.Module]:
-        if version not in built:
-            directory = tmp_path_factory.mktemp(f"deepseek-{version}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[version] = (directory, _make_checkpoint(version, directory))
-        return built[version]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, _make_checkpoint, prefix="deepseek-")
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +83,7 @@ def _gqa_bytes_per_token(config) -> int:
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, EOS, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -119,8 +102,7 @@ def test_logits_match_transformers_prefill_and_cached_decode(checkpoint, version
     once, mixed = run(all_at_once), run(random_mix(3))
     worst = 0.0
     for prompt, a, b in zip(prompts, once, mixed, strict=True):
-        with torch.no_grad():
-            ref = ref_model(torch.tensor([prompt])).logits[0]
+        ref = hf_logits(ref_model, prompt)
         assert ref.abs().max() > 1.0
         worst = max(worst, (a - ref).abs().max().item())
         assert torch.equal(a, b)
@@ -141,27 +123,11 @@ def test_greedy_tokens_equal_transformers(checkpoint, version: str) -> None:
 def test_mixed_continuous_batch(checkpoint, version: str) -> None:
     """Greedy requests among seeded sampling ones, chunked prefill beside decodes (LLMEngine): each
     greedy request's 32 tokens equal transformers'."""
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.llm import LLM
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-
     path, ref_model = checkpoint(version)
-    engine = LLMEngine(load_model(path, progress=False),
-                       EngineConfig(max_kv_blocks=256, block_size=4, max_num_batched_tokens=24))
-    rng = random.Random(5)
     prompts = _prompts(6)
-    requests = [TokenizedRequest(f"greedy-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0,
-                                                                    ignore_eos=True))
-                for i, p in enumerate(prompts)]
-    for i in range(3):
-        prompt = [rng.randrange(EOS) for _ in range(rng.randint(3, 30))]
-        sampling = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.9, seed=i, ignore_eos=True)
-        requests.insert(2 * i % (len(requests) + 1), TokenizedRequest(f"sampled-{i}", prompt, sampling))
-    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    _, done = mixed_batch(path, prompts, GREEDY, sampled=3, sampled_len=30, sampled_tokens=16)
     for i, prompt in enumerate(prompts):
-        assert done[f"greedy-{i}"].choices[0].token_ids == hf_greedy(ref_model, prompt, GREEDY), f"greedy-{i}"
+        assert done[f"greedy-{i}"] == hf_greedy(ref_model, prompt, GREEDY), f"greedy-{i}"
 
 
 def test_the_pool_holds_the_compressed_latent(checkpoint, gqa_checkpoint) -> None:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -31,8 +29,10 @@ from decoder_test_helpers import (
     random_mix,
 )
 from dense_family_checkpoints import FAMILIES, make_checkpoint, write_gguf
-from family_checkpoints import EOS, VOCAB, WINDOW, hf_greedy
+from family_checkpoints import VOCAB, WINDOW, hf_greedy
+from tiny_families import checkpoint_cache, mixed_batch, worst_diff
 
+from bench.tiny_checkpoints import hf_logits, random_prompts
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.load import load_model
 
@@ -49,36 +49,11 @@ FUSED_STEP_LACKS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    def get(family: str) -> tuple[Path, torch.nn.Module]:
-        if family not in built:
-            directory = tmp_path_factory.mktemp(family)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[family] = (directory, make_checkpoint(family, directory))
-        return built[family]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, make_checkpoint)
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, EOS, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0]
-
-
-def _worst_diff(hf, prompts: list[list[int]], ours: list[torch.Tensor]) -> float:
-    worst = 0.0
-    for prompt, logits in zip(prompts, ours, strict=True):
-        ref = _hf_logits(hf, prompt)
-        assert ref.abs().max() > 1.0  # weights scaled so the comparison is not between near-zeros
-        worst = max(worst, (logits - ref).abs().max().item())
-    return worst
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
@@ -92,7 +67,7 @@ def test_logits_match_transformers(checkpoint, family: str, deterministic: bool)
     prompts = _prompts()
     for schedule in (all_at_once, random_mix(3)):
         ours = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, schedule)
-        worst = _worst_diff(hf, prompts, ours)
+        worst = worst_diff(hf, prompts, ours)
         print(f"{family} deterministic={deterministic}: max |logit diff| vs transformers = {worst:.2e}")
         assert worst < 1e-4
 
@@ -102,7 +77,7 @@ def test_gemma2_soft_caps_on_the_contiguous_reference_cache(checkpoint) -> None:
     path, hf = checkpoint("gemma2")
     model = load_model(path, progress=False).model
     prompts = _prompts()
-    assert _worst_diff(hf, prompts, Driver(model, contiguous_cache(model)).run(prompts, random_mix(4))) < 1e-4
+    assert worst_diff(hf, prompts, Driver(model, contiguous_cache(model)).run(prompts, random_mix(4))) < 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -132,29 +107,12 @@ def test_greedy_tokens_match_transformers(checkpoint, family: str) -> None:
 def test_mixed_continuous_batch_matches_transformers(checkpoint, family: str) -> None:
     """Three greedy prompts among seeded sampling requests of random lengths, chunked prefill beside
     decodes: each greedy request's 32 tokens equal transformers' greedy continuation."""
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.llm import LLM
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-
     path, hf = checkpoint(family)
-    engine = LLMEngine(load_model(path, progress=False), EngineConfig(max_kv_blocks=256, block_size=4,
-                                                                      max_num_batched_tokens=24))
-    rng = random.Random(5)
     prompts = _prompts(6)
-    requests = [
-        TokenizedRequest(f"greedy-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
-    for i in range(5):
-        prompt = [rng.randrange(EOS) for _ in range(rng.randint(3, 40))]
-        sampling = SamplingParams(max_tokens=rng.randint(4, 20), temperature=0.9, seed=i, ignore_eos=True)
-        requests.insert(2 * i % (len(requests) + 1), TokenizedRequest(f"sampled-{i}", prompt, sampling))
-    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    engine, done = mixed_batch(path, prompts, GREEDY)
     assert engine.stats().num_steps > GREEDY  # chunked: the batch really mixed prefills and decodes
     for i, prompt in enumerate(prompts):
-        tokens = done[f"greedy-{i}"].choices[0].token_ids
+        tokens = done[f"greedy-{i}"]
         assert all(t < VOCAB for t in tokens)
         assert tokens == hf_greedy(hf, prompt, GREEDY), f"{family} greedy-{i}"
 
@@ -225,7 +183,7 @@ def test_each_familys_blocks_matter(checkpoint) -> None:
         loaded = load_model(path, progress=False)
         change(loaded.model)
         got = Driver(loaded.model, paged_cache(loaded.model)).run([prompt], all_at_once)[0]
-        return (got - _hf_logits(hf, prompt)).abs().amax(-1)
+        return (got - hf_logits(hf, prompt)).abs().amax(-1)
 
     assert diff("gemma2", lambda m: setattr(m.config, "attn_logit_softcapping", None)).max() > 1e-2
     no_window = diff("starcoder2", lambda m: setattr(m.config, "sliding_window", None))

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache, random_mix
-from family_checkpoints import EOS, FAMILIES, VOCAB, WINDOW, hf_greedy, make_checkpoint
+from family_checkpoints import FAMILIES, VOCAB, WINDOW, hf_greedy, make_checkpoint
+from tiny_families import checkpoint_cache, mixed_batch, worst_diff
 
+from bench.tiny_checkpoints import hf_logits, random_prompts
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.models import families
 from protoserve.engine.models.decoder import DecoderLayer
@@ -36,27 +35,11 @@ GREEDY = 32
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    def get(family: str) -> tuple[Path, torch.nn.Module]:
-        if family not in built:
-            directory = tmp_path_factory.mktemp(family)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[family] = (directory, make_checkpoint(family, directory))
-        return built[family]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, make_checkpoint)
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, EOS, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0]
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
@@ -66,12 +49,7 @@ def test_logits_match_transformers(checkpoint, family: str, deterministic: bool)
     loaded = load_model(path, progress=False, deterministic=deterministic)
     assert len(set(loaded.config.layer_windows())) == 2  # both kinds of layer present
     prompts = _prompts()
-    ours = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once)
-    worst = 0.0
-    for prompt, logits in zip(prompts, ours, strict=True):
-        ref = _hf_logits(hf, prompt)
-        assert ref.abs().max() > 1.0
-        worst = max(worst, (logits - ref).abs().max().item())
+    worst = worst_diff(hf, prompts, Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once))
     print(f"{family} deterministic={deterministic}: max |logit diff| vs transformers = {worst:.2e}")
     assert worst < 1e-4
 
@@ -101,7 +79,7 @@ def test_windows_and_local_rope_matter(checkpoint) -> None:
     """Guards for the comparisons above: without the windows, or with one rope table, logits differ."""
     path, hf = checkpoint("gemma3")
     prompt = _prompts()[2]
-    ref = _hf_logits(hf, prompt)
+    ref = hf_logits(hf, prompt)
     no_window = load_model(path, progress=False)
     no_window.config.sliding_window = None
     got = Driver(no_window.model, paged_cache(no_window.model)).run([prompt], all_at_once)[0]
@@ -172,28 +150,11 @@ def test_family_the_fused_step_cannot_run_falls_back_with_a_reason(checkpoint, c
 def test_mixed_continuous_batch_matches_transformers(checkpoint, family: str) -> None:
     """Three greedy prompts among seeded sampling requests of random lengths, chunked prefill beside
     decodes: each greedy request's 32 tokens equal transformers' greedy continuation."""
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.llm import LLM
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-
     path, hf = checkpoint(family)
-    engine = LLMEngine(load_model(path, progress=False), EngineConfig(max_kv_blocks=256, block_size=4,
-                                                                      max_num_batched_tokens=24))
-    rng = random.Random(5)
     prompts = _prompts(6)
-    requests = [
-        TokenizedRequest(f"greedy-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
-    for i in range(5):
-        prompt = [rng.randrange(EOS) for _ in range(rng.randint(3, 40))]
-        sampling = SamplingParams(max_tokens=rng.randint(4, 20), temperature=0.9, seed=i, ignore_eos=True)
-        requests.insert(2 * i % (len(requests) + 1), TokenizedRequest(f"sampled-{i}", prompt, sampling))
-    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    engine, done = mixed_batch(path, prompts, GREEDY)
     assert engine.stats().num_steps > GREEDY  # chunked: the batch really mixed prefills and decodes
     for i, prompt in enumerate(prompts):
-        tokens = done[f"greedy-{i}"].choices[0].token_ids
+        tokens = done[f"greedy-{i}"]
         assert all(t < VOCAB for t in tokens)
         assert tokens == hf_greedy(hf, prompt, GREEDY), f"{family} greedy-{i}"

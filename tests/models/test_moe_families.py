@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import json
 import logging
-import random
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache, random_mix
-from family_checkpoints import EOS, TINY, VOCAB, hf_greedy, write_byte_tokenizer
+from family_checkpoints import TINY, VOCAB, hf_greedy, write_byte_tokenizer
+from tiny_families import checkpoint_cache, mixed_batch, worst_diff
 from torch import nn
 
+from bench.tiny_checkpoints import random_prompts
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.load import load_model
 
@@ -119,22 +119,11 @@ def _make_checkpoint(family: str, directory: Path) -> nn.Module:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built: dict[str, tuple[Path, nn.Module]] = {}
-
-    def get(family: str) -> tuple[Path, nn.Module]:
-        if family not in built:
-            directory = tmp_path_factory.mktemp(family)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[family] = (directory, _make_checkpoint(family, directory))
-        return built[family]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, _make_checkpoint)
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, EOS, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -143,13 +132,7 @@ def test_logits_match_reference(checkpoint, family: str) -> None:
     loaded = load_model(path, progress=False)
     assert loaded.config.num_experts == EXPERTS
     prompts = _prompts()
-    ours = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once)
-    worst = 0.0
-    for prompt, logits in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = ref_model(torch.tensor([prompt])).logits[0]
-        assert ref.abs().max() > 1.0
-        worst = max(worst, (logits - ref).abs().max().item())
+    worst = worst_diff(ref_model, prompts, Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once))
     print(f"{family}: max |logit diff| vs reference = {worst:.2e}")
     assert worst < 1e-4
 
@@ -173,27 +156,11 @@ def test_greedy_tokens_and_schedules(checkpoint, family: str) -> None:
 def test_mixed_continuous_batch(checkpoint, family: str) -> None:
     """Greedy requests among seeded sampling requests, chunked prefill beside decodes (LLMEngine):
     each greedy request's tokens equal the reference's."""
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.llm import LLM
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-
     path, ref_model = checkpoint(family)
-    engine = LLMEngine(load_model(path, progress=False),
-                       EngineConfig(max_kv_blocks=256, block_size=4, max_num_batched_tokens=24))
-    rng = random.Random(5)
     prompts = _prompts(6)
-    requests = [TokenizedRequest(f"greedy-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0,
-                                                                    ignore_eos=True))
-                for i, p in enumerate(prompts)]
-    for i in range(4):
-        prompt = [rng.randrange(EOS) for _ in range(rng.randint(3, 30))]
-        sampling = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.9, seed=i, ignore_eos=True)
-        requests.insert(2 * i % (len(requests) + 1), TokenizedRequest(f"sampled-{i}", prompt, sampling))
-    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    _, done = mixed_batch(path, prompts, GREEDY, sampled=4, sampled_len=30, sampled_tokens=16)
     for i, prompt in enumerate(prompts):
-        tokens = done[f"greedy-{i}"].choices[0].token_ids
+        tokens = done[f"greedy-{i}"]
         assert all(t < VOCAB for t in tokens)
         assert tokens == hf_greedy(ref_model, prompt, GREEDY), f"{family} greedy-{i}"
 

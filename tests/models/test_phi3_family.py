@@ -15,17 +15,17 @@ factor set and the window matter; refusals by name.
 from __future__ import annotations
 
 import json
-import random
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from decoder_test_helpers import Driver, all_at_once, greedy_generate, paged_cache, random_mix
 from dense_family_checkpoints import PHI_FAMILIES, PHI_ORIGINAL, PHI_WINDOW, make_checkpoint, write_gguf
-from family_checkpoints import EOS, VOCAB, hf_greedy
+from family_checkpoints import VOCAB, hf_greedy
+from tiny_families import checkpoint_cache, logit_diffs, mixed_batch, worst_diff
 
+from bench.tiny_checkpoints import random_prompts
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.load import load_model
 from protoserve.engine.models.rope import rope_spec
@@ -39,33 +39,7 @@ GREEDY = 32
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    def get(family: str) -> tuple[Path, torch.nn.Module]:
-        if family not in built:
-            directory = tmp_path_factory.mktemp(family)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[family] = (directory, make_checkpoint(family, directory))
-        return built[family]
-
-    return get
-
-
-def _prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, EOS, (n,), generator=g).tolist() for n in lengths]
-
-
-def _diffs(hf, prompts: list[list[int]], ours: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per prompt, each position's largest |logit difference| from transformers'."""
-    out = []
-    for prompt, logits in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        assert ref.abs().max() > 1.0  # weights scaled so the comparison is not between near-zeros
-        out.append((logits - ref).abs().amax(-1))
-    return out
+    return checkpoint_cache(tmp_path_factory, make_checkpoint)
 
 
 def _short_context(model) -> None:
@@ -80,10 +54,10 @@ def test_logits_match_transformers(checkpoint, family: str, deterministic: bool)
     loaded = load_model(path, progress=False, deterministic=deterministic)
     assert loaded.config.architecture == "phi3" and loaded.format == "hf"
     assert loaded.config.rope_scaling["rope_type"] == "longrope"
-    prompts = _prompts(LONG_PROMPTS)
+    prompts = random_prompts(LONG_PROMPTS)
     for schedule in (all_at_once, random_mix(3)):
         ours = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, schedule)
-        worst = max(d.max().item() for d in _diffs(hf, prompts, ours))
+        worst = worst_diff(hf, prompts, ours)
         print(f"{family} deterministic={deterministic}: max |logit diff| vs transformers = {worst:.2e}")
         assert worst < 1e-4
 
@@ -95,9 +69,9 @@ def test_short_factors_within_the_original_context(checkpoint, family: str) -> N
     path, hf = checkpoint(family)
     model = load_model(path, progress=False).model
     _short_context(model)
-    prompts = _prompts(SHORT_PROMPTS, seed=2)
+    prompts = random_prompts(SHORT_PROMPTS, seed=2)
     ours = Driver(model, paged_cache(model)).run(prompts, random_mix(4))
-    assert max(d.max().item() for d in _diffs(hf, prompts, ours)) < 1e-4
+    assert worst_diff(hf, prompts, ours) < 1e-4
     for prompt, tokens in zip(prompts, greedy_generate(model, prompts, GREEDY), strict=True):
         assert len(prompt) + GREEDY <= PHI_ORIGINAL
         assert tokens == hf_greedy(hf, prompt, GREEDY)
@@ -112,8 +86,8 @@ def test_the_factor_set_matters(checkpoint, family: str) -> None:
     short_model = load_model(path, progress=False).model
     _short_context(short_model)
     for model, lengths in ((long_model, SHORT_PROMPTS), (short_model, LONG_PROMPTS)):
-        prompts = _prompts(lengths, seed=3)
-        diffs = _diffs(hf, prompts, Driver(model, paged_cache(model)).run(prompts, all_at_once))
+        prompts = random_prompts(lengths, seed=3)
+        diffs = logit_diffs(hf, prompts, Driver(model, paged_cache(model)).run(prompts, all_at_once))
         assert all(d[0] < 1e-4 and d.max() > 1e-2 for d in diffs)
 
 
@@ -138,10 +112,10 @@ def test_the_engine_fixes_the_factor_set_for_its_served_context(checkpoint, max_
     expected = rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
                          max_model_len=None if long else PHI_ORIGINAL)
     assert torch.equal(engine.runner.model.rope.inv_freq, expected.inv_freq)
-    prompts = _prompts(SHORT_PROMPTS, seed=8)
+    prompts = random_prompts(SHORT_PROMPTS, seed=8)
     if long:
         model = engine.runner.model
-        diffs = _diffs(hf, prompts, Driver(model, paged_cache(model)).run(prompts, all_at_once))
+        diffs = logit_diffs(hf, prompts, Driver(model, paged_cache(model)).run(prompts, all_at_once))
         assert all(d[0] < 1e-4 and d.max() > 1e-2 for d in diffs)
         return
     requests = [TokenizedRequest(f"short-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0,
@@ -155,7 +129,7 @@ def test_the_engine_fixes_the_factor_set_for_its_served_context(checkpoint, max_
 @pytest.mark.parametrize("family", PHI_FAMILIES)
 def test_schedules_bit_identical(checkpoint, family: str) -> None:
     loaded = load_model(checkpoint(family)[0], progress=False)
-    prompts = _prompts(LONG_PROMPTS, seed=4)
+    prompts = random_prompts(LONG_PROMPTS, seed=4)
     one = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, all_at_once)
     mixed = Driver(loaded.model, paged_cache(loaded.model)).run(prompts, random_mix(5))
     for a, b in zip(one, mixed, strict=True):
@@ -167,7 +141,7 @@ def test_greedy_tokens_match_transformers(checkpoint, family: str) -> None:
     """32 greedy tokens per prompt, each prompt alone and the three batched in every step."""
     path, hf = checkpoint(family)
     model = load_model(path, progress=False).model
-    prompts = _prompts(LONG_PROMPTS, seed=5)
+    prompts = random_prompts(LONG_PROMPTS, seed=5)
     batched = greedy_generate(model, prompts, GREEDY)
     for prompt, tokens in zip(prompts, batched, strict=True):
         theirs = hf_greedy(hf, prompt, GREEDY)
@@ -179,29 +153,12 @@ def test_greedy_tokens_match_transformers(checkpoint, family: str) -> None:
 def test_mixed_continuous_batch_matches_transformers(checkpoint, family: str) -> None:
     """Three greedy prompts among seeded sampling requests of random lengths, chunked prefill beside
     decodes: each greedy request's 32 tokens equal transformers' greedy continuation."""
-    from protoserve.engine.config import EngineConfig
-    from protoserve.engine.llm import LLM
-    from protoserve.engine.llm_engine import LLMEngine
-    from protoserve.engine.request import TokenizedRequest
-    from protoserve.engine.sampling.sampling_params import SamplingParams
-
     path, hf = checkpoint(family)
-    engine = LLMEngine(load_model(path, progress=False), EngineConfig(max_kv_blocks=256, block_size=4,
-                                                                      max_num_batched_tokens=24))
-    rng = random.Random(5)
-    prompts = _prompts(LONG_PROMPTS, seed=6)
-    requests = [
-        TokenizedRequest(f"greedy-{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0.0, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
-    for i in range(5):
-        prompt = [rng.randrange(EOS) for _ in range(rng.randint(3, 60))]
-        sampling = SamplingParams(max_tokens=rng.randint(4, 20), temperature=0.9, seed=i, ignore_eos=True)
-        requests.insert(2 * i % (len(requests) + 1), TokenizedRequest(f"sampled-{i}", prompt, sampling))
-    done = {c.request_id: c for c in LLM(engine=engine).run(requests)}
+    prompts = random_prompts(LONG_PROMPTS, seed=6)
+    engine, done = mixed_batch(path, prompts, GREEDY, sampled_len=60)
     assert engine.stats().num_steps > GREEDY  # chunked: the batch really mixed prefills and decodes
     for i, prompt in enumerate(prompts):
-        tokens = done[f"greedy-{i}"].choices[0].token_ids
+        tokens = done[f"greedy-{i}"]
         assert all(t < VOCAB for t in tokens)
         assert tokens == hf_greedy(hf, prompt, GREEDY), f"{family} greedy-{i}"
 
@@ -222,7 +179,7 @@ def test_gguf_serves_the_same_model(checkpoint, tmp_path: Path, family: str) -> 
     ours, theirs = from_gguf.model.rope, from_hf.model.rope
     assert ours.rotary_dim == theirs.rotary_dim and torch.equal(ours.inv_freq, theirs.inv_freq)
     assert ours.attention_factor == pytest.approx(theirs.attention_factor, rel=1e-7)  # stored as float32
-    prompts = _prompts(LONG_PROMPTS, seed=9)
+    prompts = random_prompts(LONG_PROMPTS, seed=9)
     a = Driver(from_gguf.model, paged_cache(from_gguf.model)).run(prompts, random_mix(2))
     b = Driver(from_hf.model, paged_cache(from_hf.model)).run(prompts, random_mix(2))
     for x, y in zip(a, b, strict=True):
@@ -251,8 +208,8 @@ def test_the_window_matters(checkpoint) -> None:
     path, hf = checkpoint("phi3")
     loaded = load_model(path, progress=False)
     loaded.config.sliding_window = None
-    prompt = _prompts(LONG_PROMPTS)[2]
-    diff = _diffs(hf, [prompt], Driver(loaded.model, paged_cache(loaded.model)).run([prompt], all_at_once))[0]
+    prompt = random_prompts(LONG_PROMPTS)[2]
+    diff = logit_diffs(hf, [prompt], Driver(loaded.model, paged_cache(loaded.model)).run([prompt], all_at_once))[0]
     assert diff[:PHI_WINDOW].max() < 1e-4 and diff[PHI_WINDOW + 1 :].max() > 1e-2
 
 
