@@ -401,11 +401,7 @@ class Decoder(nn.Module):
     def to_device(self, device: torch.device) -> None:
         """Move the model onto a GPU once its weights are final (loaded and quantized), instead of
         ``pack_for_kernels``: quantized layers repack into the layouts the device's kernels read, float
-        layers move as they are (the device's GEMM library multiplies them); the fused C++ step stays off.
-        Raises ValueError for a block the device's attention lacks."""
-        if self.config.kv_lora_rank:  # the device kernels are untested on MLA's shared latent pool
-            raise ValueError(f"{self.config.architecture}: multi-head latent attention is not supported on "
-                             f"device {device.type} (serve it on the cpu)")
+        layers move as they are (the device's GEMM library multiplies them); the fused C++ step stays off."""
         for m in self.modules():
             if isinstance(m, KernelPackable):
                 m.pack_for_device(device)

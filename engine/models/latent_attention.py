@@ -14,7 +14,7 @@ So every head attends with the query ``[W_UK[h]^T q_nope[h] ; rope(q_pe[h])]`` o
 (``PagedKVCache(shared_kv=True)``), the attention returns ``[sum p c ; sum p k_pe]`` and the tail is
 dropped; W_UV[h] then takes each head to ``v_head_dim`` before ``o_proj``. That is multi-query
 attention over one ``kv_lora_rank + qk_rope_head_dim`` vector, which every attention path of
-kv_cache.py (the C++ kernel, the deterministic tiles, SDPA) already runs.
+kv_cache.py (the C++ kernel, the Triton kernels on a GPU, the deterministic tiles, SDPA) already runs.
 
 Why absorbed rather than expanded per block at read time: the pool holds ``kv_lora_rank +
 qk_rope_head_dim`` values per token and layer instead of ``num_heads * (qk_nope + qk_rope + v_head_dim)``

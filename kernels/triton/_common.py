@@ -59,6 +59,17 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(max(1, n)))
 
 
+# K/V elements one key tile may hold on a GPU: 64 keys up to heads of 256 (every GQA family), fewer
+# for MLA's latent heads (DeepSeek: 576, padded to 1024), whose 64-key float32 tiles would not fit
+# in shared memory.
+KEY_TILE_ELEMENTS = 64 * 256
+
+
+def key_tile(block_d: int, cpu: bool) -> int:
+    """BLOCK_N, the keys of one tile: 16 under the interpreter (small tiles run faster there)."""
+    return 16 if cpu else max(16, min(64, KEY_TILE_ELEMENTS // block_d))
+
+
 def interpreted(kernel: object) -> bool:
     """Whether ``kernel`` runs in the interpreter. Triton decides when a ``@triton.jit`` function
     is defined (from ``TRITON_INTERPRET`` then), so the kernel object, not the environment now, says.

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from protoserve.kernels.triton._common import (
     interpreted,
+    key_tile,
     load_kv_tile,
     next_pow2,
     online_softmax_step,
@@ -105,6 +106,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     bf16 = k_cache.dtype == torch.bfloat16
+    block_d = next_pow2(head_dim, 16)
     cpu = interpreted(_paged_decode_kernel)
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens,
@@ -114,7 +116,7 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        BLOCK_G=next_pow2(group, 16), BLOCK_N=16 if cpu else 64, BLOCK_D=next_pow2(head_dim, 16),
+        BLOCK_G=next_pow2(group, 16), BLOCK_N=key_tile(block_d, cpu), BLOCK_D=block_d,
         BF16=bf16, BF16_DOT=bf16 and not cpu, SOFTCAP=bool(logit_softcap),
     )  # fmt: skip
     return out

@@ -32,6 +32,7 @@ from protoserve.kernels.triton._common import (
     check_tensor,
     check_unit_stride,
     interpreted,
+    key_tile,
     load_kv_tile,
     next_pow2,
     online_softmax_step,
@@ -168,6 +169,7 @@ def prefill_attention(
     if max_query_len <= 0:
         raise ValueError(f"max_query_len must be positive, got {max_query_len}")
     bf16 = k_cache.dtype == torch.bfloat16
+    block_d = next_pow2(head_dim, 16)
     cpu = interpreted(_prefill_attention_kernel)
     grid = (num_seqs, triton.cdiv(max_query_len, BLOCK_M), num_heads)
     _prefill_attention_kernel[grid](
@@ -179,7 +181,7 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=16 if cpu else 64, BLOCK_D=next_pow2(head_dim, 16),
+        BLOCK_M=BLOCK_M, BLOCK_N=key_tile(block_d, cpu), BLOCK_D=block_d,
         BF16=bf16, BF16_DOT=bf16 and not cpu, SOFTCAP=bool(logit_softcap),
     )  # fmt: skip
     return out

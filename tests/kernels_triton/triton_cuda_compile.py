@@ -2,7 +2,7 @@
 
 Triton's front end and NVIDIA back end (with its bundled ptxas) run on the CPU: this builds each
 kernel down to a cubin for ``sm_<arch>`` in the variants the launchers use (float32 and bfloat16,
-every quantized format, FP8 weights, soft-capped attention), which catches
+every quantized format, FP8 weights, soft-capped attention, MLA's wide latent heads), which catches
 what the interpreter never checks (typing of branches, native bfloat16 ``tl.dot``, early returns,
 16-row dot minimums, shared memory past sm_90's). It must run with ``TRITON_INTERPRET`` off, so the
 kernels are defined as JIT functions: the test runs it in a subprocess. Prints one JSON object:
@@ -26,16 +26,18 @@ def variants() -> dict[str, tuple[object, dict[str, str], dict[str, object]]]:
         prefill_attention,
         quantized_matmul,
     )
+    from protoserve.kernels.triton._common import key_tile
 
     out: dict[str, tuple[object, dict[str, str], dict[str, object]]] = {}
     index = {"table_ptr": "*i32", "start_ptr": "*i32", "seq_len_ptr": "*i32"}
-    # (pool, padded head size, soft cap): heads of 128, plain and capped (Gemma 2).
+    # (pool, padded head size, soft cap): GQA heads of 128 plain and capped (Gemma 2), and MLA's latent
+    # heads (DeepSeek's 576, padded to 1024) in float32, the pool whose tiles take the most shared memory.
     for pool, block_d, softcap in (("fp32", 128, False), ("bf16", 128, False), ("fp32", 128, True),
-                                   ("bf16", 128, True)):
+                                   ("bf16", 128, True), ("fp32", 1024, False)):
         bf16 = pool == "bf16"
-        name = pool + ("-softcap" if softcap else "")
+        name = pool + ("-softcap" if softcap else "") + ("-mla" if block_d > 128 else "")
         ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{pool}", "v_ptr": f"*{pool}", "out_ptr": "*fp32", **index}
-        flags = {"BLOCK_N": 64, "BLOCK_D": block_d, "BF16": bf16, "BF16_DOT": bf16,
+        flags = {"BLOCK_N": key_tile(block_d, cpu=False), "BLOCK_D": block_d, "BF16": bf16, "BF16_DOT": bf16,
                  "SOFTCAP": softcap}
         out[f"prefill_attention/{name}"] = (prefill_attention._prefill_attention_kernel, ptrs, {"BLOCK_M": 16, **flags})
         out[f"paged_decode/{name}"] = (paged_attention._paged_decode_kernel, ptrs, {"BLOCK_G": 16, **flags})

@@ -201,7 +201,7 @@ def counting_attention(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family", ["gemma2"])
+@pytest.mark.parametrize("family", ["gemma2", "deepseek-v2"])
 def test_soft_capped_and_latent_attention_equal_transformers(device, family, family_checkpoint, monkeypatch):
     """Gemma 2 (scores capped in the kernels) and DeepSeek-V2 (MLA: the kernels attend over one shared
     latent pool): every position's logits within 1e-4 of transformers over a prefill and a chunk over
@@ -221,7 +221,7 @@ def test_soft_capped_and_latent_attention_equal_transformers(device, family, fam
     assert calls == [(21, cap)] * loaded.config.num_layers + [(16, cap)] * loaded.config.num_layers
 
 
-@pytest.mark.parametrize("family", ["gemma2"])
+@pytest.mark.parametrize("family", ["gemma2", "deepseek-v2"])
 def test_soft_capped_and_latent_greedy_tokens_equal_the_cpu_path(device, family, family_checkpoint):
     """Three concurrent requests through LLMEngine, chunked prefill beside decodes: the device path's greedy
     tokens equal the CPU path's (the tiled soft-capped attention, the C++ or PyTorch MLA) and transformers'."""
