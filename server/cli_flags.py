@@ -1,7 +1,8 @@
 """The ``protoserve`` command line's shared flags and value checks, and ``generate``'s flags (``serve``'s are in
 cli_serve_flags.py, the parser in cli_parser.py; server/cli.py runs them).
 
-Importing this module imports no torch and no server: a usage error or ``--help`` answers at once.
+Importing this module imports no torch and no server: a usage error or ``--help`` answers at once. Its value
+checks (``port_number``, ``byte_count``, ...: argparse ``type`` functions) are public, for serve's flags too.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ SAMPLING_DEFAULT_FLAGS = (
 )
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
     """A TCP port flag: 0 (any free port) to 65535."""
     try:
         port = int(text)
@@ -75,26 +76,26 @@ def _port(text: str) -> int:
     return port
 
 
-def _byte_count(text: str) -> int:
+def byte_count(text: str) -> int:
     """A size flag in bytes: a positive integer."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: a positive number of bytes")
     return int(text)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: a positive integer")
     return int(text)
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: 0 or a positive integer")
     return int(text)
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
@@ -104,7 +105,7 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
-def _lora_spec(value: str) -> tuple[str, str]:
+def lora_spec(value: str) -> tuple[str, str]:
     """``--lora NAME=PATH`` as (name, path); the name keeps LoadAdapter's rules."""
     name, sep, path = value.partition("=")
     if not sep or not path:
@@ -115,14 +116,14 @@ def _lora_spec(value: str) -> tuple[str, str]:
     return name, path
 
 
-def _served_names(text: str) -> tuple[str, ...]:
+def served_names(text: str) -> tuple[str, ...]:
     try:
         return parse_names(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _one_name(text: str) -> tuple[str, ...]:
+def one_model_name(text: str) -> tuple[str, ...]:
     """--model-name's value: one name, commas and all."""
     if not text or len(text) > MAX_MODEL_NAME_CHARS:
         raise argparse.ArgumentTypeError(f"a model name is 1 to {MAX_MODEL_NAME_CHARS} characters")
@@ -145,7 +146,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
             "--served-model-name",
             metavar="NAME[,ALIAS...]",
             action="append",
-            type=_served_names,
+            type=served_names,
             default=[],
             help="the name clients use for a model, then other names it answers to; the i-th names the "
             "i-th --model [from the checkpoint, and an installed model's short name as an alias]",
@@ -155,7 +156,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
             dest="served_model_name",
             metavar="NAME",
             action="append",
-            type=_one_name,
+            type=one_model_name,
             help="--served-model-name with one name and no aliases",
         )
         parser.add_argument(
@@ -163,7 +164,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
             dest="model_kv_blocks",
             metavar="N",
             action="append",
-            type=_positive_int,
+            type=positive_int,
             default=[],
             help="KV cache size in blocks: once for every model, or once per --model in order "
             "[the KV memory budget, split evenly between the models]",

@@ -13,14 +13,14 @@ from protoserve.server.calls.stream_write_timeout import DEFAULT_STREAM_IDLE_TIM
 from protoserve.server.cli_flags import (
     SAMPLING_DEFAULT_FLAGS,
     TRACE_CONTENT_ENV,
-    _byte_count,
-    _lora_spec,
-    _non_negative_int,
-    _port,
-    _positive_int,
-    _positive_seconds,
-    _served_names,
     add_model_flags,
+    byte_count,
+    lora_spec,
+    non_negative_int,
+    port_number,
+    positive_int,
+    positive_seconds,
+    served_names,
 )
 from protoserve.server.limits import DEFAULT_MAX_MESSAGE_BYTES
 from protoserve.server.runtime.event_loop import EVENT_LOOPS
@@ -31,8 +31,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """``protoserve serve``'s flags."""
     add_model_flags(parser, several=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
-    parser.add_argument("--port", type=_port, default=50051, help="gRPC port; 0 picks a free one [50051]")
-    parser.add_argument("--http-port", type=_port, default=8000, help="REST gateway port [8000]")
+    parser.add_argument("--port", type=port_number, default=50051, help="gRPC port; 0 picks a free one [50051]")
+    parser.add_argument("--http-port", type=port_number, default=8000, help="REST gateway port [8000]")
     parser.add_argument("--no-http", action="store_true", help="do not start the REST gateway")
     parser.add_argument(
         "--max-queue", type=int, help="waiting requests before RESOURCE_EXHAUSTED [engine default]"
@@ -66,13 +66,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-offload-max-bytes",
-        type=_byte_count,
+        type=byte_count,
         metavar="N",
         help="size cap of --kv-offload-dir in bytes; least recently used blocks are deleted beyond it [8589934592: 8 GiB]",
     )
     parser.add_argument(
         "--max-message-bytes",
-        type=_byte_count,
+        type=byte_count,
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help=f"largest gRPC request; larger ones get RESOURCE_EXHAUSTED [{DEFAULT_MAX_MESSAGE_BYTES}]",
     )
@@ -94,7 +94,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--embedding-model-name",
         metavar="NAME[,ALIAS...]",
-        type=_served_names,
+        type=served_names,
         default=(),
         help="the name clients use for the embedding model, then other names it answers to (e.g. "
         "text-embedding-3-small) [its own, and an installed model's short name as an alias]",
@@ -107,7 +107,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora",
         action="append",
-        type=_lora_spec,
+        type=lora_spec,
         default=[],
         metavar="NAME=PATH",
         help="load the PEFT LoRA adapter directory PATH at start, served as NAME (repeatable); requests "
@@ -115,7 +115,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-loras",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="LoRA adapters held in memory at once, least recently used idle ones evicted; "
@@ -123,7 +123,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rag-partitions",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         metavar="N",
         help="RAG partitions; a caller's identity mod N picks its directory and indexes [16]",
@@ -136,35 +136,35 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rag-max-documents",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=10_000,
         metavar="N",
         help="documents each identity may store; 0: no limit [10000]",
     )
     parser.add_argument(
         "--rag-max-bytes",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=256 * 1024 * 1024,
         metavar="BYTES",
         help="bytes each identity may store: texts, chunk texts and vectors; 0: no limit [268435456]",
     )
     parser.add_argument(
         "--rag-key-max-documents",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="N",
         help="documents all identities of one API key may store together; 0: no limit "
         "[--rag-max-documents; a key's rag_max_documents in --rate-limits-file]",
     )
     parser.add_argument(
         "--rag-key-max-bytes",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="BYTES",
         help="bytes all identities of one API key may store together; 0: no limit "
         "[--rag-max-bytes; a key's rag_max_bytes in --rate-limits-file]",
     )
     parser.add_argument(
         "--responses-max-bytes",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=64 * 1024 * 1024,
         metavar="BYTES",
         help="bytes of stored Responses API responses (and their input items) each identity may keep; "
@@ -172,7 +172,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--responses-key-max-bytes",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="BYTES",
         help="bytes of stored responses all identities of one API key may keep together; 0: no limit "
         "[--responses-max-bytes]",
@@ -258,7 +258,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stream-idle-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
         metavar="SECONDS",
         help="end the stream of a gRPC, SSE or WebSocket client that reads nothing for this long, "
@@ -269,20 +269,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--memory-budget",
-        type=_byte_count,
+        type=byte_count,
         metavar="BYTES",
         help="bytes the generative models' weights and KV pools may take together; a model loaded at run "
         "time (ModelService.LoadModel) that would pass it is refused [80%% of the memory available at start]",
     )
     parser.add_argument(
         "--model-idle-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
         help="free a generative model's weights and KV pool after this long without requests; its next "
         "request loads it again and waits for it (Ollama's keep-alive) [off]",
     )
     parser.add_argument(
-        "--metrics-port", type=_port, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
+        "--metrics-port", type=port_number, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
     )
     parser.add_argument(
         "--metrics-identity-usage",
