@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # the loader builds these and hands them over; families never
 
 # llama.cpp's per-layer tensor parts -> Hugging Face suffixes, as its converter names them for
 # Llama-like families. A family with other parts (Gemma's sandwich norms) declares its own map.
-LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+# The pre norms and separate q/k/v/o every such family shares (StarCoder2 adds its own MLP's):
+PRE_NORM_ATTENTION_GGUF_NAMES: Mapping[str, str] = MappingProxyType(
     {
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
@@ -47,6 +48,11 @@ LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
         "attn_k": "self_attn.k_proj",
         "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj",
+    }
+)
+LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        **PRE_NORM_ATTENTION_GGUF_NAMES,
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
         "ffn_gate": "mlp.gate_proj",

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.families.family import Family
+from protoserve.engine.models.families.family import PRE_NORM_ATTENTION_GGUF_NAMES, Family
 from protoserve.engine.models.families.gemma3 import GELU_TANH
 
 if TYPE_CHECKING:  # the loader builds these and hands them over; families never import the loader
@@ -32,16 +32,7 @@ if TYPE_CHECKING:  # the loader builds these and hands them over; families never
 DEFAULT_NORM_EPS = 1e-5  # transformers' Starcoder2Config and llama.cpp
 
 GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
-    {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_up": "mlp.c_fc",
-        "ffn_down": "mlp.c_proj",
-    }
+    {**PRE_NORM_ATTENTION_GGUF_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 )
 
 
