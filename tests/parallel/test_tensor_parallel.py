@@ -24,6 +24,7 @@ from kv_pools import rank_kv_pools
 
 from protoserve.engine.config import EngineConfig
 from protoserve.engine.llm_engine import LLMEngine
+from protoserve.engine.models.rope import rope_spec
 from protoserve.engine.parallel import ranks
 from protoserve.engine.request import TokenizedRequest
 from protoserve.engine.sampling.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ GREEDY_TOKENS = 32
 FLOAT_TOL = 1e-5
 
 
-def _generate(engine: LLMEngine) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
+def _generate(engine: LLMEngine, greedy: int = GREEDY_TOKENS) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
     """Each step's logits and each request's tokens, the requests all in the queue at once."""
     steps: list[torch.Tensor] = []
     execute = engine.runner.execute
@@ -50,7 +51,7 @@ def _generate(engine: LLMEngine) -> tuple[list[torch.Tensor], dict[str, list[int
     tokens: dict[str, list[int]] = {}
     for i, n in enumerate(PROMPT_LENS):
         prompt = [rng.randrange(engine.vocab_size) for _ in range(n)]
-        sampling = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=greedy, temperature=0.0, ignore_eos=True)
         engine.add_request(TokenizedRequest(f"r{i}", prompt, sampling))
         tokens[f"r{i}"] = []
     while engine.has_unfinished():
@@ -74,12 +75,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _compare(path, tol: float, tp: int = 2, **options) -> LLMEngine:
+def _compare(path, tol: float, tp: int = 2, greedy: int = GREEDY_TOKENS, **options) -> LLMEngine:
     """TP=1 and TP=tp give the same logits (within tol) and tokens; returns the open TP=tp engine."""
-    ref_steps, ref_tokens = _generate(_engine(path, 1, **options))
+    ref_steps, ref_tokens = _generate(_engine(path, 1, **options), greedy)
     engine = _engine(path, tp, **options)
-    steps, tokens = _generate(engine)
-    assert tokens == ref_tokens and all(len(t) == GREEDY_TOKENS for t in tokens.values())
+    steps, tokens = _generate(engine, greedy)
+    assert tokens == ref_tokens and all(len(t) == greedy for t in tokens.values())
     assert len(steps) == len(ref_steps)
     for got, want in zip(steps, ref_steps, strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -110,6 +111,16 @@ def test_dense_families_tp2_equal_tp1(checkpoint, family):
     # StarCoder2's ungated GELU MLP splits c_fc by rows and c_proj by columns, its biases once;
     # Phi's fused checkpoint tensors are split on load, so its ranks shard the decoder's as any family's.
     _compare(checkpoint(family), FLOAT_TOL).runner.close()
+
+
+def test_every_rank_fixes_its_rope_for_the_served_context(checkpoint):
+    """Phi-3 served within its original context (48) rotates by longrope's short factors: on every rank,
+    or the heads of a rank on the long ones would leave TP=2's logits off TP=1's."""
+    engine = _compare(checkpoint("phi3"), FLOAT_TOL, greedy=48 - max(PROMPT_LENS), max_model_len=48)
+    c = engine.runner.model.config
+    short = rope_spec(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, max_model_len=48)
+    assert torch.equal(engine.runner.model.rope.inv_freq, short.inv_freq)
+    engine.runner.close()
 
 
 @pytest.mark.parametrize(("family", "tp"), [("gemma3-kv1", 2), ("gemma3-kv1", 4), ("gemma3-kv2", 4)])
