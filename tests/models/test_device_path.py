@@ -169,23 +169,14 @@ def family_checkpoint(tmp_path_factory):
     """(directory, transformers model) of a tiny Gemma 2 (tests/models/dense_family_checkpoints.py: a window
     of 8, attention scores capped at 5, which bends them) or DeepSeek-V2 (test_deepseek_family.py: MLA with
     plain queries, group-routed experts beside two shared ones), built once per module."""
-    import warnings
-
     from dense_family_checkpoints import make_checkpoint
     from test_deepseek_family import _make_checkpoint as make_deepseek
+    from tiny_families import checkpoint_cache
 
-    makers = {"gemma2": lambda d: make_checkpoint("gemma2", d), "deepseek-v2": lambda d: make_deepseek("v2", d)}
-    built = {}
+    def make(family: str, directory):
+        return make_deepseek("v2", directory) if family == "deepseek-v2" else make_checkpoint(family, directory)
 
-    def get(family: str):
-        if family not in built:
-            directory = tmp_path_factory.mktemp(family)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[family] = (directory, makers[family](directory))
-        return built[family]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, make)
 
 
 def counting_attention(monkeypatch) -> list:
