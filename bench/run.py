@@ -39,6 +39,7 @@ from bench.sections import (
     decode,
     fairness,
     families,
+    host_loop,
     isolation,
     long_context,
     lora,
@@ -76,6 +77,7 @@ SECTIONS = {
     "conversation": conversation.steps,
     "multi_model": multi_model.steps,
     "session_restore": session_restore.steps,
+    "host_loop": host_loop.steps,
 }
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 log = logging.getLogger("bench")

@@ -50,7 +50,7 @@ from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.engine.sampling.stop_checker import check_token_stop
 from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.forks import fork_pending_choices
-from protoserve.engine.scheduling.logits_rows import DraftRows, SampleRow, StepRows
+from protoserve.engine.scheduling.logits_rows import DraftRows, SampleRow, StepRows, take_rows
 from protoserve.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from protoserve.engine.scheduling.sequence import Sequence, SequenceStatus
 from protoserve.engine.speculative.draft_model import DraftModelProposer
@@ -418,7 +418,7 @@ class LLMEngine:
         rows = fork_pending_choices(plain, self.scheduler, self._new_choice)
         seqs = [r.seq for r in rows]
         row_masks = bitmask[[r.mask_row for r in rows]] if bitmask is not None else None
-        return seqs, self.sampler(logits[[r.logits_row for r in rows]], seqs, row_masks)
+        return seqs, self.sampler(take_rows(logits, [r.logits_row for r in rows]), seqs, row_masks)
 
     def _new_choice(self, parent: Sequence, index: int, matcher: LLMatcher | None) -> Sequence:
         return self._new_seq(self.requests[parent.request_id], index, parent.max_len, arrival=parent.arrival_order,

@@ -25,31 +25,37 @@ def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_s
                         lora_slots: list[int] | None = None) -> ForwardBatch:
     """Flatten one step: sequence i computes tokens ``[computed_i, computed_i + new_i)`` of its own.
 
-    ``lora_slots`` gives each sequence's LoRA slot (engine/lora), repeated onto its tokens.
+    ``lora_slots`` gives each sequence's LoRA slot (engine/lora), repeated onto its tokens. Python
+    lists are gathered once per sequence and the rest is whole-batch NumPy: this runs on the host
+    before every forward (bench/sections/host_loop.py measures it).
     """
     query_lens = list(num_new_tokens)
     starts = [s.num_computed_tokens for s in seqs]
     seq_lens = [c + n for c, n in zip(starts, query_lens, strict=True)]
-    input_ids = np.concatenate([np.asarray(s.token_ids[c:e], dtype=np.int64)
-                                for s, c, e in zip(seqs, starts, seq_lens, strict=True)])
-    positions = np.concatenate([np.arange(c, e, dtype=np.int64) for c, e in zip(starts, seq_lens, strict=True)])
     max_blocks = max(len(s.block_table) for s in seqs)
-    block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    slot_mapping = np.empty(len(positions), dtype=np.int64)
+    token_list: list[int] = []
+    table_list: list[int] = []
+    logits_indices: list[int] = []
+    end = 0
+    for s, c, e in zip(seqs, starts, seq_lens, strict=True):
+        token_list += s.token_ids[c:e]
+        table_list += s.block_table
+        table_list += [0] * (max_blocks - len(s.block_table))
+        end += e - c
+        if e == len(s.token_ids):  # the last known token is computed: its logits give the next one
+            # A speculative row also wants the logits after each of its drafts, to verify them.
+            logits_indices.extend(range(end - 1 - s.num_draft_tokens, end))
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    logits_indices = []
-    for i, s in enumerate(seqs):
-        table = np.asarray(s.block_table, dtype=np.int64)
-        block_tables[i, : len(table)] = table
-        pos = positions[query_start_loc[i] : query_start_loc[i + 1]]
-        slot_mapping[query_start_loc[i] : query_start_loc[i + 1]] = table[pos // block_size] * block_size + pos % block_size
-        if seq_lens[i] == s.num_tokens:  # the last known token is computed: its logits give the next one
-            # A speculative row also wants the logits after each of its drafts, to verify them.
-            end = int(query_start_loc[i + 1])
-            logits_indices.extend(range(end - 1 - s.num_draft_tokens, end))
+    lens = np.asarray(query_lens, dtype=np.int64)
+    owner = np.repeat(np.arange(len(seqs)), lens)  # the sequence of each new token
+    # Token j of sequence i sits at position starts[i] + (j - query_start_loc[i]).
+    positions = np.arange(len(token_list), dtype=np.int64) + np.repeat(
+        np.asarray(starts, dtype=np.int64) - query_start_loc[:-1], lens)
+    block_tables = np.asarray(table_list, dtype=np.int32).reshape(len(seqs), max_blocks)
+    slot_mapping = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return ForwardBatch(
-        input_ids=torch.from_numpy(input_ids),
+        input_ids=torch.from_numpy(np.asarray(token_list, dtype=np.int64)),
         positions=torch.from_numpy(positions),
         query_start_loc=torch.from_numpy(query_start_loc),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),

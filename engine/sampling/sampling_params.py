@@ -237,6 +237,8 @@ SAMPLING_FIELDS: dict[str, FieldUse] = {
     "speculative": FieldUse(Where.NOT_SAMPLED),  # how many tokens a step yields, never which
 }
 MIROSTAT_REPLACES = {name: use.off for name, use in SAMPLING_FIELDS.items() if use.candidates}
+# The fields bare_argmax reads, taken out once: it runs for every row of every step.
+_RESHAPING = tuple((name, use) for name, use in SAMPLING_FIELDS.items() if use.reshapes)
 
 
 def host_only(params: SamplingParams, num_generated: int) -> list[str]:
@@ -247,5 +249,4 @@ def host_only(params: SamplingParams, num_generated: int) -> list[str]:
 
 def bare_argmax(params: SamplingParams, num_generated: int) -> bool:
     """Greedy, and no field in use reshapes the row: its token is the logits' argmax (under any grammar mask)."""
-    return params.greedy and not any(use.reshapes and use.used(name, params, num_generated)
-                                     for name, use in SAMPLING_FIELDS.items())
+    return params.greedy and not any(use.used(name, params, num_generated) for name, use in _RESHAPING)

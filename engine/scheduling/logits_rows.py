@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from protoserve.engine.scheduling.scheduler import ScheduledBatch
 from protoserve.engine.scheduling.sequence import Sequence
 
@@ -54,3 +56,11 @@ class StepRows:
                 plain.append(SampleRow(seq, row, len(plain)))
             row += 1 + seq.num_draft_tokens
         return cls(plain, drafted)
+
+
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, without the copy when ``rows`` is every row in order (a plain decode step): at 64
+    rows of a 49k vocabulary the copy alone is 12 MB, a few ms of a step's host time."""
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits
+    return logits[rows]
