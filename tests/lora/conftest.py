@@ -9,7 +9,6 @@ to zero, which would make every comparison trivial).
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from decoder_test_helpers import make_hf_checkpoint  # noqa: E402
+from tiny_families import checkpoint_cache  # noqa: E402
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,17 +35,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
-    built: dict[str, tuple[Path, Any]] = {}
-
-    def get(family: str) -> tuple[Path, Any]:
-        if family not in built:
-            directory = tmp_path_factory.mktemp(f"lora-base-{family}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                built[family] = (directory, make_hf_checkpoint(family, directory))
-        return built[family]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, make_hf_checkpoint, prefix="lora-base-")
 
 
 def peft_model(base: Any, targets: list[str], r: int = 8, seed: int = 0, **config) -> Any:

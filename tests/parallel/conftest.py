@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from decoder_test_helpers import TINY, make_hf_checkpoint  # noqa: E402
 from dense_family_checkpoints import make_checkpoint as make_dense_checkpoint  # noqa: E402
-from family_checkpoints import hf_config  # noqa: E402
+from family_checkpoints import hf_config, random_model  # noqa: E402
 
 DENSE_FAMILIES = ("gemma2", "starcoder2", "command_r", "phi3", "phi4-mini")
 
@@ -57,14 +57,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 
 def _llama(directory: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY, attention_bias=True)).eval()
-    with torch.no_grad():  # as make_hf_checkpoint: logits O(1), so errors are meaningful
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, 0.3)
-    model.save_pretrained(directory, safe_serialization=True)
+    random_model(LlamaConfig(**TINY, attention_bias=True)).save_pretrained(directory, safe_serialization=True)
 
 
 def _odd_heads(directory: Path) -> None:
@@ -77,16 +72,10 @@ def _odd_heads(directory: Path) -> None:
 
 
 def _gemma3(directory: Path, kv_heads: int) -> None:
-    from transformers import AutoModelForCausalLM
-
     config = hf_config("gemma3")
     config.num_key_value_heads = kv_heads
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # as family_checkpoints.make_checkpoint: Gemma's norms hold w of x * (1 + w)
-        for name, p in model.named_parameters():
-            p.copy_(0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, 0.3)
-    model.save_pretrained(directory, safe_serialization=True)
+    # Gemma's norms hold w of x * (1 + w).
+    random_model(config, norm_center=0.0).save_pretrained(directory, safe_serialization=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
