@@ -12,11 +12,15 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from bench.tiny_checkpoints import EOS, hf_logits
+
+if TYPE_CHECKING:
+    from protoserve.engine.llm_engine import LLMEngine
 
 Built = tuple[Path, nn.Module]
 
@@ -53,7 +57,7 @@ def worst_diff(hf: nn.Module, prompts: list[list[int]], ours: list[torch.Tensor]
 
 
 def mixed_batch(path: Path, prompts: list[list[int]], greedy: int, sampled: int = 5, sampled_len: int = 40,
-                sampled_tokens: int = 20) -> tuple[object, dict[str, list[int]]]:
+                sampled_tokens: int = 20) -> tuple[LLMEngine, dict[str, list[int]]]:
     """``prompts`` greedy (``greedy`` tokens each, ids ``greedy-i``) among ``sampled`` seeded sampling
     requests of random lengths, through one LLMEngine whose small step budget chunks the prefills beside
     the decodes; returns the engine and each request's tokens."""
