@@ -7,6 +7,9 @@ device and runs, engine-direct (LLMEngine stepped in this process), closed-loop 
 ``generate`` on the same device and the same weights (one request at a time, greedy, static cache
 off) as the peer of the single-stream figure. Each weight format given is a row of the report.
 
+Each load also reports the device's idle time per step (bench/device_idle.py: step wall time less
+the forwards' busy time on CUDA events): what async scheduling hides; ``FORMAT/sync`` rows run with it off.
+
 ``--random-weights`` builds a random checkpoint with the default model's shape (SmolLM2-135M: the same
 layers, heads and vocabulary, so the same work per token) where the model's weights cannot travel.
 """
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench import engine_direct
+from bench.device_idle import timed_device_steps
 from bench.stats import percentile
 from bench.workload import NonceSource, PromptFactory
 
@@ -43,6 +47,7 @@ class LoadFigure:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    idle_ms_per_step: float | None = None  # the device waiting on the host (cuda only)
 
 
 def random_smollm2_checkpoint(directory: Path) -> Path:
@@ -65,13 +70,14 @@ def run_load(engine, factory: PromptFactory, concurrency: int, prompt_len: int, 
                                  sampling=SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
                 for i in range(n)]
     start = time.perf_counter()
-    timelines = engine_direct.run_tokenized(engine, requests, concurrency=concurrency)
+    with timed_device_steps(engine) as idle:
+        timelines = engine_direct.run_tokenized(engine, requests, concurrency=concurrency)
     seconds = time.perf_counter() - start
     ttfts = [t.ttft for t in timelines if t.ttft is not None]
     itls = [gap for t in timelines for gap in t.inter_token_latencies()]
     return LoadFigure(quantization, concurrency, n, sum(t.output_tokens for t in timelines) / seconds,
                       1000 * percentile(ttfts, 50), 1000 * percentile(ttfts, 99),
-                      1000 * percentile(itls, 50), 1000 * percentile(itls, 99))
+                      1000 * percentile(itls, 50), 1000 * percentile(itls, 99), idle.idle_ms_per_step())
 
 
 def transformers_single_stream(model_path: Path, device: str, prompt: Sequence[int], output_len: int) -> float:
@@ -101,8 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="GGUF file or HF directory [the default SmolLM2 GGUF]")
     parser.add_argument("--random-weights", action="store_true",
                         help="a random checkpoint of SmolLM2-135M's shape instead of --model")
-    parser.add_argument("--quantization", default="none,none/eager,int8,int4,fp8",
-                        help="weight formats, comma-separated; FORMAT/eager runs without CUDA graphs")
+    parser.add_argument("--quantization", default="none,none/sync,none/eager,int8,int4,fp8",
+                        help="weight formats, comma-separated; FORMAT/eager runs without CUDA graphs, "
+                        "FORMAT/sync without async scheduling")
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -129,11 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         loaded = load_model(path, quantization=quantization, progress=False, device=args.device,
                             load_tokenizer=False)
         engine = LLMEngine(loaded, EngineConfig(device=args.device, kv_cache_bytes=2 * 1024**3,
-                                                cuda_graphs=mode != "eager"))
+                                                cuda_graphs=mode != "eager",
+                                                async_scheduling=False if mode == "sync" else None))
         run_load(engine, factory, 4, args.prompt_len, 8, row)  # warm-up: kernels compile here
         for c in map(int, args.concurrency.split(",")):
-            if c > 1 and mode == "eager" and c != max(map(int, args.concurrency.split(","))):
-                continue  # eager beside graphs: single stream and the largest load tell the difference
+            if c > 1 and mode in ("eager", "sync") and c != max(map(int, args.concurrency.split(","))):
+                continue  # eager or sync beside the default: single stream and the largest load tell the difference
             figures.append(run_load(engine, factory, c, args.prompt_len, args.output_len, row))
             print(json.dumps(asdict(figures[-1])), flush=True)
         del engine, loaded
@@ -141,10 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_peer and path is not None and Path(path).is_dir():
         peer = transformers_single_stream(Path(path), args.device, factory.prompt(args.prompt_len), args.output_len)
     print(f"\n{args.device}: prompt {args.prompt_len}, output {args.output_len} tokens, engine-direct")
-    print(f"{'weights':<10} {'c':>3} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    print(f"{'weights':<10} {'c':>3} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'idle/step':>9}")
     for f in figures:
         print(f"{f.quantization:<10} {f.concurrency:>3} {f.tokens_per_s:>9.1f} {f.ttft_p50_ms:>7.1f}ms "
-              f"{f.ttft_p99_ms:>7.1f}ms {f.itl_p50_ms:>6.2f}ms {f.itl_p99_ms:>6.2f}ms")
+              f"{f.ttft_p99_ms:>7.1f}ms {f.itl_p50_ms:>6.2f}ms {f.itl_p99_ms:>6.2f}ms "
+              f"{'-' if f.idle_ms_per_step is None else f'{f.idle_ms_per_step:.2f}ms':>9}")
     if peer is not None:
         ours = next((f.tokens_per_s for f in figures if f.quantization == "none" and f.concurrency == 1), None)
         ratio = f" (engine float32 c=1: {ours / peer:.2f}x)" if ours else ""

@@ -96,6 +96,17 @@ class EngineConfig:
     # and verified in the forward that computes the token before them, rather than one forward each
     # (engine/sampling/constraints/fast_forward.py); output is the same either way. False: one by one.
     grammar_fast_forward: bool = True
+    # Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): schedule step N+1 while
+    # step N runs on the device, its sampled ids feeding N+1's forward there and reaching the host a step
+    # later (engine/execution/async_step.py); the tokens are the same. None: on for device cuda, off on
+    # cpu, where the host runs the forward itself and there is nothing to overlap.
+    async_scheduling: bool | None = None
+
+    def overlaps_steps(self) -> bool:
+        """Whether steps overlap (``async_scheduling`` with its default resolved)."""
+        if self.async_scheduling is None:
+            return self.device == "cuda" and self.tensor_parallel_size == 1
+        return self.async_scheduling
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""
@@ -146,6 +157,9 @@ class EngineConfig:
             raise ValueError("speculative_disable_by_batch_size must be at least 1")
         if self.speculative_model is not None and self.device != "cpu":
             raise ValueError(f"speculative_model (a draft model) runs on device cpu only, not {self.device!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling is not served with tensor_parallel_size > 1 "
+                             f"(it is {self.tensor_parallel_size}): each step is broadcast to the ranks from the host")
         if self.speculative is not None and self.speculative.method == "draft" and self.speculative_model is None:
             raise ValueError("speculative.method \"draft\" needs speculative_model")
 

@@ -28,6 +28,7 @@ from protoserve.engine.errors import (
     InvalidRequestError,
     QueueFullError,
 )
+from protoserve.engine.execution.async_step import OverlappedSteps
 from protoserve.engine.kv_offload.offloader import start_offload
 from protoserve.engine.loader.load import LoadedModel, load_model
 from protoserve.engine.lora.stack import AdapterStack, adapter_problems
@@ -125,7 +126,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         # Prefix-cache blocks persisted on disk (engine/kv_offload); None without kv_offload_dir.
         self.kv_offload = start_offload(self.config, loaded, self.runner.kv_cache, self.block_manager)
-        self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu")
+        overlap = self.config.overlaps_steps()
+        # Overlapped steps sample on the batched sampler (a device's); so does every step of their engine.
+        self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu" or overlap)
         self.speculator = Speculator(self.config, self.sampler)
         self.fast_forward = FastForward(self.config.grammar_fast_forward, self.sampler,
                                         self.config.max_num_batched_tokens)
@@ -141,6 +144,7 @@ class LLMEngine:
         self.grammars = (GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
         self._masks = MaskFiller(self.grammars.vocab_size) if self.grammars is not None else None
+        self.overlap = OverlappedSteps(self) if overlap else None
 
     def _token_bytes(self, token_id: int) -> bytes:
         """Ids past the tokenizer's vocabulary (padded embeddings) have no text."""
@@ -336,22 +340,36 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None:  # async scheduling (engine/execution/async_step.py)
+            return self.overlap.step()
         start = time.monotonic()
+        batch = self._schedule(start)
+        self._run(batch)
+        return self._end_step(batch, start)
+
+    def _schedule(self, start: float) -> ScheduledBatch:
         self._park_preempted()
         self._admit_restored()
         self.speculator.propose(self.scheduler.running)
         self.fast_forward.propose(self.scheduler.running)
         batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
         self._note_schedule(batch, start)
-        if not batch.is_empty:
-            rows = StepRows.of(batch)
-            masks = self._start_masks(rows.plain)
-            forced_masks = self._start_forced_masks(rows.drafted)
-            logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
-            self.scheduler.finish_step(batch)
-            seqs, samples = self._sample(rows.plain, logits, masks)
-            self._postprocess(seqs, samples)
-            self._verify_drafts(rows.drafted, logits, forced_masks)
+        return batch
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        """Forward, sample and postprocess one scheduled batch, the host waiting for the device."""
+        if batch.is_empty:
+            return
+        rows = StepRows.of(batch)
+        masks = self._start_masks(rows.plain)
+        forced_masks = self._start_forced_masks(rows.drafted)
+        logits = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        self.scheduler.finish_step(batch)
+        seqs, samples = self._sample(rows.plain, logits, masks)
+        self._postprocess(seqs, samples)
+        self._verify_drafts(rows.drafted, logits, forced_masks)
+
+    def _end_step(self, batch: ScheduledBatch, start: float) -> list[RequestOutput]:
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
 

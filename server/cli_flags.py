@@ -45,6 +45,7 @@ ENGINE_FLAGS = (
     ("quant_group_size", "quant_group_size"),
     ("kv_offload_dir", "kv_offload_dir"),
     ("kv_offload_max_bytes", "kv_offload_max_bytes"),
+    ("async_scheduling", "async_scheduling"),
 )
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
@@ -213,6 +214,14 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
         action="store_true",
         help="on --device cuda, run every decode step eagerly [decode steps replay CUDA graphs captured "
         "per batch-size bucket]",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule each step while the one before runs on the device, its sampled tokens joined a step "
+        "later (the same tokens); steps that need them on the host first run plain [on for --device cuda, "
+        "off for cpu]",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -74,7 +74,8 @@ class DecodeGraphs:
         tables = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.int32)
         slots = torch.full((bucket,), self.scratch_block * bs, dtype=torch.int64)
         if batch is not None:
-            input_ids[:n] = batch.input_ids
+            if batch.input_ids.device.type == "cpu":  # else still on the device: _fill copies it there
+                input_ids[:n] = batch.input_ids
             positions[:n] = batch.positions
             seq_lens[:n] = batch.seq_lens
             tables[:n, : batch.block_tables.shape[1]] = batch.block_tables
@@ -90,6 +91,8 @@ class DecodeGraphs:
         host = self._padded(static.num_tokens, batch)
         for name in ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"):
             getattr(static, name).copy_(getattr(host, name), non_blocking=True)
+        if batch.input_ids.device.type != "cpu":  # async scheduling: last step's samples, device to device
+            static.input_ids[: batch.num_tokens].copy_(batch.input_ids, non_blocking=True)
 
     @torch.inference_mode()
     def _capture(self, bucket: int) -> _Captured:

@@ -40,7 +40,8 @@ class ForwardBatch:
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The batch with its tensors on ``device`` (itself when they are there already)."""
-        if self.input_ids.device == device:
+        # (Async scheduling hands the runner input ids already on the device, the rest on the host.)
+        if self.input_ids.device == device and self.positions.device == device:
             return self
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)

@@ -8,6 +8,7 @@ row for each sequence whose new tokens reach its last token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -121,11 +122,15 @@ class ModelRunner:
         """Release what outlives the engine's steps (other ranks, under tensor parallelism); here nothing."""
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int],
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One forward; returns float32 logits ``[S, vocab]`` on the model's device, one row per sequence that
-        samples, in order."""
+        samples, in order. ``input_ids``: the new tokens' ids already on the device (async scheduling:
+        last step's samples, not yet on the host), in place of the sequences' own."""
         lora_slots = self.lora_slots_of(seqs) if self.lora_slots_of is not None else None
         batch = build_forward_batch(seqs, num_new_tokens, self.block_size, lora_slots)
+        if input_ids is not None:
+            batch = replace(batch, input_ids=input_ids)
         with CPU_GATE.engine():  # background work (embedding) waits for the forward, not beside it
             if self.graphs is not None and self.graphs.accepts(batch):
                 return self.graphs.run(batch).float()

@@ -104,6 +104,11 @@ def draws(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """The token of each row (every row ``batch_sampleable``), computed on the logits' device."""
+    return sample_batch_tokens(logits, seqs).tolist()
+
+
+def sample_batch_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``sample_batch``'s tokens as [rows] int64 on the logits' device, not waited for (async scheduling)."""
     rows = apply_penalties(logits.float(), seqs)
     greedy = [s.sampling.greedy for s in seqs]
     tokens = torch.argmax(rows, dim=1)
@@ -113,4 +118,4 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         index = torch.tensor(random, dtype=torch.int64, device=rows.device)
         cut = filtered(rows.index_select(0, index), picked)
         tokens = tokens.index_copy(0, index, draws(torch.softmax(cut, dim=1), picked))
-    return tokens.tolist()
+    return tokens

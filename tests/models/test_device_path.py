@@ -320,3 +320,46 @@ def test_device_names_and_refusals(tiny_checkpoint):
     loaded = load_model(tiny_checkpoint("llama")[0], progress=False, load_tokenizer=False)
     with pytest.raises(ValueError, match="loaded on cpu"):
         LLMEngine(loaded, EngineConfig(device="cuda", max_kv_blocks=16))
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_async_scheduling_gives_the_plain_steps_tokens(device, graphs, tiny_checkpoint):
+    """Overlapped steps (engine/execution/async_step.py: the next step's input ids taken on the device, the
+    host a step behind) against plain ones: greedy and seeded rows ending at different steps, a stop token,
+    a cancel and an arrival mid-run; on cuda with decode graphs and without (the interpreter has none)."""
+    from protoserve.engine.request import TokenizedRequest
+    from protoserve.engine.sampling.sampling_params import SamplingParams
+
+    if graphs and device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    directory, _ = tiny_checkpoint("llama")
+    kinds = {"greedy": dict(max_tokens=12, temperature=0.0), "seeded": dict(max_tokens=9, temperature=0.9, seed=5),
+             "short": dict(max_tokens=3, temperature=0.0), "stop": dict(max_tokens=12, temperature=0.0,
+                                                                        stop_token_ids=[17, 99, 200]),
+             "cancel": dict(max_tokens=12, temperature=0.0), "late": dict(max_tokens=6, temperature=0.7, seed=9)}
+    tokens = {}
+    for overlap in (True, False):
+        loaded = load_model(directory, progress=False, load_tokenizer=False, device=device)
+        engine = LLMEngine(loaded, EngineConfig(device=device, max_kv_blocks=64, block_size=BLOCK,
+                                                cuda_graphs=graphs, async_scheduling=overlap))
+        engine.sampler.batch_rows = True
+        got: dict[str, list[int]] = {}
+
+        def add(name: str) -> None:
+            engine.add_request(TokenizedRequest(request_id=name, prompt_token_ids=[5, 17, 99, 3, len(name) * 11],  # noqa: B023
+                                                sampling=SamplingParams(ignore_eos=True, **kinds[name])))
+
+        for name in ("greedy", "seeded", "short", "stop", "cancel"):
+            add(name)
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(t for d in out.deltas for t in d.token_ids)
+            if "late" not in got and len(got.get("greedy", [])) >= 2:
+                add("late")
+                got["late"] = []
+            if len(got.get("cancel", [])) >= 4:
+                engine.abort("cancel")
+        tokens[overlap] = got
+        assert (engine.overlap is not None and engine.overlap.num_overlapped > 3) == overlap
+    assert tokens[True] == tokens[False]
+    assert len(tokens[False]["late"]) == 6 and 4 <= len(tokens[False]["cancel"]) < 12

@@ -44,3 +44,17 @@ def test_fairness_flags_reach_the_engine_and_bad_values_name_the_flag() -> None:
         _engine_config(build_parser().parse_args(["serve", "--max-kv-share-per-identity", "1.5"]))
     with pytest.raises(CliError, match="^--max-running-per-identity must be non-negative"):
         _engine_config(build_parser().parse_args(["serve", "--max-running-per-identity", "-1"]))
+
+
+def test_async_scheduling_flag_defaults_by_device_and_refuses_tensor_parallel() -> None:
+    from protoserve.server.cli import CliError
+
+    def config(*flags: str):
+        return _engine_config(build_parser().parse_args(["serve", *flags]))
+
+    assert config().async_scheduling is None and not config().overlaps_steps()
+    assert config("--device", "cuda").overlaps_steps()
+    assert not config("--device", "cuda", "--no-async-scheduling").overlaps_steps()
+    assert config("--async-scheduling").async_scheduling is True
+    with pytest.raises(CliError, match="^--async-scheduling is not served with tensor_parallel_size > 1"):
+        config("--async-scheduling", "--tensor-parallel-size", "2")
