@@ -5,12 +5,13 @@ kept it in memory generates; damaged files, another fingerprint and another salt
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
 
 from protoserve.engine.llm import LLM
-from protoserve.engine.request import TokenizedRequest
+from protoserve.engine.request import FinishReason, TokenizedRequest
 from protoserve.engine.sampling.sampling_params import SamplingParams
 from protoserve.engine.scheduling.block_manager import chain_hashes
 
@@ -161,3 +162,33 @@ def test_a_preempted_request_reloads_its_evicted_prefix_from_disk(make_engine, t
     # A's 3 blocks past the pool took B's 3 tail blocks; B's 13 usable blocks were all hits again.
     assert engine.kv_offload.counters.blocks_loaded == 3
     assert engine.stats().prefix_cache_hits == (len(OTHER) + 8) // BLOCK * BLOCK
+
+
+def test_a_preempted_request_parked_for_its_blocks_can_be_cancelled(make_engine, tmp_path):
+    """Cancelling a preempted request while its prefix is read back ends it and leaves its tenant's
+    accounts as if it finished; the others run to their ends. The worker is held so the read is
+    still under way when the cancel comes."""
+    engine = make_engine(kv_offload_dir=str(tmp_path), max_kv_blocks=27)
+    for rid, prompt, n in (("a", PROMPT, 64), ("b", OTHER, 12), ("c", [1, 2, 3], 200)):
+        engine.add_request(TokenizedRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                        ignore_eos=True), cache_salt=b"alice"))
+    gate = threading.Event()
+    held = False
+    outputs = []
+    while not engine.kv_offload.num_parked:
+        if not held and engine.stats().preemptions_total:
+            engine.kv_offload._worker.submit(gate.wait)  # reads queue behind this until the gate opens
+            held = True
+        outputs += engine.step()
+    assert engine.kv_offload.parked_request_ids() == {"b"} and engine.scheduler.running  # c still runs
+    assert engine.abort("b")
+    gate.set()
+    while engine.has_unfinished():
+        outputs += engine.step()
+    finished = {o.request_id: o for o in outputs if o.finished}
+    assert set(finished) == {"a", "b", "c"}
+    assert [d.finish_reason for d in finished["b"].deltas] == [FinishReason.CANCELLED]
+    fair = engine.scheduler.fair
+    assert all(a.live == 0 for accounts in (fair.groups.accounts, fair.identities.accounts)
+               for a in accounts.values())
+    assert engine.block_manager.num_free_blocks == 27
