@@ -235,32 +235,24 @@ def live_server_auth():
     server.stop()
 
 
-# Servers spawn_server started, each with whether a session-scoped fixture started it (it lives for the
-# session) or a test or narrower fixture did (it is killed when its test module ends). Each server holds
-# about 1 GB: kept to the session's end, the suite's would not fit in the machine's memory.
+# Servers spawn_server started, each with whether it lives for the session (a session-scoped fixture
+# started it and says so) or is killed when its test module ends. Each server holds about 1 GB: kept to
+# the session's end, the suite's would not fit in the machine's memory. Said by the caller, not guessed
+# from a fixture-setup hook: pytest runs a session fixture's setup hooks through the session's plugins,
+# which under pytest-xdist's workers leave out tests/conftest.py, and its server was then killed early.
 _SPAWNED: list[tuple[LiveServer, bool]] = []
-_session_fixture_setups = 0
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
-    global _session_fixture_setups
-    session = fixturedef.scope == "session"
-    _session_fixture_setups += session
-    try:
-        yield
-    finally:
-        _session_fixture_setups -= session
 
 
 @pytest.fixture(scope="session")
 def spawn_server():
-    """Start private server processes. One a session-scoped fixture starts lives until the session
-    ends; any other is killed when its test module ends (``_module_servers``)."""
+    """Start private server processes. One started with ``for_session=True`` (by a session-scoped
+    fixture) lives until the session ends; any other is killed when its test module ends
+    (``_module_servers``)."""
 
-    def spawn(*extra_args: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> LiveServer:
+    def spawn(*extra_args: str, env: dict[str, str] | None = None, wait_ready: bool = True,
+              for_session: bool = False) -> LiveServer:
         server = start_server_process(*extra_args, env=env, wait_ready=wait_ready)
-        _SPAWNED.append((server, _session_fixture_setups > 0))
+        _SPAWNED.append((server, for_session))
         return server
 
     yield spawn

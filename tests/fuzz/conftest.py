@@ -14,4 +14,4 @@ from fuzz_support import FUZZ_CONTEXT_TOKENS
 @pytest.fixture(scope="session")
 def fuzz_server(spawn_server):
     """``protoserve serve`` with the gateway, auth off, a 128-token context: for the fuzzers alone."""
-    return spawn_server("--max-model-len", str(FUZZ_CONTEXT_TOKENS))
+    return spawn_server("--max-model-len", str(FUZZ_CONTEXT_TOKENS), for_session=True)

@@ -41,6 +41,7 @@ def guarded_server(spawn_server) -> GuardedServer:
         "--cors-origin", f"http://127.0.0.1:{allowed_origin_port}",
         "--allowed-host", ALLOWED_HOST,
         "--allowed-host", ALLOWED_DOMAIN,
+        for_session=True,
     )  # fmt: skip
     return GuardedServer(server, allowed_origin_port)
 
