@@ -12,6 +12,7 @@ Every problem raises ModelLoadError naming the offending file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from protoserve.engine.loader.progress import tensor_progress
 from protoserve.engine.loader.quantization_config import PackedQuantization, parse_quantization_config
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -128,6 +131,12 @@ def _header_names(file: Path) -> list[str]:
         return list(f.keys())
 
 
+def _mtp_prefixes(config: ModelConfig) -> tuple[str, ...]:
+    """The names' prefixes of the checkpoint's multi-token-prediction layers, stored after the last layer."""
+    first = config.num_layers
+    return tuple(f"model.layers.{i}." for i in range(first, first + config.num_mtp_layers))
+
+
 def load_hf_tensors(
     ckpt: HFCheckpoint,
     expected: Mapping[str, tuple[int, ...]],
@@ -137,9 +146,16 @@ def load_hf_tensors(
     """Check names and shapes against ``expected`` (headers only), then read the tensors: float ones,
     but int32 for ``int32_names`` (packed codes)."""
     tied_extra = {"lm_head.weight"} if ckpt.config.tie_word_embeddings else set()
+    unserved = _mtp_prefixes(ckpt.config)
+    skipped = 0
     for name, file in ckpt.weight_files.items():
-        if name not in expected and name not in tied_extra and not name.endswith(IGNORED_SUFFIXES):
+        if unserved and name.startswith(unserved):
+            skipped += 1
+        elif name not in expected and name not in tied_extra and not name.endswith(IGNORED_SUFFIXES):
             raise ModelLoadError(file, f"unexpected tensor {name!r} for a {ckpt.config.architecture} model")
+    if skipped:
+        log.info("%s: skipped the %d tensors of its %d multi-token-prediction layer(s) (num_nextn_predict_layers); "
+                 "they only draft, and are not served", ckpt.path, skipped, ckpt.config.num_mtp_layers)
     missing = [n for n in expected if n not in ckpt.weight_files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -108,6 +108,10 @@ class ModelConfig:
     attention_mscale: float = 1.0  # multiplies the softmax scale (DeepSeek's yarn mscale_all_dim, squared)
     # kv_b_proj stored per head as k_b [H, rank, qk_nope] and v_b [H, v_head_dim, rank] (llama.cpp's GGUF form).
     mla_kv_b_split: bool = False
+    # DeepSeek-V3's multi-token-prediction modules (num_nextn_predict_layers), stored as the layers after the
+    # last: they only draft for speculative decoding, which they do not here, so their tensors are skipped
+    # at load, as vLLM skips them unless MTP speculation is asked for.
+    num_mtp_layers: int = 0
 
     def is_moe_layer(self, index: int) -> bool:
         if self.num_experts == 0:

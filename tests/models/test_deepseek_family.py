@@ -206,6 +206,35 @@ def test_unsupported_options_are_refused_by_name(checkpoint, tmp_path: Path, ver
         load_model(bad, progress=False)
 
 
+def _with_mtp_layer(src: Path, dst: Path, **changes) -> Path:
+    """The checkpoint plus a multi-token-prediction layer's tensors after its last layer, in a shard of
+    their own, as DeepSeek-V3's release stores them (model.layers.61.* there)."""
+    from safetensors.torch import save_file
+
+    copy = _copy_with_config(src, dst, **changes)
+    layer = f"model.layers.{TINY['num_hidden_layers']}"
+    hidden = TINY["hidden_size"]
+    mtp = {f"{layer}.enorm.weight": torch.ones(hidden), f"{layer}.hnorm.weight": torch.ones(hidden),
+           f"{layer}.eh_proj.weight": torch.randn(hidden, 2 * hidden),
+           f"{layer}.shared_head.norm.weight": torch.ones(hidden),
+           f"{layer}.self_attn.kv_a_proj_with_mqa.weight": torch.randn(RANK + ROPE, hidden)}
+    save_file(mtp, str(copy / "model-mtp.safetensors"))
+    return copy
+
+
+def test_a_v3_multi_token_prediction_layer_is_skipped(checkpoint, tmp_path: Path, caplog) -> None:
+    path, ref_model = checkpoint("v3")
+    with_mtp = _with_mtp_layer(path, tmp_path / "mtp", num_nextn_predict_layers=1)
+    with caplog.at_level(logging.INFO, logger="protoserve.engine.loader.hf_checkpoint"):
+        loaded = load_model(with_mtp, progress=False)
+    assert "skipped the 5 tensors of its 1 multi-token-prediction layer(s)" in caplog.text
+    prompt = _prompts(5)[0]
+    assert greedy_generate(loaded.model, [prompt], GREEDY)[0] == hf_greedy(ref_model, prompt, GREEDY)
+    # Only the layers num_nextn_predict_layers names: the same tensors are refused where it is 0.
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.2\."):
+        load_model(_with_mtp_layer(path, tmp_path / "no-mtp", num_nextn_predict_layers=0), progress=False)
+
+
 def test_lora_is_refused_on_latent_attention(checkpoint) -> None:
     from protoserve.engine.lora.adapter import AdapterError, check_adapter_targets
 

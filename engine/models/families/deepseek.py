@@ -102,6 +102,7 @@ def from_hf(hf: HFFields) -> ModelConfig:
         qk_nope_head_dim=int(hf.need("qk_nope_head_dim")),
         v_head_dim=int(hf.need("v_head_dim")),
         attention_mscale=attention_mscale(common["rope_scaling"]),
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers", 0)),
     )
     return _checked(config, hf.error)
 
