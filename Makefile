@@ -116,8 +116,10 @@ lint: install
 	  exit $$status
 	$(VENV)/bin/ruff check .
 
+# Tests marked serial run afterwards in one process, with no other worker loading the machine (5: none chosen).
 test: install proto-check lint
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not serial" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m serial $(PYTEST_ARGS); status=$$?; [ $$status -eq 0 ] || [ $$status -eq 5 ]
 
 # Markers: `live` is set by tests/conftest.py on every test that uses a server fixture.
 test-fast: install

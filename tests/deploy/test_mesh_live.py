@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 from mesh_load import HEALTH_CHECK_INTERVAL_S, KINDS, MixedClient, run_load
 
@@ -20,6 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 USERS = [f"user-{i}" for i in range(24)]
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 PARENT_ID = 0xB7AD6B7169203331
+
+# The drain test times a replica's SIGTERM against a load from four clients. Twice a call failed while
+# other tests loaded the two cores (once beside another pytest-xdist worker); alone it has not failed.
+pytestmark = pytest.mark.serial
 
 
 def _home(mesh, user: str) -> int:
