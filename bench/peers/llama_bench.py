@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.peers import llamacpp
 from bench.peers.llamacpp import peer_env
 
 PROMPT = 512
@@ -21,6 +22,17 @@ GENERATE = 128
 FLASH_ATTN = (0, 1)
 REPETITIONS = 5
 TIMEOUT_S = 600.0
+
+
+def find_for(model: Path) -> tuple[llamacpp.LlamaCppBinaries | None, str]:
+    """llama.cpp's binaries to measure ``model`` with llama-bench, or None and why not (not built, or
+    not a GGUF)."""
+    lookup = llamacpp.find()
+    if lookup.binaries is None:
+        return None, lookup.reason
+    if not str(model).endswith(".gguf"):
+        return None, f"llama-bench needs a GGUF file; this run's model is {model}"
+    return lookup.binaries, ""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 from bench import engine_direct, resources
 from bench.context import BenchContext
 from bench.figures import Figure, Target, skipped
-from bench.peers import llama_bench, llamacpp
+from bench.peers import llama_bench
 from bench.peers.llama_bench import LlamaBenchResult
 from bench.peers.ratios import ratio_figure
 from bench.resources import EngineModel
@@ -126,20 +126,15 @@ def _step(ctx: BenchContext) -> Step:
     def run(loaded: Any) -> list[Figure]:
         import torch
 
-        lookup = llamacpp.find()
         model = resources.model_path()
-        reason = lookup.reason if lookup.binaries is None else None
-        if reason is None and not str(model).endswith(".gguf"):
-            reason = f"llama-bench needs a GGUF file; this run's model is {model}"
-        if reason is not None:
+        binaries, reason = llama_bench.find_for(model)
+        if binaries is None:
             return [skipped(n, u, SECTION, reason) for n, u in expects]
-        assert lookup.binaries is not None
         threads = torch.get_num_threads()
         reps = max(1, repeats // rounds)
-        binary = lookup.binaries.bench
         commands = [
-            llama_bench.depth_command(binary, model, threads, CONTEXTS, 0, (0,), FLASH_ATTN, reps),
-            llama_bench.depth_command(binary, model, threads, (0,), GENERATE, (0, *CONTEXTS), FLASH_ATTN, reps),
+            llama_bench.depth_command(binaries.bench, model, threads, CONTEXTS, 0, (0,), FLASH_ATTN, reps),
+            llama_bench.depth_command(binaries.bench, model, threads, (0,), GENERATE, (0, *CONTEXTS), FLASH_ATTN, reps),
         ]
         engine = engine_direct.make_engine(loaded, variant, deterministic=True)
         engine_direct.warm_up(engine, [RequestSpec(ctx.factory(WORKLOAD + 1).prompt(600), 4)])

@@ -25,7 +25,7 @@ from bench import engine_direct, resources
 from bench.context import BenchContext
 from bench.figures import Figure, Target, skipped
 from bench.load_generator import run_clients
-from bench.peers import llama_bench, llamacpp
+from bench.peers import llama_bench
 from bench.peers.chat_workload import ChatPromptFactory, model_words
 from bench.peers.llama_bench import LlamaBenchResult
 from bench.peers.ratios import ratio_figure
@@ -146,16 +146,12 @@ def _step(ctx: BenchContext) -> Step:
     def run(server: Any) -> list[Figure]:
         import torch
 
-        lookup = llamacpp.find()
         model = resources.model_path()
-        reason = lookup.reason if lookup.binaries is None else None
-        if reason is None and not str(model).endswith(".gguf"):
-            reason = f"llama-bench needs a GGUF file; this run's model is {model}"
-        if reason is not None:
+        binaries, reason = llama_bench.find_for(model)
+        if binaries is None:
             return [skipped(n, u, SECTION, reason) for n, u in expects]
-        assert lookup.binaries is not None
         threads = torch.get_num_threads()
-        command = llama_bench.bench_command(lookup.binaries.bench, model, threads, repetitions=max(1, repeats))
+        command = llama_bench.bench_command(binaries.bench, model, threads, repetitions=max(1, repeats))
         engine = engine_direct.make_engine(load_engine_model(variant), variant, deterministic=True)
         factory = ctx.factory(WORKLOAD)
         texts = ChatPromptFactory(model_words(model), seed=ctx.seed * 1_000_003 + WORKLOAD)
@@ -200,7 +196,7 @@ def _step(ctx: BenchContext) -> Step:
                 else:
                     run_clients(measure_ours())
         peer_figs = peer_figures(peer)
-        peer_figs[0] = replace(peer_figs[0], note=lookup.binaries.describe()) if peer_figs[0].value is not None else peer_figs[0]
+        peer_figs[0] = replace(peer_figs[0], note=binaries.describe()) if peer_figs[0].value is not None else peer_figs[0]
         mine = ours.figures()
         return [*peer_figs, *mine.values(), *ratio_figures(peer_figs, mine)]
 
