@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 Built = tuple[Path, nn.Module]
 
 
-def checkpoint_cache(tmp_path_factory, make: Callable[[str, Path], nn.Module],
+def checkpoint_cache(tmp_path_factory, make: Callable[[str, Path], nn.Module | None],
                      prefix: str = "") -> Callable[[str], Built]:
-    """``get(name)`` -> (directory, transformers model), ``make(name, directory)`` run once per name."""
+    """``get(name)`` -> (directory, transformers model), ``make(name, directory)`` run once per name (a
+    ``make`` that returns no model leaves None beside the directory)."""
     built: dict[str, Built] = {}
 
     def get(name: str) -> Built:

@@ -14,7 +14,6 @@ rope, fused projections with longrope and a window, partial rotary with tied emb
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from decoder_test_helpers import TINY, make_hf_checkpoint  # noqa: E402
 from dense_family_checkpoints import make_checkpoint as make_dense_checkpoint  # noqa: E402
 from family_checkpoints import hf_config, random_model  # noqa: E402
+from tiny_families import checkpoint_cache  # noqa: E402
 
 DENSE_FAMILIES = ("gemma2", "starcoder2", "command_r", "phi3", "phi4-mini")
 
@@ -33,27 +33,21 @@ GEMMA3_KV_HEADS = {"gemma3-kv1": 1, "gemma3-kv2": 2}
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    built: dict[str, Path] = {}
+    get = checkpoint_cache(tmp_path_factory, _make, prefix="tp-")
+    return lambda family: get(family)[0]
 
-    def get(family: str) -> Path:
-        if family not in built:
-            directory = tmp_path_factory.mktemp(f"tp-{family}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if family == "llama":
-                    _llama(directory)
-                elif family == "odd_heads":
-                    _odd_heads(directory)
-                elif family in GEMMA3_KV_HEADS:
-                    _gemma3(directory, GEMMA3_KV_HEADS[family])
-                elif family in DENSE_FAMILIES:
-                    make_dense_checkpoint(family, directory)
-                else:
-                    make_hf_checkpoint(family, directory)
-            built[family] = directory
-        return built[family]
 
-    return get
+def _make(family: str, directory: Path) -> None:
+    if family == "llama":
+        _llama(directory)
+    elif family == "odd_heads":
+        _odd_heads(directory)
+    elif family in GEMMA3_KV_HEADS:
+        _gemma3(directory, GEMMA3_KV_HEADS[family])
+    elif family in DENSE_FAMILIES:
+        make_dense_checkpoint(family, directory)
+    else:
+        make_hf_checkpoint(family, directory)
 
 
 def _llama(directory: Path) -> None:
