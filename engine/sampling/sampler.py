@@ -174,7 +174,7 @@ class Sampler:
     def plain_greedy(self, seq: Sequence) -> bool:
         """Greedy with nothing that changes the row (bias, held tokens, penalties) or reads it (logprobs);
         a grammar mask may apply."""
-        return bare_argmax(seq.sampling, seq.num_generated)
+        return bare_argmax(seq.sampling, seq.num_generated, seq.sampling_reshapes_for_good)
 
     def adjust(self, row: torch.Tensor, seq: Sequence, bits: torch.Tensor | None = None) -> torch.Tensor:
         """Bias, the grammar mask, min_tokens and penalties on a float32 copy of the row."""

@@ -237,8 +237,12 @@ SAMPLING_FIELDS: dict[str, FieldUse] = {
     "speculative": FieldUse(Where.NOT_SAMPLED),  # how many tokens a step yields, never which
 }
 MIROSTAT_REPLACES = {name: use.off for name, use in SAMPLING_FIELDS.items() if use.candidates}
-# The fields bare_argmax reads, taken out once: it runs for every row of every step.
-_RESHAPING = tuple((name, use) for name, use in SAMPLING_FIELDS.items() if use.reshapes)
+# The fields bare_argmax reads, taken out once: it runs for every row of every step. Those whose use
+# never changes during a request are read once per sequence (reshapes_for_good); the rest every step.
+_RESHAPING_FOR_GOOD = tuple((name, use) for name, use in SAMPLING_FIELDS.items()
+                            if use.reshapes and use.in_use is None)
+_RESHAPING_PER_STEP = tuple((name, use) for name, use in SAMPLING_FIELDS.items()
+                            if use.reshapes and use.in_use is not None)
 
 
 def host_only(params: SamplingParams, num_generated: int) -> list[str]:
@@ -247,6 +251,16 @@ def host_only(params: SamplingParams, num_generated: int) -> list[str]:
             if use.where == Where.HOST and use.used(name, params, num_generated)]
 
 
-def bare_argmax(params: SamplingParams, num_generated: int) -> bool:
-    """Greedy, and no field in use reshapes the row: its token is the logits' argmax (under any grammar mask)."""
-    return params.greedy and not any(use.used(name, params, num_generated) for name, use in _RESHAPING)
+def reshapes_for_good(params: SamplingParams) -> bool:
+    """Sampled, or a field in use reshapes every row of the request: no step of it is a bare argmax."""
+    return not params.greedy or any(use.used(name, params, 0) for name, use in _RESHAPING_FOR_GOOD)
+
+
+def bare_argmax(params: SamplingParams, num_generated: int, for_good: bool | None = None) -> bool:
+    """Greedy, and no field in use reshapes the row: its token is the logits' argmax (under any grammar mask).
+
+    ``for_good``: ``reshapes_for_good(params)`` computed once for the request, which the per-row check
+    of every step then skips."""
+    if for_good is None:
+        for_good = reshapes_for_good(params)
+    return not for_good and not any(use.used(name, params, num_generated) for name, use in _RESHAPING_PER_STEP)

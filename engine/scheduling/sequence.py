@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from protoserve.engine.request import FinishReason, Tenant
-from protoserve.engine.sampling.sampling_params import SamplingParams
+from protoserve.engine.sampling.sampling_params import SamplingParams, reshapes_for_good
 from protoserve.engine.scheduling.block_manager import chain_hashes
 
 if TYPE_CHECKING:
@@ -74,6 +74,11 @@ class Sequence:
     # more steps, doubling with each miss in a row (text that does not repeat stops paying for drafts).
     spec_misses: int = 0
     spec_cooldown: int = 0
+    # Read by the sampler for every row of every step; the request's parameters do not change once it runs.
+    sampling_reshapes_for_good: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_reshapes_for_good = reshapes_for_good(self.sampling)
 
     @property
     def num_tokens(self) -> int:

@@ -99,6 +99,19 @@ def test_a_greedy_row_is_a_bare_argmax_unless_a_field_reshapes_it(name: str) -> 
         return  # not greedy by definition
     sp = params_using(name, temperature=0.0)
     assert bare_argmax(sp, 0) is not SAMPLING_FIELDS[name].reshapes
+    # The sampler's check, with what it reads once per sequence, says the same.
+    assert Sampler(EOS).plain_greedy(seq_of(sp, random.Random(0), num_generated=0)) is not SAMPLING_FIELDS[name].reshapes
+
+
+def test_min_tokens_reshapes_a_greedy_row_only_until_its_tokens_are_out() -> None:
+    """min_tokens is used per step, not for good: the row becomes a bare argmax once it has them."""
+    seq = seq_of(SamplingParams(temperature=0.0, min_tokens=2), random.Random(0), num_generated=0)
+    sampler = Sampler(EOS)
+    assert not sampler.plain_greedy(seq)
+    seq.append_token(5)
+    assert not sampler.plain_greedy(seq)
+    seq.append_token(6)
+    assert sampler.plain_greedy(seq)
 
 
 @pytest.mark.parametrize("name", sorted(MIROSTAT_REPLACES))
