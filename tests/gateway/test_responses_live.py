@@ -2,10 +2,12 @@
 the ``openai-agents`` SDK's default Responses model, the live gateway and gRPC.
 
 A unary response and a stream of the same greedy request give the same output, the stream's events
-in OpenAI's order with consecutive sequence numbers; ``text.format`` json_schema holds over seeds;
+in OpenAI's order with consecutive sequence numbers; ``text.format`` json_schema holds over seeds
+and json_object gives one JSON object;
 a forced function call goes round with its ``function_call_output``; ``previous_response_id``
 carries a conversation over three turns; stored responses are read, listed and deleted by their
-owner only; and fields the server cannot honour are 400s naming them.
+owner only; fields the server cannot honour are 400s naming them; and the agents SDK's default
+provider, given only a model name, runs a one-tool agent through /v1/responses.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import agents
 import httpx
 import jsonschema
 import openai
@@ -131,6 +134,17 @@ def test_json_schema_format_holds_over_seeds(client, seed, clean_log):
     )
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+def test_json_object_format_is_one_json_object(client, clean_log):
+    kwargs = {"model": "SmolLM2-135M-Instruct", "input": "Give a JSON object with a cat's name and age.",
+              "temperature": 0, "max_output_tokens": 64, "store": False}
+    plain = client.responses.create(**kwargs)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain.output_text)  # unconstrained, the model wraps it in a markdown fence
+    response = client.responses.create(text={"format": {"type": "json_object"}}, **kwargs)
+    assert response.status == "completed" and response.text.format.type == "json_object"
+    assert isinstance(json.loads(response.output_text), dict)
 
 
 def test_function_call_round_trip(client, clean_log):
@@ -259,8 +273,7 @@ def test_unsupported_fields_are_400_naming_them(base_url, extra, param, clean_lo
         assert reply.json()["error"]["param"] == param
 
 
-def test_agents_sdk_runs_a_one_tool_agent(base_url, clean_log):
-    agents = pytest.importorskip("agents")
+def test_agents_sdk_runs_a_one_tool_agent_on_its_default_model(base_url, clean_log):
     calls: list[str] = []
 
     @agents.function_tool
@@ -269,20 +282,22 @@ def test_agents_sdk_runs_a_one_tool_agent(base_url, clean_log):
         calls.append(city)
         return f"It is sunny and 21 C in {city}."
 
-    async def run() -> agents.RunResult:
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-        model = agents.OpenAIResponsesModel(model="SmolLM2-135M-Instruct", openai_client=client)
-        agent = agents.Agent(
-            name="weather",
-            instructions="You answer questions about the weather using the get_weather tool.",
-            tools=[get_weather],
-            model=model,
-            # Forced on the first turn, then free to answer: the run must call the tool and end.
-            model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
-            reset_tool_choice=True,
-        )
-        return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-
-    agents.set_tracing_disabled(True)
-    result = asyncio.run(run())
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # The SDK's default provider with its default API: a model named by a string is its Responses model.
+    provider = agents.MultiProvider(openai_client=client)
+    assert isinstance(provider.get_model("SmolLM2-135M-Instruct"), agents.OpenAIResponsesModel)
+    agent = agents.Agent(
+        name="weather",
+        instructions="You answer questions about the weather using the get_weather tool.",
+        tools=[get_weather],
+        model="SmolLM2-135M-Instruct",
+        # Forced on the first turn, then free to answer: the run must call the tool and end.
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+        reset_tool_choice=True,
+    )
+    run_config = agents.RunConfig(model_provider=provider, tracing_disabled=True)
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4, run_config=run_config))
     assert calls and isinstance(result.final_output, str) and result.final_output.strip()
+    # Every turn went through /v1/responses (the chat-completions model reports no response id).
+    assert len(result.raw_responses) >= 2
+    assert all((r.response_id or "").startswith("resp_") for r in result.raw_responses)
