@@ -40,6 +40,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     has_chat_template = True
+    chat_template = None  # its template is apply_chat_template below; no tool-call format to read
 
     max_token_span_bytes = 1
     special_text = SpecialText(None, ())  # no special tokens: nothing to protect
@@ -90,6 +91,7 @@ class EngineDouble:
         self.max_running = max_running
         self.max_queue = max_queue
         self.fail_with: BaseException | None = None  # raised by the next generate()
+        self.fail_after_first: BaseException | None = None  # raised by the next generate() after one output
         self.kv_blocks_total = 8
         self._running: set[str] = set()
         self._waiting: list[str] = []
@@ -172,6 +174,9 @@ class EngineDouble:
                     yield self._final(request, deltas, produced)
                     return
                 yield RequestOutput(rid, deltas, num_prompt_tokens=len(request.prompt_token_ids))
+                if self.fail_after_first is not None:
+                    exc, self.fail_after_first = self.fail_after_first, None
+                    raise exc
         finally:
             if not ended and on_abandoned is not None:  # the caller left: the abort's final output
                 cancelled = [CompletionDelta(i, "", [], finish_reason=FinishReason.CANCELLED) for i in range(n)]

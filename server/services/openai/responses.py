@@ -360,9 +360,12 @@ class Responses:
 
         try:
             await self.runner.run(context, identity, generation, on_output)
-        except errors.ServiceError as failure:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine's too (a model unloaded mid-stream)
             if not started:
                 raise
+            failure = errors.to_service_error(exc)
             await write(*output.finish("incomplete"))
             response.status = "failed"
             # OpenAI's error codes are lower case, as the gateway writes the ErrorInfo reason.

@@ -1,0 +1,43 @@
+"""A Responses stream that fails once it began ends with a ``response.failed`` event, not a bare status.
+
+The engine double (server_engine_double.py) fails the request after its first output, as the real
+engine does when an admin unloads the model under a running stream; the real grpc.aio server
+serves ResponsesService over a real channel.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+from server_engine_double import EngineDouble
+from test_server_edge_cases import double_server
+
+from protoserve.engine.api import ModelUnloadedError
+from protoserve.openai.v1 import responses_pb2 as rs
+from protoserve.openai.v1 import responses_pb2_grpc
+
+
+async def test_an_engine_failure_mid_stream_is_a_response_failed_event():
+    engine = EngineDouble(max_model_len=256)
+    engine.fail_after_first = ModelUnloadedError("double")
+    request = rs.CreateResponseRequest(
+        input=struct_pb2.Value(string_value="hello"), max_output_tokens=20, store=False
+    )
+    async with double_server(engine) as (app, _, _):
+        async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+            call = responses_pb2_grpc.ResponsesServiceStub(channel).CreateResponseStream(
+                rs.CreateResponseStreamRequest(request=request)
+            )
+            events = [event async for event in call]
+            status = await call.code()
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed", kinds
+    assert "response.completed" not in kinds and status == grpc.StatusCode.OK
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "model_unloaded"
+    assert "unloaded" in failed.error.message
+    # The text sent before the failure is in the failed response.
+    [message] = json_format.MessageToDict(failed)["output"]
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed and message["content"][0]["text"] == streamed
