@@ -194,6 +194,48 @@ def test_unloading_during_a_stream_ends_it_and_frees_the_pool(server, gemma_load
     assert "Traceback" not in server.log()
 
 
+def listed_names(server) -> list[str]:
+    with server.sync_channel() as ch:
+        return [m.name for m in inference_pb2_grpc.InferenceServiceStub(ch).ListModels(
+            pb.ListModelsRequest(), metadata=md(USER), timeout=30).models]
+
+
+def test_unloading_drains_a_stream_that_finishes_within_the_grace_period(server):
+    # A second SmolLM2 under its own name, with a small pool, so it fits beside whatever is loaded.
+    drained, max_tokens = "smol-drain", 160
+    with server.sync_channel() as ch:
+        loaded = models_pb2_grpc.ModelServiceStub(ch).LoadModel(
+            mpb.LoadModelRequest(model="smollm2-135m-instruct", served_model_names=[drained], max_kv_blocks=32),
+            metadata=md(ADMIN), timeout=WAIT_S)
+
+    async def scenario():
+        async with server.channel() as ch:
+            request = pb.GenerateRequest(model=drained, prompt="Tell me a very long story about a dragon.",
+                                         sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                    ignore_eos=True))
+            stream = inference_pb2_grpc.InferenceServiceStub(ch).GenerateStream(
+                pb.GenerateStreamRequest(request=request), metadata=md(USER), timeout=WAIT_S)
+            events = [await stream.read()]  # under way
+            unload = models_pb2_grpc.ModelServiceStub(ch).UnloadModel(
+                mpb.UnloadModelRequest(name=drained, grace_s=WAIT_S), metadata=md(ADMIN), timeout=WAIT_S)
+            while drained in await asyncio.to_thread(listed_names, server):  # routing stops at once
+                await asyncio.sleep(0.05)
+            while (event := await stream.read()) is not grpc.aio.EOF:
+                events.append(event)
+            return events, await unload
+
+    events, unloaded = asyncio.run(scenario())
+    final = events[-1].final
+    assert events[-1].WhichOneof("event") == "final"
+    # The stream ran on after its model left the listing, to its full length.
+    assert final.usage.completion_tokens == max_tokens
+    assert final.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(e.delta.token_ids) for e in events if e.WhichOneof("event") == "delta") == max_tokens
+    assert unloaded.cancelled_requests == 0
+    assert unloaded.freed_bytes == loaded.weight_bytes + loaded.kv_pool_bytes
+    assert drained not in memory_of(server)
+
+
 @pytest.fixture(scope="module")
 def idle_server(spawn_server):
     srv = spawn_server("--no-embedding-model", "--model-idle-timeout", "1")

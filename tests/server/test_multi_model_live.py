@@ -6,6 +6,7 @@ server serving the model alone, concurrent streams over both engines, and per-mo
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import grpc
@@ -54,6 +55,31 @@ def test_the_openai_client_lists_every_model_with_its_kind(multi):
     assert models[GEMMA].model_extra["max_model_len"] > models[MINILM].model_extra["max_model_len"] == 256
     # An alias retrieves its model.
     assert client(multi).models.retrieve("text-embedding-3-small").id == MINILM
+
+
+def test_the_models_command_lists_what_the_server_has_loaded(multi):
+    from tests.loader.test_catalogue import protoserve
+
+    result = protoserve("models", "--json", "--server", multi.grpc_target)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    loaded = [r for r in rows if r["origin"] == f"server {multi.grpc_target}"]
+    assert [(r["name"], r["kind"], r["size"]) for r in loaded] == [
+        (SMOL, "chat", "loaded"), (GEMMA, "chat", "loaded"), (MINILM, "embedding", "loaded")]
+    assert loaded[1]["family"] == "gemma3"
+    assert {"smollm2-135m-instruct", "gemma3-270m", "all-minilm-l6-v2"} <= {r["name"] for r in rows[:-3]}
+    table = protoserve("models", "--server", multi.grpc_target).stdout.splitlines()
+    assert any(line.split()[0] == MINILM and line.rstrip().endswith(f"server {multi.grpc_target}") for line in table)
+
+
+def test_the_models_command_says_when_the_server_does_not_answer():
+    from tests.loader.test_catalogue import protoserve
+
+    result = protoserve("models", "--server", "127.0.0.1:1")
+    assert result.returncode == 1
+    assert result.stderr.startswith("protoserve: server 127.0.0.1:1: UNAVAILABLE"), result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.splitlines()[0].split()[0] == "NAME"  # the installed models are still listed
 
 
 def test_get_model_by_alias_and_list_models_over_grpc(multi):
