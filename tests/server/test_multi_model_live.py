@@ -102,6 +102,29 @@ def test_greedy_chat_matches_each_model_served_alone(multi, live_server, spawn_s
     gemma_alone.stop()
 
 
+def test_open_inference_routes_by_model_name_and_alias(multi):
+    import tritonclient.grpc as triton
+
+    from tests.server.test_open_inference_grpc_live import GREEDY, PROMPT, text_inputs
+
+    def native(model: str) -> str:
+        with multi.sync_channel() as channel:
+            return inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+                inference_pb2.GenerateRequest(model=model, prompt=PROMPT, sampling=inference_pb2.SamplingParams(
+                    temperature=0, max_tokens=GREEDY["max_tokens"])), timeout=60).choices[0].text
+
+    with triton.InferenceServerClient(multi.grpc_target) as oip:
+        def infer(model: str) -> str:
+            inputs = text_inputs(sampling=GREEDY, exclude_input_in_output=True)
+            return oip.infer(model, inputs).as_numpy("text_output")[0].decode()
+
+        assert oip.get_model_metadata(GEMMA).name == GEMMA
+        assert oip.get_model_metadata("text-embedding-3-small").name == MINILM
+        smol, gemma = native(SMOL), native(GEMMA)
+        assert smol != gemma  # else routing could not be told apart
+        assert (infer(SMOL), infer("smol"), infer(GEMMA)) == (smol, smol, gemma)
+
+
 def test_embeddings_through_langchain_under_the_openai_name(multi):
     texts = ["Paris is the capital of France.", "Photosynthesis makes sugar from light."]
     embeddings = OpenAIEmbeddings(
