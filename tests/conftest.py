@@ -363,12 +363,17 @@ def inproc_server():
 LIVE_FIXTURES = frozenset({"live_server", "live_server_auth", "spawn_server", "inproc_server"})
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as each item is collected: `-m "not live"` deselects in pytest_collection_modifyitems, which
+    # runs before a trylast implementation of it, so a mark added there would select nothing out.
+    if item.path.name.endswith("_live.py") or LIVE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.live)
+
+
 @pytest.hookimpl(trylast=True)  # after tests/fuzz/conftest.py gives schemathesis' items their own ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen: set[str] = set()
     for item in items:
-        if item.path.name.endswith("_live.py") or LIVE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.live)
         # pytest-xdist schedules by node id: of two items with one id it runs one and drops the other.
         if item.nodeid in seen:
             raise pytest.UsageError(f"two tests have the node id {item.nodeid!r}: pytest-xdist would run one")
