@@ -122,6 +122,15 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(client, model):
     assert words[1] not in stopped.content[0].text
 
 
+def test_top_k_is_honoured(client, model):
+    poem = [{"role": "user", "content": "Write a short poem about the sea."}]
+    greedy = client.messages.create(model=model, messages=poem, max_tokens=24, **GREEDY).content[0].text
+    # At temperature 2 the model wanders; top_k 1 leaves it only the greedy token at every step.
+    hot = {"model": model, "messages": poem, "max_tokens": 24}
+    assert client.messages.create(**hot, extra_body={"temperature": 2, "top_k": 1}).content[0].text == greedy
+    assert client.messages.create(**hot, extra_body={"temperature": 2, "top_k": 50}).content[0].text != greedy
+
+
 def _tool_use(message) -> anthropic.types.ToolUseBlock:
     calls = [block for block in message.content if block.type == "tool_use"]
     assert calls and message.stop_reason == "tool_use", message
@@ -268,6 +277,7 @@ def test_keys_by_x_api_key_or_bearer_and_a_bad_key_is_an_authentication_error(li
     )
     assert by_header.status_code == 200 and by_header.json()["input_tokens"] > 0
     with anthropic.Anthropic(base_url=auth_base_url, api_key=key, max_retries=0) as bearer:
+        assert bearer.auth_headers == {"Authorization": f"Bearer {key}"}  # what this client sends
         assert bearer.messages.count_tokens(model=model, messages=QUESTION).input_tokens == by_header.json()[
             "input_tokens"
         ]

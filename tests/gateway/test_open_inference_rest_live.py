@@ -1,4 +1,5 @@
-"""The Open Inference Protocol's REST side (KServe v2, Triton's generate extension) with tritonclient.http."""
+"""The Open Inference Protocol's REST side (KServe v2, Triton's generate extension) with tritonclient.http:
+LLM output equal to the native Generate, embeddings equal to /v1/embeddings."""
 
 from __future__ import annotations
 
@@ -69,6 +70,21 @@ def test_infer_equals_native_greedy(client, llm, binary):
 def test_infer_default_outputs_come_binary(client, llm):
     result = client.infer(llm[0], inputs(True))  # tritonclient asks binary_data_output when naming none
     assert result.as_numpy("text_output")[0].decode() == llm[1]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_embeddings_equal_openai_embeddings(client, url, binary):
+    texts = ["a cat sat on the mat", "protocol buffers"]
+    models = httpx.get(f"http://{url}/v1/models", timeout=30).json()["data"]
+    [embedder] = [m["id"] for m in models if m["kind"] == "embedding"]
+    tensor = triton.InferInput("text_input", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object), binary_data=binary)
+    wanted = [triton.InferRequestedOutput("embedding", binary_data=binary)]
+    vectors = client.infer(embedder, [tensor], outputs=wanted).as_numpy("embedding")
+    assert vectors.dtype == np.float32 and vectors.shape == (2, 384)
+    reference = httpx.post(f"http://{url}/v1/embeddings", json={"model": embedder, "input": texts}, timeout=60)
+    expected = np.array([d["embedding"] for d in reference.json()["data"]], dtype=np.float32)
+    np.testing.assert_allclose(vectors, expected, rtol=0, atol=1e-6)
 
 
 def test_generate_and_generate_stream(url, llm):
