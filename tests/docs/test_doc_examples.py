@@ -87,12 +87,18 @@ def check_messages_call(output: str) -> None:
     assert len(words) >= 3 and words[-2] in ("end_turn", "max_tokens") and int(words[-1]) > 0, output
 
 
+def check_triton_infer(output: str) -> None:
+    """The Open Inference example: tritonclient's greedy text_output, the prompt first (as vLLM's backend)."""
+    assert output.startswith("The capital of France is") and "Paris" in output, output
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "What is the capital of France?": check_first_call,
     "client.chat.completions.create(": check_openai_stream,
     "/v1/agent/runs": check_agent_run,
     "client.responses.create(": check_responses_call,
     "client.messages.create(": check_messages_call,
+    "triton.InferenceServerClient(": check_triton_infer,
 }
 
 
