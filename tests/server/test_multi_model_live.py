@@ -148,8 +148,10 @@ def test_a_request_of_the_wrong_kind_is_400_naming_model(multi):
         oa.chat.completions.create(model="text-embedding-3-small", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as embed_from_chat:
         oa.embeddings.create(model=GEMMA, input="hi")
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as unknown:
         oa.embeddings.create(model="no-such-model", input="hi")
+    # An unknown name lists the names that are served.
+    assert all(name in unknown.value.body["message"] for name in (SMOL, GEMMA, MINILM, "smol")), unknown.value.body
     for raised in (chat_to_embedder, embed_from_chat):
         assert raised.value.body["param"] == "model", raised.value.body
     assert "is an embedding model" in chat_to_embedder.value.body["message"]
