@@ -98,6 +98,15 @@ def test_stream_events_add_up_to_the_unary_response(client, clean_log):
     assert final.usage.output_tokens == unary.usage.output_tokens
 
 
+def test_top_p_is_honoured(client, clean_log):
+    kwargs = {"model": "SmolLM2-135M-Instruct", "input": "Write a short poem about the sea.",
+              "max_output_tokens": 24, "store": False}
+    greedy = client.responses.create(temperature=0, **kwargs).output_text
+    # At temperature 2 the model wanders; a tiny top_p leaves it only the likeliest token at every step.
+    assert client.responses.create(temperature=2, top_p=0.01, **kwargs).output_text == greedy
+    assert client.responses.create(temperature=2, top_p=1, **kwargs).output_text != greedy
+
+
 def test_sdk_stream_helper_accumulates_a_completed_response(client, clean_log):
     kwargs = {"model": "SmolLM2-135M-Instruct", "input": "Reply with the single word: yes",
               "max_output_tokens": 48, "temperature": 0, "store": False}
