@@ -6,7 +6,7 @@ Model level: every position's logits for one-sequence-alone, all-in-one-batch,
 chunked prefill (7, 16, 256), token-by-token decode and random mixes of
 prefill chunks and decode tokens are equal with torch.equal; 32 sequences
 decoded greedily together give the same tokens and logits as each alone.
-The cost of the mode is measured and printed (tokens/s).
+The cost of the mode is the bench's figure (compare.det_vs_fast), not measured here.
 """
 
 from __future__ import annotations
@@ -114,17 +114,18 @@ def test_logits_bit_identical_with_default_threads(tiny_checkpoint) -> None:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_fast_mode_is_not_bit_identical(tiny_checkpoint) -> None:
-    """The schedule comparison above can fail: the fast kernels do differ between schedules."""
-    model = load_model(tiny_checkpoint("qwen3")[0], progress=False, deterministic=False).model
+def test_the_schedule_comparison_catches_a_batch_dependent_layer(tiny_checkpoint) -> None:
+    """The comparisons above can fail: logits that move with the forward's row count (by parts per
+    million, as a GEMM's reduction order can) make token-by-token differ from each-alone. (The model as a
+    whole: its fused C++ step runs the layers without calling their modules.)"""
+    model = load_model(tiny_checkpoint("qwen3")[0], progress=False).model
+    model.register_forward_hook(lambda _module, _args, logits: logits * (1 + 1e-6 * logits.shape[0]))
     seqs = _seqs((300, 37, 70))
     ref = Driver(model, paged_cache(model, num_blocks=160)).run(seqs, each_alone)
     out = Driver(model, paged_cache(model, num_blocks=160)).run(seqs, token_by_token)
-    same = all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
-    if same:
-        pytest.skip("fast kernels happen to be schedule invariant on this CPU")
+    assert not any(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
     for a, b in zip(out, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
 
 
 @pytest.mark.usefixtures("one_thread")
