@@ -3,7 +3,7 @@
 Certificates are made here (tests/server/tls_certs.py): a CA, a server certificate for localhost and
 127.0.0.1, client certificates from that CA and from another. Clients are the real ones: a
 ``grpc.secure_channel``, the official ``openai`` client over https, and plain TLS sockets to read the
-certificate a new connection is served.
+certificate a new connection is served. ``make run`` stays plaintext on loopback.
 """
 
 from __future__ import annotations
@@ -308,3 +308,15 @@ def test_unusable_tls_flags_are_one_line_usage_errors(pki, flags, needle):
 def _server_flags(pki: Pki) -> list[str]:
     cert, key = pki.server_files("cli")
     return ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+
+
+def test_make_run_serves_plaintext_on_loopback():
+    from protoserve.server.cli import build_parser
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = makefile.split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    [serve] = [line for line in recipe.splitlines() if " serve" in line and "@echo" not in line]
+    assert "--tls" not in serve and "--host" not in serve, serve
+    args = build_parser().parse_args(serve.split("protoserve ", 1)[1].split())
+    assert args.host == "127.0.0.1"
+    assert (args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file) == (None, None, None)
