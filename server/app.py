@@ -480,10 +480,13 @@ class ServerApp:
         await self.readiness.set_draining()
         self.inflight.stop_accepting()
         log.info("draining: %d calls in flight, grace period %.1fs", len(self.inflight), grace)
+        deadline = time.monotonic() + grace
         clean = await self.inflight.wait_idle(grace)
         if not clean:
             log.warning("grace period over: aborting %d calls", self.inflight.abort_all())
             await self.inflight.wait_idle(SERVER_STOP_GRACE_S)
+        elif not await self.readiness.wait_seen_draining(max(0.0, deadline - time.monotonic())):
+            log.warning("grace period over before a health check saw the drain")
         await self.stop()
         return clean
 

@@ -7,8 +7,12 @@ so load balancers stop sending traffic before in-flight streams are finished.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
-from collections.abc import Iterable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
 
 from grpc_health.v1 import health, health_pb2
 
@@ -23,14 +27,42 @@ class Phase(enum.Enum):
     DRAINING = "draining"
 
 
+# A server checked at a steady pace while serving is behind something that routes by it (Envoy, a
+# Kubernetes readiness probe): draining, it waits for that checker to see it. Steady: at least two
+# checks while serving, the last within a few of the longest gaps between the recent ones. A one-off
+# readiness poll (a script waiting for SERVING) is not a checker.
+RECENT_CHECKS = 4
+CHECKER_GONE_AFTER_GAPS = 3
+# Envoy checks each cluster of a replica (gRPC, HTTP) at once: two checks apart by no gap at all.
+SHORTEST_GAP_S = 1.0
+# After that check is answered, the time the checker takes to act on it before the ports close.
+SEEN_SETTLE_S = 0.25
+
+
+class _CountedHealth(health.aio.HealthServicer):
+    """grpc.health.v1, noting each Check with the readiness that drives it."""
+
+    def __init__(self, on_check) -> None:
+        super().__init__()
+        self._on_check = on_check
+
+    async def Check(self, request, context):  # noqa: N802 - the gRPC method name
+        self._on_check()
+        return await super().Check(request, context)
+
+
 class Readiness:
     """The server's phase, mirrored into the standard health service."""
 
-    def __init__(self, service_names: Iterable[str]) -> None:
+    def __init__(self, service_names: Iterable[str], clock: Callable[[], float] = time.monotonic) -> None:
         self.phase = Phase.LOADING
-        self.health = health.aio.HealthServicer()
+        self._clock = clock
+        self.health = _CountedHealth(self.note_check)
         # "" is the whole server; the named services are what clients may ask about.
         self._services = ["", *service_names]
+        self._serving_checks: deque[float] = deque(maxlen=RECENT_CHECKS)  # monotonic times, while SERVING
+        self._drain_started: float | None = None
+        self._drain_seen = asyncio.Event()  # a health check was answered NOT_SERVING since the drain began
 
     async def start(self) -> None:
         """Publish NOT_SERVING for every service (the health servicer starts SERVING for "")."""
@@ -44,8 +76,42 @@ class Readiness:
 
     async def set_draining(self) -> None:
         """Shutdown began: report NOT_SERVING and refuse new calls from now on."""
+        if self._drain_started is None:
+            self._drain_started = self._clock()
         self.phase = Phase.DRAINING
         await self._publish(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def note_check(self) -> None:
+        """A health check (grpc.health.v1 Check, CheckHealth behind the gateway's /health) is answered now."""
+        if self.phase is Phase.SERVING:
+            self._serving_checks.append(self._clock())
+        elif self.phase is Phase.DRAINING:
+            self._drain_seen.set()
+
+    def _watched(self, now: float) -> bool:
+        """Whether a checker was still checking at a steady pace at ``now``."""
+        times = list(self._serving_checks)
+        if len(times) < 2:
+            return False
+        longest_gap = max(SHORTEST_GAP_S, *(b - a for a, b in zip(times, times[1:], strict=False)))
+        return now - times[-1] < CHECKER_GONE_AFTER_GAPS * longest_gap
+
+    async def wait_seen_draining(self, timeout_s: float) -> bool:
+        """Once draining: wait (at most ``timeout_s``) until a health checker has seen it, if one watches.
+
+        A load balancer keeps sending calls to a replica until a check fails. Closing the ports before
+        then would drop calls it just sent: over HTTP/1.1 a request written onto a keep-alive connection
+        the replica closes gets no answer, and a proxy cannot tell whether it started. A server nobody
+        checks at a steady pace (``make run``, a script that waited for SERVING) does not wait. True when no wait was needed or the check came.
+        """
+        assert self._drain_started is not None, "wait_seen_draining before set_draining"
+        if not self._watched(self._drain_started):
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drain_seen.wait(), timeout_s)
+            await asyncio.sleep(SEEN_SETTLE_S)
+            return True
+        return False
 
     async def close(self) -> None:
         """End Watch streams so the gRPC server can stop."""

@@ -162,5 +162,6 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
     @errors.reports_errors
     async def CheckHealth(self, request: pb.CheckHealthRequest, context: grpc.aio.ServicerContext):
         """SERVING with the model names, or UNAVAILABLE while loading or draining (no auth: it is a probe)."""
+        self.readiness.note_check()
         self.readiness.check()
         return pb.CheckHealthResponse(status=pb.SERVING_STATUS_SERVING, models=[m.name for m in self.models.listing()])
