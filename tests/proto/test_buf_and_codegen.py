@@ -56,6 +56,29 @@ def test_buf_breaking_catches_a_renumbered_field(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _breaks_release(root: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``buf breaking`` of the protos under ``root`` against the committed released contract, as make lint runs it."""
+    image = tmp_path / f"{root.name}.binpb"
+    built = _run(BUF, "build", "-o", image, cwd=root)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return _run(BUF, "breaking", image, "--against", ROOT / "proto/baseline/protoserve.binpb",
+                "--config", "buf.yaml", cwd=root)
+
+
+def test_the_protos_keep_the_released_contract(tmp_path: Path) -> None:
+    result = _breaks_release(ROOT, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Against the release, not the previous commit: a field the release has, deleted, is caught.
+    changed = tmp_path / "changed"
+    _copy_contract(changed)
+    proto = changed / "proto/protoserve/v1/inference.proto"
+    text = proto.read_text()
+    assert text.count("  optional float min_p = 6;\n") == 1
+    proto.write_text(text.replace("  optional float min_p = 6;\n", ""))
+    result = _breaks_release(changed, tmp_path)
+    assert result.returncode != 0 and '"min_p"' in result.stdout, result.stdout + result.stderr
+
+
 def test_generated_code_is_current() -> None:
     result = _run("make", "--no-print-directory", "-s", "proto-check", cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
