@@ -239,6 +239,22 @@ def test_unloading_drains_a_stream_that_finishes_within_the_grace_period(server)
     assert drained not in memory_of(server)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--memory-budget", "-5", "a positive number of bytes"),
+        ("--memory-budget", "2GiB", "a positive number of bytes"),
+        ("--model-idle-timeout", "0", "a positive number of seconds"),
+        ("--model-idle-timeout", "nan", "a positive number of seconds"),
+    ],
+)
+def test_bad_budget_and_idle_timeout_flags_are_usage_errors(flag, value, needle):
+    from protoserve.server import exit_codes
+    from tests.server.test_cli_errors import assert_one_line_error, serve
+
+    assert_one_line_error(serve("--no-http", flag, value), exit_codes.USAGE, f"argument {flag}", needle)
+
+
 @pytest.fixture(scope="module")
 def idle_server(spawn_server):
     srv = spawn_server("--no-embedding-model", "--model-idle-timeout", "1")
