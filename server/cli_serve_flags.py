@@ -28,12 +28,29 @@ from protoserve.server.tool_calls.parsers import FORMATS
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """``protoserve serve``'s flags."""
+    """``protoserve serve``'s flags, in the order --help lists them."""
     add_model_flags(parser, several=True)
+    _network_flags(parser)
+    _scheduling_flags(parser)
+    _request_flags(parser)
+    _companion_model_flags(parser)
+    _store_flags(parser)
+    _chat_flags(parser)
+    _security_flags(parser)
+    _lifecycle_flags(parser)
+    _observability_flags(parser)
+
+
+def _network_flags(parser: argparse.ArgumentParser) -> None:
+    """Where serve listens."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     parser.add_argument("--port", type=port_number, default=50051, help="gRPC port; 0 picks a free one [50051]")
     parser.add_argument("--http-port", type=port_number, default=8000, help="REST gateway port [8000]")
     parser.add_argument("--no-http", action="store_true", help="do not start the REST gateway")
+
+
+def _scheduling_flags(parser: argparse.ArgumentParser) -> None:
+    """The queue, fair scheduling between callers, and the prefix cache kept on disk."""
     parser.add_argument(
         "--max-queue", type=int, help="waiting requests before RESOURCE_EXHAUSTED [engine default]"
     )
@@ -70,6 +87,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="size cap of --kv-offload-dir in bytes; least recently used blocks are deleted beyond it [8589934592: 8 GiB]",
     )
+
+
+def _request_flags(parser: argparse.ArgumentParser) -> None:
+    """Request size, and the sampling defaults for requests that leave a value unset."""
     parser.add_argument(
         "--max-message-bytes",
         type=byte_count,
@@ -85,6 +106,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
             help=f"{what} for requests that leave {name} unset, over the model's own recommendation "
             f"[the model's (generation_config.json, GGUF general.sampling.*), else {getattr(builtin, name)}]",
         )
+
+
+def _companion_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The embedding model and LoRA adapters served beside the model."""
     parser.add_argument(
         "--embedding-model",
         metavar="NAME|DIR",
@@ -121,6 +146,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="LoRA adapters held in memory at once, least recently used idle ones evicted; "
         "0: 4 when --lora is given, else no adapters [0]",
     )
+
+
+def _store_flags(parser: argparse.ArgumentParser) -> None:
+    """The RAG and Responses stores: partitions, index and caps."""
     parser.add_argument(
         "--rag-partitions",
         type=positive_int,
@@ -177,6 +206,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="bytes of stored responses all identities of one API key may keep together; 0: no limit "
         "[--responses-max-bytes]",
     )
+
+
+def _chat_flags(parser: argparse.ArgumentParser) -> None:
+    """How chat messages are read and tool calls parsed."""
     parser.add_argument(
         "--tool-parser",
         choices=sorted(FORMATS),
@@ -190,6 +223,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="special-token strings in chat messages (<|im_start|>) encode as control tokens, as in a raw "
         "prompt; tool results and retrieved documents stay text [off: messages are text]",
     )
+
+
+def _security_flags(parser: argparse.ArgumentParser) -> None:
+    """API keys, identities, rate limits, TLS, CORS and allowed hosts."""
     parser.add_argument(
         "--api-keys-file", help="enable auth with these API keys (one per line); also $PROTOSERVE_API_KEYS"
     )
@@ -256,6 +293,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "Host); IP literals, localhost and --host always work, other names are refused against DNS "
         "rebinding; repeatable [none]",
     )
+
+
+def _lifecycle_flags(parser: argparse.ArgumentParser) -> None:
+    """Idle streams, shutdown, the memory budget and idle models."""
     parser.add_argument(
         "--stream-idle-timeout",
         type=positive_seconds,
@@ -281,6 +322,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="free a generative model's weights and KV pool after this long without requests; its next "
         "request loads it again and waits for it (Ollama's keep-alive) [off]",
     )
+
+
+def _observability_flags(parser: argparse.ArgumentParser) -> None:
+    """Metrics, tracing and the event loop."""
     parser.add_argument(
         "--metrics-port", type=port_number, help="also serve Prometheus /metrics on this port (0 picks one) [off]"
     )
