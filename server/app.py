@@ -31,6 +31,7 @@ from protoserve.open_inference import grpc_service_pb2, grpc_service_pb2_grpc
 from protoserve.openai.v1 import openai_pb2, openai_pb2_grpc, responses_pb2, responses_pb2_grpc
 from protoserve.server.agent.service import AgentService
 from protoserve.server.agent.tool_registry import ToolRegistry
+from protoserve.server.calls.admission import Admission
 from protoserve.server.calls.inflight import InflightRequests
 from protoserve.server.calls.request_decoding import RequestDecodingInterceptor
 from protoserve.server.calls.request_scope import RequestScopeInterceptor
@@ -295,28 +296,28 @@ class ServerApp:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        services = (self.models, self.auth, self.inflight, self.readiness)
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(*services), server)
-        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(*services), server)
-        messages_pb2_grpc.add_MessagesServiceServicer_to_server(MessagesService(*services), server)
-        embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(EmbeddingService(*services), server)
-        rag_pb2_grpc.add_RagServiceServicer_to_server(RagService(*services, retrieval=self.retrieval), server)
+        admission = Admission(self.models, self.auth, self.inflight, self.readiness)
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(admission), server)
+        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(OpenAIService(admission), server)
+        messages_pb2_grpc.add_MessagesServiceServicer_to_server(MessagesService(admission), server)
+        embeddings_pb2_grpc.add_EmbeddingServiceServicer_to_server(EmbeddingService(admission), server)
+        rag_pb2_grpc.add_RagServiceServicer_to_server(RagService(admission, retrieval=self.retrieval), server)
         self.response_store = self._open_response_store()
         responses_pb2_grpc.add_ResponsesServiceServicer_to_server(
-            ResponsesService(*services, store=self.response_store), server
+            ResponsesService(admission, store=self.response_store), server
         )
-        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterService(*services), server)
+        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterService(admission), server)
         models_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelService(*services, lifecycle=self.lifecycle, default_grace_s=self.config.grace_period_s), server
+            ModelService(admission, lifecycle=self.lifecycle, default_grace_s=self.config.grace_period_s), server
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentService(*services, registry=self.tools, retrieval=self.retrieval), server
+            AgentService(admission, registry=self.tools, retrieval=self.retrieval), server
         )
         metrics_pb2_grpc.add_MetricsServiceServicer_to_server(
             MetricsService(self.models, self.auth, self.metrics, self.usage, self.readiness, budget=self.budget),
             server,
         )
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceService(*services), server)
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceService(admission), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, server)
         enable_reflection(
             (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server

@@ -37,7 +37,7 @@ from protoserve.server.agent.loop import (
     run_agent,
 )
 from protoserve.server.agent.tool_registry import ToolRegistry, ToolSelectionError
-from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.calls.inflight import Call
 from protoserve.server.limits import MAX_CHAT_MESSAGES
 from protoserve.server.models.chat_turn import ChatTurn
@@ -80,8 +80,10 @@ class _Run:
 class AgentService(AdmittingServicer, agent_pb2_grpc.AgentServiceServicer):
     """RunAgent and ListTools over the server's tool registry."""
 
-    def __init__(self, *services: Any, registry: ToolRegistry, retrieval: Retrieval | None = None) -> None:
-        super().__init__(*services)
+    def __init__(
+        self, admission: Admission, *, registry: ToolRegistry, retrieval: Retrieval | None = None
+    ) -> None:
+        super().__init__(admission)
         self.registry = registry
         self.retrieval = retrieval or Retrieval()
 

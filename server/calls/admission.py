@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
 from protoserve.server.calls.inflight import InflightRequests
@@ -10,20 +12,25 @@ from protoserve.server.runtime.health import Readiness
 from protoserve.server.security.auth import Authenticator, Identity
 
 
-class AdmittingServicer:
-    """Shared state and the entry check of the InferenceService and OpenAIService servicers."""
+@dataclass(frozen=True)
+class Admission:
+    """What every generating servicer is built on: the served models, who may call, the in-flight
+    registry (cancels, deadlines, disconnects) and whether the server takes work."""
 
-    def __init__(
-        self,
-        models: ModelRegistry,
-        auth: Authenticator,
-        inflight: InflightRequests,
-        readiness: Readiness,
-    ) -> None:
-        self.models = models
-        self.auth = auth
-        self.inflight = inflight
-        self.readiness = readiness
+    models: ModelRegistry
+    auth: Authenticator
+    inflight: InflightRequests
+    readiness: Readiness
+
+
+class AdmittingServicer:
+    """Shared state and the entry check of every generating servicer (gRPC API surface)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.models = admission.models
+        self.auth = admission.auth
+        self.inflight = admission.inflight
+        self.readiness = admission.readiness
 
     def _admit(self, context: grpc.aio.ServicerContext) -> Identity:
         """Authenticate and check the server takes work; every RPC but CheckHealth starts here."""

@@ -21,7 +21,7 @@ import grpc
 from protoserve.open_inference import grpc_service_pb2 as oip
 from protoserve.open_inference import grpc_service_pb2_grpc
 from protoserve.server import errors
-from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.calls.inflight import Call
 from protoserve.server.calls.request_scope import item_scope, not_generating
 from protoserve.server.models.served_model import ServedModel, new_request_id
@@ -64,8 +64,8 @@ def _server_version() -> str:
 class OpenInferenceService(AdmittingServicer, grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     """The Open Inference Protocol over the served LLMs and the embedding model."""
 
-    def __init__(self, *services) -> None:
-        super().__init__(*services)
+    def __init__(self, admission: Admission) -> None:
+        super().__init__(admission)
         self.version = _server_version()
 
     # ---- health and metadata -------------------------------------------------------------

@@ -28,7 +28,7 @@ import grpc
 
 from protoserve.engine.api import ContextPolicy, TokenizedRequest, TooManyChunks
 from protoserve.server import errors
-from protoserve.server.calls.admission import AdmittingServicer
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.limits import (
     MAX_DOCUMENT_BYTES,
     MAX_DOCUMENT_CHUNKS,
@@ -146,8 +146,8 @@ class _Answering:
 class RagService(AdmittingServicer, rag_pb2_grpc.RagServiceServicer):
     """Index, search, list, get, delete and retrieve-and-generate over the caller's own documents."""
 
-    def __init__(self, *services: Any, retrieval: Retrieval) -> None:
-        super().__init__(*services)
+    def __init__(self, admission: Admission, *, retrieval: Retrieval) -> None:
+        super().__init__(admission)
         self.retrieval = retrieval
 
     def _parts(self) -> tuple[ServedEmbedder, RagStore]:

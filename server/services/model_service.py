@@ -13,14 +13,10 @@ import math
 import grpc
 
 from protoserve.server import errors
-from protoserve.server.calls.admission import AdmittingServicer
-from protoserve.server.calls.inflight import InflightRequests
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.models.model_lifecycle import ModelLifecycle, NameTakenError
-from protoserve.server.models.model_registry import ModelRegistry
 from protoserve.server.models.model_spec import ModelSpec, parse_names
-from protoserve.server.runtime.health import Readiness
 from protoserve.server.runtime.memory_budget import MemoryBudgetExceeded
-from protoserve.server.security.auth import Authenticator
 from protoserve.server.services.adapter_service import permission_denied
 from protoserve.v1 import inference_pb2, models_pb2_grpc
 from protoserve.v1 import models_pb2 as pb
@@ -32,17 +28,8 @@ MAX_GRACE_S = 3600.0
 class ModelService(AdmittingServicer, models_pb2_grpc.ModelServiceServicer):
     """LoadModel and UnloadModel over the server's ModelLifecycle."""
 
-    def __init__(
-        self,
-        models: ModelRegistry,
-        auth: Authenticator,
-        inflight: InflightRequests,
-        readiness: Readiness,
-        *,
-        lifecycle: ModelLifecycle,
-        default_grace_s: float,
-    ) -> None:
-        super().__init__(models, auth, inflight, readiness)
+    def __init__(self, admission: Admission, *, lifecycle: ModelLifecycle, default_grace_s: float) -> None:
+        super().__init__(admission)
         self.lifecycle = lifecycle
         self.default_grace_s = default_grace_s
 

@@ -8,11 +8,7 @@ import grpc
 from protoserve.anthropic.v1 import messages_pb2 as am
 from protoserve.anthropic.v1 import messages_pb2_grpc
 from protoserve.server import errors
-from protoserve.server.calls.admission import AdmittingServicer
-from protoserve.server.calls.inflight import InflightRequests
-from protoserve.server.models.model_registry import ModelRegistry
-from protoserve.server.runtime.health import Readiness
-from protoserve.server.security.auth import Authenticator
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.services.anthropic.messages import Messages
 from protoserve.server.services.openai.streaming import EngineRunner
 
@@ -20,11 +16,9 @@ from protoserve.server.services.openai.streaming import EngineRunner
 class MessagesService(AdmittingServicer, messages_pb2_grpc.MessagesServiceServicer):
     """Anthropic-compatible messages and token counts over gRPC."""
 
-    def __init__(
-        self, models: ModelRegistry, auth: Authenticator, inflight: InflightRequests, readiness: Readiness
-    ) -> None:
-        super().__init__(models, auth, inflight, readiness)
-        self.messages = Messages(models, EngineRunner(inflight))
+    def __init__(self, admission: Admission) -> None:
+        super().__init__(admission)
+        self.messages = Messages(admission.models, EngineRunner(admission.inflight))
 
     @errors.reports_errors
     async def CreateMessage(

@@ -14,12 +14,9 @@ import grpc
 from protoserve.openai.v1 import responses_pb2 as rs
 from protoserve.openai.v1 import responses_pb2_grpc
 from protoserve.server import errors
-from protoserve.server.calls.admission import AdmittingServicer
-from protoserve.server.calls.inflight import InflightRequests
-from protoserve.server.models.model_registry import ModelRegistry
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.responses.store import ResponseStore
-from protoserve.server.runtime.health import Readiness
-from protoserve.server.security.auth import Authenticator, Identity
+from protoserve.server.security.auth import Identity
 from protoserve.server.services.openai.responses import Responses
 from protoserve.server.services.openai.streaming import EngineRunner
 
@@ -34,18 +31,10 @@ def _missing(response_id: str) -> errors.ServiceError:
 class ResponsesService(AdmittingServicer, responses_pb2_grpc.ResponsesServiceServicer):
     """OpenAI's Responses API over gRPC: create (unary and streamed), get, delete, input items."""
 
-    def __init__(
-        self,
-        models: ModelRegistry,
-        auth: Authenticator,
-        inflight: InflightRequests,
-        readiness: Readiness,
-        *,
-        store: ResponseStore | None,
-    ) -> None:
+    def __init__(self, admission: Admission, *, store: ResponseStore | None) -> None:
         """``store`` None: the server keeps no responses (``store: true`` is refused)."""
-        super().__init__(models, auth, inflight, readiness)
-        self.responses = Responses(models, EngineRunner(inflight), store)
+        super().__init__(admission)
+        self.responses = Responses(admission.models, EngineRunner(admission.inflight), store)
 
     @errors.reports_errors
     async def CreateResponse(

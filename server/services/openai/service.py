@@ -13,11 +13,7 @@ import grpc
 from protoserve.openai.v1 import openai_pb2 as oa
 from protoserve.openai.v1 import openai_pb2_grpc
 from protoserve.server import errors
-from protoserve.server.calls.admission import AdmittingServicer
-from protoserve.server.calls.inflight import InflightRequests
-from protoserve.server.models.model_registry import ModelRegistry
-from protoserve.server.runtime.health import Readiness
-from protoserve.server.security.auth import Authenticator
+from protoserve.server.calls.admission import Admission, AdmittingServicer
 from protoserve.server.services.openai.chat import ChatCompletions
 from protoserve.server.services.openai.completions import Completions
 from protoserve.server.services.openai.embeddings import Embeddings
@@ -28,18 +24,12 @@ from protoserve.server.services.openai.streaming import EngineRunner
 class OpenAIService(AdmittingServicer, openai_pb2_grpc.OpenAIServiceServicer):
     """OpenAI-compatible completions, chat completions, embeddings and models over gRPC."""
 
-    def __init__(
-        self,
-        models: ModelRegistry,
-        auth: Authenticator,
-        inflight: InflightRequests,
-        readiness: Readiness,
-    ) -> None:
-        super().__init__(models, auth, inflight, readiness)
-        runner = EngineRunner(inflight)
+    def __init__(self, admission: Admission) -> None:
+        super().__init__(admission)
+        models, runner = admission.models, EngineRunner(admission.inflight)
         self.completions = Completions(models, runner)
         self.chat = ChatCompletions(models, runner)
-        self.embeddings = Embeddings(inflight, models)
+        self.embeddings = Embeddings(admission.inflight, models)
         self.model_list = Models(models)
 
     @errors.reports_errors
