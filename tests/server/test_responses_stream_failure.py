@@ -7,6 +7,8 @@ serves ResponsesService over a real channel.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from google.protobuf import json_format, struct_pb2
 from server_engine_double import EngineDouble
@@ -41,3 +43,41 @@ async def test_an_engine_failure_mid_stream_is_a_response_failed_event():
     [message] = json_format.MessageToDict(failed)["output"]
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed and message["content"][0]["text"] == streamed
+
+
+async def test_a_cancelled_stream_ends_incomplete_with_status_cancelled():
+    """CancelRequest or a deadline ends the generation: the response says cancelled, never completed."""
+    engine = EngineDouble(max_model_len=256)
+    request = rs.CreateResponseRequest(
+        input=struct_pb2.Value(string_value="hello"), max_output_tokens=200, store=False
+    )
+    async with double_server(engine) as (app, _, _):
+        async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+            call = responses_pb2_grpc.ResponsesServiceStub(channel).CreateResponseStream(
+                rs.CreateResponseStreamRequest(request=request)
+            )
+            events = []
+            async for event in call:
+                events.append(event)
+                if event.type == "response.output_text.delta" and len(events) < 10:
+                    assert engine.abort(engine.submitted[-1].request_id)
+    kinds = [event.type for event in events]
+    assert kinds[-1] == "response.incomplete" and "response.completed" not in kinds, kinds
+    final = events[-1].response
+    assert final.status == "cancelled" and not final.HasField("incomplete_details")
+    assert final.output[0].status == "incomplete"
+
+
+async def test_a_cancelled_unary_response_says_cancelled():
+    engine = EngineDouble(max_model_len=256)
+    request = rs.CreateResponseRequest(
+        input=struct_pb2.Value(string_value="hello"), max_output_tokens=200, store=False
+    )
+    async with double_server(engine) as (app, _, _):
+        async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+            call = responses_pb2_grpc.ResponsesServiceStub(channel).CreateResponse(request)
+            while not engine.submitted:
+                await asyncio.sleep(0.01)
+            assert engine.abort(engine.submitted[-1].request_id)
+            reply = await call
+    assert reply.response.status == "cancelled"

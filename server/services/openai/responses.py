@@ -287,9 +287,8 @@ class Responses:
     def _finish(response: rs.Response, generation: Generation, output: OutputItems) -> None:
         """The finished response: its output, status and usage."""
         result = generation.results[0]
-        cut = any(c.finish_reason == FinishReason.LENGTH for c in result.choices)
-        response.status = "incomplete" if cut else "completed"
-        if cut:
+        response.status = Responses._status(generation)
+        if response.status == "incomplete":
             response.incomplete_details.reason = "max_output_tokens"
         del response.output[:]
         response.output.extend(output.items)
@@ -313,8 +312,17 @@ class Responses:
         await asyncio.to_thread(self.stored_responses().put, identity.id, identity.quota_id, kept)
 
     @staticmethod
-    def _cut(generation: Generation) -> bool:
-        return any(c.finish_reason == FinishReason.LENGTH for c in generation.results[0].choices)
+    def _status(generation: Generation) -> str:
+        """``cancelled`` (CancelRequest, a deadline), ``incomplete`` (max_output_tokens) or ``completed``."""
+        reasons = {c.finish_reason for c in generation.results[0].choices}
+        if FinishReason.CANCELLED in reasons:
+            return "cancelled"
+        return "incomplete" if FinishReason.LENGTH in reasons else "completed"
+
+    @staticmethod
+    def _item_status(generation: Generation) -> str:
+        """The last output item's: a message cut short by either is ``incomplete``."""
+        return "completed" if Responses._status(generation) == "completed" else "incomplete"
 
     async def create(
         self, req: rs.CreateResponseRequest, context: grpc.aio.ServicerContext, identity: Identity
@@ -326,7 +334,7 @@ class Responses:
         output = OutputItems(turn.prepared.tools)
         choice = generation.results[0].choices[0]
         output.feed(choice.text, True)
-        output.finish("incomplete" if self._cut(generation) else "completed")
+        output.finish(self._item_status(generation))
         response = self._response(turn, generation, "in_progress")
         self._finish(response, generation, output)
         await self._keep(turn, identity, response, time.time())
@@ -374,8 +382,9 @@ class Responses:
             response.output.extend(output.items)
             await write(lifecycle("response.failed", response))
             return
-        await write(*output.finish("incomplete" if self._cut(generation) else "completed"))
+        await write(*output.finish(self._item_status(generation)))
         self._finish(response, generation, output)
         await self._keep(turn, identity, response, time.time())
-        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        # OpenAI has no event for a cancelled response: it did not complete.
+        kind = "response.completed" if response.status == "completed" else "response.incomplete"
         await write(lifecycle(kind, response))
