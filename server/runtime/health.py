@@ -88,13 +88,13 @@ class Readiness:
         elif self.phase is Phase.DRAINING:
             self._drain_seen.set()
 
-    def _watched(self, now: float) -> bool:
-        """Whether a checker was still checking at a steady pace at ``now``."""
+    def _checker_gone_at(self) -> float | None:
+        """When a steady checker counts as gone if no check comes (None: no steady checker yet)."""
         times = list(self._serving_checks)
         if len(times) < 2:
-            return False
+            return None
         longest_gap = max(SHORTEST_GAP_S, *(b - a for a, b in zip(times, times[1:], strict=False)))
-        return now - times[-1] < CHECKER_GONE_AFTER_GAPS * longest_gap
+        return times[-1] + CHECKER_GONE_AFTER_GAPS * longest_gap
 
     async def wait_seen_draining(self, timeout_s: float) -> bool:
         """Once draining: wait (at most ``timeout_s``) until a health checker has seen it, if one watches.
@@ -102,16 +102,21 @@ class Readiness:
         A load balancer keeps sending calls to a replica until a check fails. Closing the ports before
         then would drop calls it just sent: over HTTP/1.1 a request written onto a keep-alive connection
         the replica closes gets no answer, and a proxy cannot tell whether it started. A server nobody
-        checks at a steady pace (``make run``, a script that waited for SERVING) does not wait. True when no wait was needed or the check came.
+        checks at a steady pace (``make run``, a script that waited for SERVING) does not wait, nor one
+        whose checker stops checking (it went away first). True when no wait was needed or the check came.
         """
         assert self._drain_started is not None, "wait_seen_draining before set_draining"
-        if not self._watched(self._drain_started):
+        gone_at = self._checker_gone_at()
+        if gone_at is None or gone_at <= self._drain_started:
             return True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._drain_seen.wait(), timeout_s)
-            await asyncio.sleep(SEEN_SETTLE_S)
-            return True
-        return False
+        if not self._drain_seen.is_set():
+            until_gone = gone_at - self._clock()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drain_seen.wait(), max(0.0, min(timeout_s, until_gone)))
+            if not self._drain_seen.is_set():
+                return until_gone <= timeout_s  # True: the checker went away; False: the grace period ended
+        await asyncio.sleep(SEEN_SETTLE_S)
+        return True
 
     async def close(self) -> None:
         """End Watch streams so the gRPC server can stop."""

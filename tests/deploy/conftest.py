@@ -9,6 +9,8 @@ interval so rotation changes are quick to observe.
 from __future__ import annotations
 
 import secrets
+import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -127,5 +129,13 @@ def mesh(spawn_server, collector) -> Iterator[Mesh]:
                 .name
             )
         yield Mesh(replicas, envoy, servicer, model)
-    for replica in replicas:
-        replica.stop()
+        # While Envoy still checks them, all at once: each drains once a check has seen it.
+        alive = [r for r in replicas if r.process.poll() is None]
+        for replica in alive:
+            replica.process.send_signal(signal.SIGTERM)
+        for replica in alive:
+            try:
+                replica.process.wait(GRACE_PERIOD_S + 10)
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+                replica.process.wait()

@@ -79,3 +79,16 @@ async def test_grpc_health_checks_count():
     assert not waiting.done()
     await readiness.health.Check(health_pb2.HealthCheckRequest(service=""), Context())
     assert await asyncio.wait_for(waiting, 5.0) is True
+
+
+async def test_a_checker_that_goes_away_during_the_drain_is_not_waited_for_longer():
+    """The balancer stopped before the replica (a whole deployment deleted): no check will come."""
+    now = [100.0]
+    readiness = Readiness([], clock=lambda: now[0])
+    await readiness.set_serving()
+    for _ in range(3):  # every 2 s: gone 6 s after the last
+        readiness.note_check()
+        now[0] += 2.0
+    now[0] += 3.9  # 0.1 s before it counts as gone
+    await readiness.set_draining()
+    assert await asyncio.wait_for(readiness.wait_seen_draining(60.0), 5.0) is True
