@@ -34,11 +34,12 @@ from protoserve.engine.errors import (
     ModelUnloadedError,
     QueueFullError,
 )
-from protoserve.engine.llm_engine import AdmittedRequest, LLMEngine
+from protoserve.engine.llm_engine import LLMEngine
 from protoserve.engine.loader.heap import release_freed_memory
 from protoserve.engine.lora.stack import AdapterStack
 from protoserve.engine.request import RequestOutput, TokenizedRequest
 from protoserve.engine.sampling.constraints.constraint import Constraint
+from protoserve.engine.scheduling.admission import AdmittedRequest
 from protoserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)

@@ -22,12 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from protoserve.engine.config import EngineConfig, resolve_max_model_len
-from protoserve.engine.errors import (
-    ConstraintFailedError,
-    ContextLengthError,
-    InvalidRequestError,
-    QueueFullError,
-)
+from protoserve.engine.errors import ConstraintFailedError, InvalidRequestError, QueueFullError
 from protoserve.engine.execution.async_step import OverlappedSteps
 from protoserve.engine.kv_offload.offloader import start_offload
 from protoserve.engine.loader.load import LoadedModel, load_model
@@ -49,6 +44,7 @@ from protoserve.engine.sampling.constraints.masks import MaskFiller
 from protoserve.engine.sampling.sampler import Sampler, SampleResult
 from protoserve.engine.sampling.sampling_params import ContextPolicy
 from protoserve.engine.sampling.stop_checker import check_token_stop
+from protoserve.engine.scheduling.admission import AdmittedRequest, fit_to_context, prompt_problems
 from protoserve.engine.scheduling.block_manager import BlockManager
 from protoserve.engine.scheduling.forks import fork_pending_choices
 from protoserve.engine.scheduling.logits_rows import DraftRows, SampleRow, StepRows, take_rows
@@ -78,18 +74,6 @@ class RequestCounters:
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-
-
-@dataclass
-class AdmittedRequest:
-    """A TokenizedRequest admitted to the queue: validated, its prompt as its context policy leaves it,
-    its constraint compiled."""
-
-    request: TokenizedRequest
-    prompt_token_ids: list[int]
-    truncated: int
-    max_len: int  # total tokens (prompt + generated) at which each choice stops with "length"
-    grammar: CompiledGrammar | None = None  # the compiled constraint, when the request has one
 
 
 class LLMEngine:
@@ -202,10 +186,7 @@ class LLMEngine:
         sp = request.sampling
         bad = [] if request.sampling_checked else sp.validate(self.vocab_size)
         prompt = list(request.prompt_token_ids)
-        if not prompt:
-            bad.append(("prompt_token_ids", "must not be empty"))
-        elif any(not 0 <= t < self.vocab_size for t in prompt):
-            bad.append(("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})"))
+        bad.extend(prompt_problems(prompt, self.vocab_size))
         bad.extend(adapter_problems(self.adapters, request.adapter))
         spec = sp.speculative
         if spec is not None and spec.method == "draft" and self.speculator.draft_proposer is None:
@@ -215,28 +196,9 @@ class LLMEngine:
             bad.append(("n", f"must not exceed the engine's max_num_seqs ({self.config.max_num_seqs})"))
         if bad:
             raise InvalidRequestError(bad)
-        limit, length, max_tokens = self.max_model_len, len(prompt), sp.max_tokens
-        policy = ContextPolicy(request.context_policy)
-        keep = length
-        if policy in (ContextPolicy.ALLOW_CONTEXT_STOP, ContextPolicy.REJECT) and length >= limit:
-            raise ContextLengthError(length, limit, f"the prompt has {length} tokens but the context window "
-                                     f"(max_model_len) is {limit} tokens, which leaves no room to generate")
-        if policy == ContextPolicy.REJECT and max_tokens is not None and length + max_tokens > limit:
-            raise ContextLengthError(length + max_tokens, limit, f"the prompt ({length} tokens) plus max_tokens "
-                                     f"({max_tokens}) is {length + max_tokens} tokens, more than the context "
-                                     f"window (max_model_len) of {limit} tokens")
-        if policy in (ContextPolicy.TRUNCATE_LEFT, ContextPolicy.TRUNCATE_RIGHT):
-            keep = min(length, limit - 1)  # leave room for at least one generated token
-        if policy == ContextPolicy.RESERVE_GENERATION:
-            reserve = max_tokens if max_tokens is not None else 1
-            if reserve >= limit:
-                raise ContextLengthError(reserve, limit, f"max_tokens ({reserve}) leaves no room for a prompt in "
-                                         f"the context window (max_model_len) of {limit} tokens")
-            keep = min(length, limit - reserve)
-        prompt = prompt[:keep] if policy == ContextPolicy.TRUNCATE_RIGHT else prompt[length - keep :]
-        max_len = limit if max_tokens is None else min(limit, keep + max_tokens)
+        fitted = fit_to_context(prompt, ContextPolicy(request.context_policy), self.max_model_len, sp.max_tokens)
         grammar = self.compile_constraint(sp.constraint)
-        return AdmittedRequest(request, prompt, length - keep, max_len, grammar)
+        return AdmittedRequest(request, fitted.prompt_token_ids, fitted.truncated, fitted.max_len, grammar)
 
     def compile_constraint(self, constraint: Constraint | None) -> CompiledGrammar | None:
         """The compiled grammar of ``constraint`` (cached); InvalidRequestError on ``constraint.<kind>``
@@ -348,8 +310,9 @@ class LLMEngine:
         return self._end_step(batch, start)
 
     def _schedule(self, start: float) -> ScheduledBatch:
-        self._park_preempted()
-        self._admit_restored()
+        if self.kv_offload is not None:  # prefix blocks evicted to disk come back first (engine/kv_offload)
+            self.kv_offload.park_preempted(self.scheduler)
+            self.kv_offload.hand_back(self.scheduler)
         self.speculator.propose(self.scheduler.running)
         self.fast_forward.propose(self.scheduler.running)
         batch = self.scheduler.schedule()  # drops the drafts it cannot schedule
@@ -372,30 +335,6 @@ class LLMEngine:
     def _end_step(self, batch: ScheduledBatch, start: float) -> list[RequestOutput]:
         self._last_step = (batch.num_tokens, len(batch.seqs), time.monotonic() - start)
         return self._collect_outputs()
-
-    def _park_preempted(self) -> None:
-        """A preempted sequence recomputes its prefix when it is admitted again, and blocks of that prefix
-        evicted from the pool since may be on disk: it waits for them as a new request does, once the free
-        blocks could hold it (until then more of its blocks may go). Once per preemption, so a pool too
-        tight to keep them until it runs cannot keep it parked."""
-        if self.kv_offload is None:
-            return
-        bm = self.block_manager
-        for seq in [s for s in self.scheduler.waiting if s.num_preemptions > s.num_preemptions_reloaded
-                    and bm.num_free_blocks >= bm.blocks_for(s.num_tokens)]:
-            if self.kv_offload.park(seq):
-                seq.num_preemptions_reloaded = seq.num_preemptions
-                self.scheduler.set_aside(seq)
-
-    def _admit_restored(self) -> None:
-        """Hand the scheduler the parked requests whose prefix blocks came off disk (engine/kv_offload);
-        with nothing else to run, wait for them."""
-        if self.kv_offload is not None and self.kv_offload.num_parked:
-            for seq in self.kv_offload.restored(wait=not self.scheduler.has_unfinished()):
-                if seq.num_preemptions:  # still its tenant's since the preemption
-                    self.scheduler.put_back(seq)
-                else:
-                    self.scheduler.add(seq)
 
     def close(self) -> None:
         """After the last step: persist the prefix cache's blocks (kv_offload_dir) and release the runner."""

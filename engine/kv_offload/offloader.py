@@ -27,6 +27,7 @@ from protoserve.engine.kv_offload.fingerprint import KVFingerprint, checkpoint_i
 from protoserve.engine.loader.load import LoadedModel
 from protoserve.engine.models.kv_cache import PagedKVCache
 from protoserve.engine.scheduling.block_manager import BlockManager
+from protoserve.engine.scheduling.scheduler import Scheduler
 from protoserve.engine.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,29 @@ class KVOffloader:
         future = self._worker.submit(self._read_run, run)
         self._parked.append(ParkedSequence(seq, [h for _, h in run], future))
         return True
+
+    def park_preempted(self, scheduler: Scheduler) -> None:
+        """A preempted sequence recomputes its prefix when it is admitted again, and blocks of that prefix
+        evicted from the pool since may be on disk: it waits for them as a new request does, once the free
+        blocks could hold it (until then more of its blocks may go). Once per preemption, so a pool too
+        tight to keep them until it runs cannot keep it parked."""
+        bm = self.block_manager
+        for seq in [s for s in scheduler.waiting if s.num_preemptions > s.num_preemptions_reloaded
+                    and bm.num_free_blocks >= bm.blocks_for(s.num_tokens)]:
+            if self.park(seq):
+                seq.num_preemptions_reloaded = seq.num_preemptions
+                scheduler.set_aside(seq)
+
+    def hand_back(self, scheduler: Scheduler) -> None:
+        """Give the scheduler the parked sequences whose prefix blocks came off disk; with nothing else to
+        run, wait for them."""
+        if not self._parked:
+            return
+        for seq in self.restored(wait=not scheduler.has_unfinished()):
+            if seq.num_preemptions:  # still its tenant's since the preemption
+                scheduler.put_back(seq)
+            else:
+                scheduler.add(seq)
 
     def restored(self, wait: bool) -> list[Sequence]:
         """The parked sequences whose blocks are read, with those blocks published in the pool (as many as
