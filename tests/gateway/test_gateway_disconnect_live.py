@@ -32,15 +32,17 @@ def _stats(server):
     return server.call(server.engine.stats)
 
 
-def _assert_cancelled_early(server, at_disconnect) -> None:
+def _assert_cancelled_early(server, before, at_disconnect) -> None:
     """The request was cancelled, its KV freed, long before it could have run its LONG tokens.
 
     Counted in tokens rather than seconds: on a loaded machine the gateway notices a closed socket late
-    in wall time, but a request that went on would generate up to LONG more tokens."""
+    in wall time, but a request that went on would generate up to LONG more tokens. Counted from before
+    the request, since the engine's snapshot at the disconnect may already be a step old."""
     server.wait_kv_free(timeout=120)
     after = _stats(server)
-    assert after.requests_cancelled_total == at_disconnect.requests_cancelled_total + 1, after
-    assert after.generation_tokens_total - at_disconnect.generation_tokens_total < LONG // 4, after
+    seen = f"before {before}\nat the disconnect {at_disconnect}\nafter {after}"
+    assert after.requests_cancelled_total == before.requests_cancelled_total + 1, seen
+    assert after.generation_tokens_total - before.generation_tokens_total < LONG // 4, seen
 
 
 def _wait_running(server, timeout: float = 60.0) -> None:
@@ -53,6 +55,7 @@ def _wait_running(server, timeout: float = 60.0) -> None:
 @pytest.mark.parametrize("route", ["openai", "native"])
 def test_disconnect_mid_stream_frees_kv(inproc_server, gateway_url, model, route):
     inproc_server.wait_kv_free(timeout=30)
+    before = _stats(inproc_server)
     if route == "openai":
         path = "/v1/completions"
         body = {
@@ -74,11 +77,12 @@ def test_disconnect_mid_stream_frees_kv(inproc_server, gateway_url, model, route
             # until the request holds KV, then leave.
             _wait_running(inproc_server)
             at_disconnect = _stats(inproc_server)
-    _assert_cancelled_early(inproc_server, at_disconnect)
+    _assert_cancelled_early(inproc_server, before, at_disconnect)
 
 
 def test_disconnect_during_unary_call_frees_kv(inproc_server, gateway_url, model):
     inproc_server.wait_kv_free(timeout=30)
+    before = _stats(inproc_server)
     host, port = gateway_url.removeprefix("http://").split(":")
     body = json.dumps({"model": model, "prompt": "Once", "max_tokens": LONG, "ignore_eos": True}).encode()
     request = (
@@ -89,4 +93,4 @@ def test_disconnect_during_unary_call_frees_kv(inproc_server, gateway_url, model
         sock.sendall(request)
         _wait_running(inproc_server)
         at_disconnect = _stats(inproc_server)
-    _assert_cancelled_early(inproc_server, at_disconnect)
+    _assert_cancelled_early(inproc_server, before, at_disconnect)
