@@ -136,15 +136,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens:  # drafts that do not fit the budget are dropped, not chunked
-                seq.take_drafts(keep=max(0, seq.num_draft_tokens - (seq.num_uncomputed_tokens - n)))
+            # Its drafts wait for what the waiting requests leave of the budget (_add_drafts).
+            n = min(seq.num_uncomputed_tokens - seq.num_draft_tokens, budget)
             preempted_self = False
             while not self._grow(seq, seq.num_computed_tokens + n):
-                if seq.num_draft_tokens:  # drafts never cost another sequence its blocks
-                    seq.take_drafts()
-                    n = min(seq.num_uncomputed_tokens, budget)
-                    continue
                 # Everything after position i is later in order and not yet scheduled this step.
                 victim = self._room_victim(seq, i, seq.num_computed_tokens + n)
                 self.running.remove(victim)
@@ -162,10 +157,26 @@ class Scheduler:
         for seq in self.running[i:]:  # left out of this step: their drafts go stale
             seq.take_drafts()
 
-        self._admit_waiting(batch, budget, fair_only=bool(batch.preempted))
+        budget = self._admit_waiting(batch, budget, fair_only=bool(batch.preempted))
+        self._add_drafts(batch, budget)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             self._charge_prompt(seq, n)  # after admission, which may have taken budget back
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """The scheduled rows' drafts, in order, with the budget the running rows and the waiting requests
+        left: a new request's prefill is work it needs and its time to first token, while a draft only
+        may save a step, so beside many drafting rows arrivals no longer wait steps for budget. Drafts
+        that do not fit are dropped, not chunked, and never cost another sequence its blocks."""
+        for j, seq in enumerate(batch.seqs):
+            if not seq.num_draft_tokens:
+                continue
+            k = min(seq.num_draft_tokens, budget)
+            if k and not self._grow(seq, seq.num_computed_tokens + batch.num_new_tokens[j] + k):
+                k = 0
+            seq.take_drafts(keep=k)
+            batch.num_new_tokens[j] += k
+            budget -= k
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``num_tokens`` of a running sequence, within its identity's block cap."""
@@ -186,9 +197,10 @@ class Scheduler:
             return next(s for s in reversed(self.running[i:]) if _same_identity(s.tenant, seq.tenant))
         return self.running[-1]
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, *, fair_only: bool) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, *, fair_only: bool) -> int:
         """Admit waiting sequences in order. A head owed room by a more-served tenant takes that tenant's
-        slots, blocks and step budget if it must; ``fair_only``: only such heads are admitted."""
+        slots, blocks and step budget if it must; ``fair_only``: only such heads are admitted. Returns the
+        budget left."""
         bm = self.block_manager
         # A request with n choices will occupy n slots once it forks; reserve them from the start.
         slots = sum(1 + s.num_pending_forks for s in self.running)
@@ -202,7 +214,7 @@ class Scheduler:
                 continue
             owed = self._fair_victim(head, admitted) is not None
             if not owed and (fair_only or budget <= 0 or given):
-                return
+                return budget
             if owed:
                 # A caller with nothing running gets this step to itself (the tenants ahead of it wait one
                 # step): its first token then waits for one short step, not a full batch's.
@@ -223,7 +235,7 @@ class Scheduler:
                     break
                 victim = self._fair_victim(head, admitted)
                 if victim is None:
-                    return
+                    return budget
                 budget += self._unschedule(batch, victim)
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -249,6 +261,7 @@ class Scheduler:
             batch.seqs.append(head)
             batch.num_new_tokens.append(n)
             budget -= n
+        return budget
 
     def _reclaim_budget(self, batch: ScheduledBatch, head: Sequence, tokens: int, admitted: set[int]) -> int:
         """Up to ``tokens`` of this step's budget back from scheduled sequences of tenants served more than

@@ -182,3 +182,23 @@ def test_prefix_cache_hits_across_requests_but_not_salts():
     b = sched.schedule()
     assert b.prefix_hit_tokens[2] == 0
     assert sched.counters.prefix_cache_hits == 12
+
+
+def test_drafts_take_only_the_budget_a_waiting_prefill_leaves():
+    """Beside rows with drafts, a new request's prompt is scheduled first: drafts may save a step, the
+    prefill is the arrival's time to first token. Drafts fill what is left, in order, and the rest drop."""
+    sched = make_scheduler(max_num_batched_tokens=12)
+    rows = [make_seq(i, [1, 2, 3], max_len=40) for i in range(2)]
+    for seq in rows:
+        sched.add(seq)
+    fake_step(sched)  # both prefilled; each has sampled its first token
+    for seq in rows:  # four drafts each, as the speculator appends them
+        seq.token_ids.extend([7, 7, 7, 7])
+        seq.num_draft_tokens = 4
+    arrival = make_seq(2, [4, 5, 6, 7, 8, 9], max_len=40)
+    sched.add(arrival)
+    batch = sched.schedule()
+    scheduled = dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens, strict=True))
+    assert scheduled == {0: 1 + 4, 1: 1, 2: 6}  # 12: the arrival whole, then row 0's drafts
+    assert (rows[0].num_draft_tokens, rows[1].num_draft_tokens) == (4, 0)
+    assert rows[1].token_ids[-1] != 7 and len(rows[1].token_ids) == 4
