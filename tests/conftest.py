@@ -212,7 +212,8 @@ def live_server():
     """The shared real server, auth off."""
     server = start_server_process()
     yield server
-    server.stop()
+    # Killed, not drained: calls tests left open would hold a drain for the whole grace period.
+    server.stop(signal.SIGKILL)
 
 
 @pytest.fixture
@@ -232,7 +233,7 @@ def live_server_auth():
     keys = TEST_API_KEYS
     server = start_server_process(env={"PROTOSERVE_API_KEYS": ",".join(keys)}, api_keys=keys)
     yield server
-    server.stop()
+    server.stop(signal.SIGKILL)
 
 
 # Servers spawn_server started, each with whether it lives for the session (a session-scoped fixture
