@@ -39,15 +39,21 @@ SHORTEST_GAP_S = 1.0
 SEEN_SETTLE_S = 0.25
 
 
+# Who checks: a balancer checks each of its clusters on its own schedule (Envoy: grpc.health.v1 for
+# the gRPC port, GET /health, which is CheckHealth, for the gateway's), and each must see the drain.
+GRPC_HEALTH = "grpc.health.v1"
+CHECK_HEALTH = "CheckHealth"
+
+
 class _CountedHealth(health.aio.HealthServicer):
     """grpc.health.v1, noting each Check with the readiness that drives it."""
 
-    def __init__(self, on_check) -> None:
+    def __init__(self, on_check: Callable[[str], None]) -> None:
         super().__init__()
         self._on_check = on_check
 
     async def Check(self, request, context):  # noqa: N802 - the gRPC method name
-        self._on_check()
+        self._on_check(GRPC_HEALTH)
         return await super().Check(request, context)
 
 
@@ -60,9 +66,10 @@ class Readiness:
         self.health = _CountedHealth(self.note_check)
         # "" is the whole server; the named services are what clients may ask about.
         self._services = ["", *service_names]
-        self._serving_checks: deque[float] = deque(maxlen=RECENT_CHECKS)  # monotonic times, while SERVING
+        # Per kind of check: the times of the recent ones while SERVING, and whether one came since the drain.
+        self._serving_checks: dict[str, deque[float]] = {}
+        self._seen_draining: dict[str, asyncio.Event] = {}
         self._drain_started: float | None = None
-        self._drain_seen = asyncio.Event()  # a health check was answered NOT_SERVING since the drain began
 
     async def start(self) -> None:
         """Publish NOT_SERVING for every service (the health servicer starts SERVING for "")."""
@@ -81,41 +88,48 @@ class Readiness:
         self.phase = Phase.DRAINING
         await self._publish(health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def note_check(self) -> None:
-        """A health check (grpc.health.v1 Check, CheckHealth behind the gateway's /health) is answered now."""
+    def note_check(self, kind: str = CHECK_HEALTH) -> None:
+        """A health check of ``kind`` (GRPC_HEALTH, or CHECK_HEALTH behind the gateway's /health) is
+        answered now."""
         if self.phase is Phase.SERVING:
-            self._serving_checks.append(self._clock())
+            self._serving_checks.setdefault(kind, deque(maxlen=RECENT_CHECKS)).append(self._clock())
         elif self.phase is Phase.DRAINING:
-            self._drain_seen.set()
+            self._seen(kind).set()
 
-    def _checker_gone_at(self) -> float | None:
-        """When a steady checker counts as gone if no check comes (None: no steady checker yet)."""
-        times = list(self._serving_checks)
+    def _seen(self, kind: str) -> asyncio.Event:
+        return self._seen_draining.setdefault(kind, asyncio.Event())
+
+    def _checker_gone_at(self, kind: str) -> float | None:
+        """When a steady checker of ``kind`` counts as gone if no check comes (None: no steady checker)."""
+        times = list(self._serving_checks.get(kind, ()))
         if len(times) < 2:
             return None
         longest_gap = max(SHORTEST_GAP_S, *(b - a for a, b in zip(times, times[1:], strict=False)))
         return times[-1] + CHECKER_GONE_AFTER_GAPS * longest_gap
 
     async def wait_seen_draining(self, timeout_s: float) -> bool:
-        """Once draining: wait (at most ``timeout_s``) until a health checker has seen it, if one watches.
+        """Once draining: wait (at most ``timeout_s``) until every health checker has seen it, if one watches.
 
         A load balancer keeps sending calls to a replica until a check fails. Closing the ports before
         then would drop calls it just sent: over HTTP/1.1 a request written onto a keep-alive connection
         the replica closes gets no answer, and a proxy cannot tell whether it started. A server nobody
-        checks at a steady pace (``make run``, a script that waited for SERVING) does not wait, nor one
-        whose checker stops checking (it went away first). True when no wait was needed or the check came.
+        checks at a steady pace (``make run``, a script that waited for SERVING) does not wait, nor for a
+        checker that stops checking (it went away first). True unless the grace period ended first.
         """
         assert self._drain_started is not None, "wait_seen_draining before set_draining"
-        gone_at = self._checker_gone_at()
-        if gone_at is None or gone_at <= self._drain_started:
-            return True
-        if not self._drain_seen.is_set():
-            until_gone = gone_at - self._clock()
+        steady = {kind: gone_at for kind in self._serving_checks
+                  if (gone_at := self._checker_gone_at(kind)) is not None and gone_at > self._drain_started}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for kind, gone_at in steady.items():
+            seen = self._seen(kind)
+            until_gone, left = gone_at - self._clock(), deadline - loop.time()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drain_seen.wait(), max(0.0, min(timeout_s, until_gone)))
-            if not self._drain_seen.is_set():
-                return until_gone <= timeout_s  # True: the checker went away; False: the grace period ended
-        await asyncio.sleep(SEEN_SETTLE_S)
+                await asyncio.wait_for(seen.wait(), max(0.0, min(left, until_gone)))
+            if not seen.is_set() and until_gone > left:
+                return False
+        if any(self._seen(kind).is_set() for kind in steady):
+            await asyncio.sleep(SEEN_SETTLE_S)
         return True
 
     async def close(self) -> None:

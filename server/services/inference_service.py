@@ -11,6 +11,7 @@ from protoserve.server.calls.admission import AdmittingServicer
 from protoserve.server.calls.inflight import Call
 from protoserve.server.limits import MAX_BATCH_REQUESTS, MAX_REQUEST_ID_CHARS
 from protoserve.server.models.served_model import CollectedOutput, new_request_id
+from protoserve.server.runtime.health import CHECK_HEALTH
 from protoserve.v1 import inference_pb2 as pb
 from protoserve.v1 import inference_pb2_grpc
 
@@ -162,6 +163,6 @@ class InferenceService(AdmittingServicer, inference_pb2_grpc.InferenceServiceSer
     @errors.reports_errors
     async def CheckHealth(self, request: pb.CheckHealthRequest, context: grpc.aio.ServicerContext):
         """SERVING with the model names, or UNAVAILABLE while loading or draining (no auth: it is a probe)."""
-        self.readiness.note_check()
+        self.readiness.note_check(CHECK_HEALTH)
         self.readiness.check()
         return pb.CheckHealthResponse(status=pb.SERVING_STATUS_SERVING, models=[m.name for m in self.models.listing()])

@@ -6,7 +6,7 @@ import asyncio
 
 from grpc_health.v1 import health_pb2
 
-from protoserve.server.runtime.health import Readiness
+from protoserve.server.runtime.health import CHECK_HEALTH, GRPC_HEALTH, Readiness
 
 
 async def test_a_server_nobody_checks_does_not_wait():
@@ -92,3 +92,20 @@ async def test_a_checker_that_goes_away_during_the_drain_is_not_waited_for_longe
     now[0] += 3.9  # 0.1 s before it counts as gone
     await readiness.set_draining()
     assert await asyncio.wait_for(readiness.wait_seen_draining(60.0), 5.0) is True
+
+
+async def test_every_kind_of_checker_must_see_the_drain():
+    """Envoy checks a replica's gRPC port and its gateway's /health apart: one seeing it is not enough."""
+    readiness = Readiness([])
+    await readiness.set_serving()
+    for _ in range(2):
+        readiness.note_check(GRPC_HEALTH)
+        readiness.note_check(CHECK_HEALTH)
+        await asyncio.sleep(0.1)
+    await readiness.set_draining()
+    waiting = asyncio.create_task(readiness.wait_seen_draining(60.0))
+    readiness.note_check(GRPC_HEALTH)
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    readiness.note_check(CHECK_HEALTH)
+    assert await asyncio.wait_for(waiting, 5.0) is True
