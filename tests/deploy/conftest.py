@@ -9,8 +9,6 @@ interval so rotation changes are quick to observe.
 from __future__ import annotations
 
 import secrets
-import signal
-import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -130,12 +128,5 @@ def mesh(spawn_server, collector) -> Iterator[Mesh]:
             )
         yield Mesh(replicas, envoy, servicer, model)
         # While Envoy still checks them, all at once: each drains once a check has seen it.
-        alive = [r for r in replicas if r.process.poll() is None]
-        for replica in alive:
-            replica.process.send_signal(signal.SIGTERM)
-        for replica in alive:
-            try:
-                replica.process.wait(GRACE_PERIOD_S + 10)
-            except subprocess.TimeoutExpired:
-                replica.process.kill()
-                replica.process.wait()
+        with futures.ThreadPoolExecutor(len(replicas)) as pool:
+            list(pool.map(lambda replica: replica.stop(timeout=GRACE_PERIOD_S + 10), replicas))
