@@ -33,7 +33,7 @@ class Phase(enum.Enum):
 # readiness poll (a script waiting for SERVING) is not a checker.
 RECENT_CHECKS = 4
 CHECKER_GONE_AFTER_GAPS = 3
-# Envoy checks each cluster of a replica (gRPC, HTTP) at once: two checks apart by no gap at all.
+# A floor under the gap: two checks close together (a script that polled twice) set no pace.
 SHORTEST_GAP_S = 1.0
 # After that check is answered, the time the checker takes to act on it before the ports close.
 SEEN_SETTLE_S = 0.25

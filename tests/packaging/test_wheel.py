@@ -1,10 +1,11 @@
 """A built wheel installs into a clean venv and serves: the package does not need `make install`.
 
 Builds protoserve's wheel (generated code made by the build backend, kernel
-sources as package data), installs it with torch and the default model's
-package into a fresh venv, runs that venv's `protoserve serve` from a folder
-outside the repository, and checks its first greedy answer is the repo
-server's. Slow (a fresh venv installs torch), so it runs once per suite.
+sources as package data), installs it and the default model's package into a
+fresh venv (torch shared from this one), runs that venv's `protoserve serve`
+from a folder outside the repository, and checks its first greedy answer is the
+repo server's. Slow (a fresh venv resolves every other dependency), so it runs
+once per suite.
 """
 
 from __future__ import annotations
