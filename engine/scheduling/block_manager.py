@@ -109,6 +109,8 @@ class BlockManager:
         eviction cannot pick them.
         """
         assert not prefix_hits or not block_table, "prefix hits only start an empty table"
+        if not prefix_hits and num_tokens <= len(block_table) * self.block_size:
+            return True  # a decode row inside its last block: every step, for most rows
         if self._blocks_to_take(block_table, num_tokens, prefix_hits) > len(self.free_queue):
             return False
         for block_id in prefix_hits:

@@ -24,6 +24,7 @@ Counters are integers: weights divide ``WEIGHT_SCALE`` units per token (exactly 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from protoserve.engine.request import Tenant
@@ -46,16 +47,16 @@ class _Level:
     """The accounts of one level (groups, or the identities of every group)."""
 
     def __init__(self) -> None:
-        self.accounts: dict[str, _Account] = {}
-        self._idle: OrderedDict[str, None] = OrderedDict()
+        self.accounts: dict[Hashable, _Account] = {}
+        self._idle: OrderedDict[Hashable, None] = OrderedDict()
 
-    def account(self, name: str) -> _Account:
+    def account(self, name: Hashable) -> _Account:
         account = self.accounts.get(name)
         if account is None:
             account = self.accounts[name] = _Account()
         return account
 
-    def join(self, name: str, floor: int | None) -> None:
+    def join(self, name: Hashable, floor: int | None) -> None:
         account = self.account(name)
         if account.live == 0:
             self._idle.pop(name, None)
@@ -63,7 +64,7 @@ class _Level:
                 account.service = max(account.service, floor)
         account.live += 1
 
-    def leave(self, name: str) -> None:
+    def leave(self, name: Hashable) -> None:
         account = self.accounts[name]
         account.live -= 1
         if account.live == 0:
@@ -72,7 +73,7 @@ class _Level:
                 oldest, _ = self._idle.popitem(last=False)
                 del self.accounts[oldest]
 
-    def service(self, name: str) -> int:
+    def service(self, name: Hashable) -> int:
         account = self.accounts.get(name)
         return account.service if account is not None else 0
 
@@ -84,7 +85,7 @@ class FairShare:
         self.margin = margin_tokens * WEIGHT_SCALE
         self.groups = _Level()
         self.identities = _Level()
-        self._members: dict[str, set[str]] = {}  # group -> its identities with work
+        self._members: dict[str, set[tuple[str, str]]] = {}  # group -> its identities with work
 
     def join(self, tenant: Tenant) -> None:
         """A sequence of ``tenant`` arrives (a new request, or a choice forked off one)."""
@@ -133,6 +134,7 @@ class FairShare:
         return self.groups.service(tenant.group) / WEIGHT_SCALE
 
 
-def _identity_key(tenant: Tenant) -> str:
-    # Identities are accounted within their group: the same name under two groups is two tenants.
-    return f"{tenant.group}\x00{tenant.identity}"
+def _identity_key(tenant: Tenant) -> tuple[str, str]:
+    # Identities are accounted within their group: the same name under two groups is two tenants. A
+    # tuple of the two strings hashes from their cached hashes (the scheduler asks every step, per row).
+    return tenant.group, tenant.identity

@@ -201,6 +201,8 @@ class Scheduler:
         """Admit waiting sequences in order. A head owed room by a more-served tenant takes that tenant's
         slots, blocks and step budget if it must; ``fair_only``: only such heads are admitted. Returns the
         budget left."""
+        if not self.waiting:
+            return budget
         bm = self.block_manager
         # A request with n choices will occupy n slots once it forks; reserve them from the start.
         slots = sum(1 + s.num_pending_forks for s in self.running)
