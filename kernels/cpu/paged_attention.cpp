@@ -16,7 +16,8 @@
 // blocks of KEY_BLOCK = 16 positions aligned to position 0 (the same blocks whatever
 // the cache's block size), with an online softmax:
 //
-//   scores  s_u = tree_sum_l( chain_c q[16c+l] * k_u[16c+l] )   (fixed tree below)
+//   scores  s_u = tree_sum_l( chain_c q[16c+l] * k_u[16c+l] )   (fixed tree below; bfloat16
+//           pools with vdpbf16ps: four chains over the pairs instead, see column_scores)
 //   m'      = max(m, max_u s_u)                                  (exact)
 //   p_u     = exp(s_u - m')  for visible u, exactly 0 otherwise
 //   l       = l * exp(m - m') + p               (16 lanes, summed once at the end)
@@ -69,7 +70,8 @@ using simd::F16;
 
 // bfloat16 pools on CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids) multiply in
 // bfloat16 with vdpbf16ps, straight from the cached rows: scores against the scaled query rounded
-// to bfloat16 once, P @ V with each block's probabilities rounded to bfloat16.
+// to bfloat16 once (from the key block transposed once per tile and KV head), P @ V with each
+// block's probabilities rounded to bfloat16.
 #if defined(PROTOSERVE_SIMD_BF16)
 constexpr bool BF16_ATTENTION = true;
 #else
@@ -80,7 +82,10 @@ namespace {
 
 constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one vector of scores)
 constexpr int LANES = 16;      // floats per vector (simd.h)
-constexpr int QUERY_TILE = 8;  // consecutive queries of a sequence sharing each loaded K/V block
+// Consecutive queries of a sequence sharing each loaded K/V block (and, for bfloat16 products, each
+// block's transposed keys and interleaved values): 32 took a 256-query prefill chunk at 4k context
+// ~8% below 16 and ~17% below 8 (with the transposed scores; single thread).
+constexpr int QUERY_TILE = 32;
 constexpr int PARTITION = 256;  // key positions per partition (a multiple of KEY_BLOCK)
 // P @ V register tile: query heads x 16-column chunks of accumulators kept in registers (16 of
 // AVX-512's 32 zmm; 8 of AVX2's 16 ymm, each vector being two of them).
@@ -189,26 +194,101 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
 }
 
 #if defined(PROTOSERVE_SIMD_BF16)
-// Scores of one query head (scaled, rounded to bfloat16) against 16 bfloat16 key rows read from the
-// cache as they are: vdpbf16ps multiplies 32 bf16 pairs (each product exact in float32) into 16
-// float32 lanes, twice a float32 FMA's multiply-adds, and K needs no widening. Lane l of key u's
-// partial is one chain over 32-value chunks c of q[32c+2l] k[32c+2l] + q[32c+2l+1] k[32c+2l+1],
-// then the same lane tree as block_scores.
-template <int C2>
-__attribute__((always_inline)) inline F16 block_scores_bf16(const uint16_t* q, const uint16_t* const krow[16]) {
-  simd::LaneSums16 sums;
-  __m512bh qc[C2];
-#pragma GCC unroll 4
-  for (int c = 0; c < C2; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-#pragma GCC unroll 16
-  for (int u = 0; u < 16; ++u) {
-    const uint16_t* k = krow[u];
-    F16 acc = _mm512_dpbf16_ps(simd::zero(), qc[0], (__m512bh)_mm512_loadu_si512(k));
-#pragma GCC unroll 4
-    for (int c = 1; c < C2; ++c) acc = _mm512_dpbf16_ps(acc, qc[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    sums.put(u, acc);
+// bfloat16 scores in column form. The block's 16 key rows (bfloat16, as cached) are transposed once
+// per tile, block and KV head: kt[d] holds in lane u the pair (2d, 2d+1) of key u's row. A query
+// head's 16 scores are then one vector: lane u is
+//   (A_0 + A_1) + (A_2 + A_3),   A_k = chain over d = k, k + 4, k + 8, ... ascending of
+//                                      vdpbf16ps(q[2d] k_u[2d] + q[2d+1] k_u[2d+1])
+// with the query's pair d broadcast. Four chains hide vdpbf16ps's latency when few query heads
+// share a block (decode); a tile's query heads run side by side on each loaded kt[d] (a small GEMM
+// micro-kernel, no horizontal sums). Which heads share a kernel call changes nothing in a head's lanes.
+// Against the row form's lane tree per head (45 other instructions per 32 vdpbf16ps) this costs one
+// 16 x 16 transpose per D / 32 and key block, shared by the tile's query heads; decode (one query, a
+// group of 3) pays about what the three trees cost.
+typedef uint32_t u32_alias __attribute__((may_alias));
+
+// acc + vdpbf16ps(k, the bfloat16 pair at p broadcast): the broadcast taken from memory by the
+// instruction itself (GCC does not fold _mm512_set1_epi32 into it, and a separate vpbroadcastd
+// takes a vector slot from the multiply-adds).
+__attribute__((always_inline)) inline F16 dp_broadcast(F16 acc, __m512bh k, const void* p) {
+  __asm__("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*static_cast<const u32_alias*>(p)), "v"(k));
+  return acc;
+}
+
+// out[d] lane u = in[u] dword d, for a 16 x 16 block of dwords.
+__attribute__((always_inline)) inline void transpose16x16(const __m512i in[16], __m512i* out) {
+  __m512i a[16], b[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // lane L of a[2i], a[2i+1]: rows 2i, 2i+1 at dwords 4L+0,1 / 4L+2,3
+    a[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
   }
-  return sums.result();
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // lane L of b[4i+e]: rows 4i..4i+3 at dword 4L+e
+    b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int e = 0; e < 4; ++e) {  // out[4L+e] lane-chunk i = b[4i+e] chunk L: a 4 x 4 transpose of 128-bit chunks
+    const __m512i x0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44), x1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44), x3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+    _mm512_store_si512(out + e, _mm512_shuffle_i32x4(x0, x2, 0x88));
+    _mm512_store_si512(out + 4 + e, _mm512_shuffle_i32x4(x0, x2, 0xDD));
+    _mm512_store_si512(out + 8 + e, _mm512_shuffle_i32x4(x1, x3, 0x88));
+    _mm512_store_si512(out + 12 + e, _mm512_shuffle_i32x4(x1, x3, 0xDD));
+  }
+}
+
+// kt[d] (d < P2 = D / 2) from the block's 16 rows.
+template <int P2>
+inline void transpose_keys(const uint16_t* const krow[16], __m512i* kt) {
+  for (int c = 0; c < P2 / 16; ++c) {
+    __m512i rows[16];
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) rows[u] = _mm512_loadu_si512(krow[u] + 32 * c);
+    transpose16x16(rows, kt + 16 * c);
+  }
+}
+
+// The 16 scores of R query heads (bfloat16 pairs at q[r]) against the transposed block.
+template <int R, int P2>
+__attribute__((always_inline)) inline void column_scores(const __m512i* kt, const uint16_t* const q[R], F16 out[R]) {
+  static_assert(P2 % 4 == 0, "four chains");
+  F16 acc[R][4];
+  {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512bh kd = (__m512bh)_mm512_load_si512(kt + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r][k] = dp_broadcast(simd::zero(), kd, q[r] + 2 * k);
+    }
+  }
+#pragma GCC unroll 64
+  for (int d = 4; d < P2; ++d) {
+    const __m512bh kd = (__m512bh)_mm512_load_si512(kt + d);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[r][d % 4] = dp_broadcast(acc[r][d % 4], kd, q[r] + 2 * d);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = simd::add(simd::add(acc[r][0], acc[r][1]), simd::add(acc[r][2], acc[r][3]));
+}
+
+constexpr int SCORE_HEADS = 6;  // query heads per column_scores call: 24 accumulators
+
+template <int P2>
+inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SCORE_HEADS], F16 out[SCORE_HEADS]) {
+  switch (n) {
+    case 1: column_scores<1, P2>(kt, q, out); break;
+    case 2: column_scores<2, P2>(kt, q, out); break;
+    case 3: column_scores<3, P2>(kt, q, out); break;
+    case 4: column_scores<4, P2>(kt, q, out); break;
+    case 5: column_scores<5, P2>(kt, q, out); break;
+    default: column_scores<6, P2>(kt, q, out); break;
+  }
 }
 #endif
 
@@ -278,6 +358,8 @@ struct Scratch {
   std::vector<float> probs;  // [QUERY_TILE, heads, KEY_BLOCK] this block's scores, then probabilities
   std::vector<float> corr;   // [QUERY_TILE, heads] this block's rescale factors
   std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
+  std::vector<F16> kt;       // [D / 2] bf16 products: the block's K rows transposed (transpose_keys)
+  std::vector<F16> vp;       // [D / 2] bf16 products: the block's V pairs interleaved (unpack_values)
   // The fold of the partitions done so far, laid out as acc / m / l.
   std::vector<float> facc;
   std::vector<float> fm;
@@ -293,6 +375,8 @@ struct Scratch {
     grow(probs, g * KEY_BLOCK);
     grow(corr, g);
     grow(kbuf, static_cast<size_t>(KEY_BLOCK) * pb.head_dim);
+    grow(kt, static_cast<size_t>(pb.head_dim / 2));
+    grow(vp, static_cast<size_t>(pb.head_dim / 2));
     grow(facc, gd);
     grow(fm, g);
     grow(fl, g);
@@ -332,22 +416,13 @@ inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua,
 // One key block for one query, in three steps that the tile loop runs for all of its
 // queries in turn (so each step is a long run of independent work):
 // scores of all `group` heads (lanes outside ua..ub = -inf) ...
-template <int CH, typename T>
-inline void block_query_scores(const Problem& pb, const T* q, const T* const krow[16], int ua, int ub,
+template <int CH>
+inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[16], int ua, int ub,
                                float* scores) {
   const int D = pb.head_dim, chunks = D / LANES;
   const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
-  for (int g = 0; g < pb.group; ++g) {
-    F16 sc;
-    if constexpr (std::is_same_v<T, float>) {
-      sc = block_scores<CH>(q + g * D, krow, chunks);
-    } else {  // bf16 products: the bfloat16 query against the cached rows
-#if defined(PROTOSERVE_SIMD_BF16)
-      sc = block_scores_bf16<CH / 2>(q + g * D, krow);
-#endif
-    }
-    simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), sc));
-  }
+  for (int g = 0; g < pb.group; ++g)
+    simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), block_scores<CH>(q + g * D, krow, chunks)));
 }
 
 // ... the online-softmax update of (m, l), scores -> probabilities, and the rescale factor
@@ -392,13 +467,30 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
 // P @ V for bfloat16 pools in bfloat16 pairs: the block's probabilities rounded to bfloat16 (as GPU
 // flash attention feeds P to its bf16 matmul; l keeps the float32 sum), keys paired (2j, 2j+1) so
 // that one vdpbf16ps adds p_2j v_2j + p_2j+1 v_2j+1 for 16 columns. The pair's V rows are
-// interleaved by unpacklo/hi_epi16 inside each 128-bit lane, so the accumulators hold each 32-column
-// chunk as (lo: columns 8L+0..3, hi: 8L+4..7 of lanes L = 0..3); store_bf16_acc restores the
-// order. Per column: one chain over the query's own pairs, ascending, from acc * corr;
-// an invisible key of a pair has p exactly 0 and adds exactly 0.
-template <int G, int CC>
-void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, const uint16_t* const vrow[16],
-                  int ja, int jb, int c0) {
+// interleaved by unpacklo/hi_epi16 inside each 128-bit lane, once per tile, block and KV head
+// (unpack_values), so the accumulators hold each 32-column chunk as (lo: columns 8L+0..3, hi:
+// 8L+4..7 of lanes L = 0..3); store_bf16_acc restores the order. Per column: one chain over the
+// query's own pairs, ascending, from acc * corr; an invisible key of a pair has p exactly 0 and adds
+// exactly 0.
+//
+// vp[(j * C32 + c) * 2 + 0 / 1]: pair j's interleaved chunk c (of C32 = D / 32), low / high half.
+template <int C32>
+inline void unpack_values(const uint16_t* const vrow[16], __m512i* vp) {
+#pragma GCC unroll 8
+  for (int j = 0; j < KEY_BLOCK / 2; ++j)
+#pragma GCC unroll 4
+    for (int c = 0; c < C32; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(vrow[2 * j] + c * 32), v1 = _mm512_loadu_si512(vrow[2 * j + 1] + c * 32);
+      _mm512_store_si512(vp + (j * C32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
+      _mm512_store_si512(vp + (j * C32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
+    }
+}
+
+// VP: const __m512i* (the block's pairs from unpack_values) or const uint16_t* const* (the 16 V rows,
+// interleaved here: a tile of one query, as decode's, reads each pair once). The same dp chains either way.
+template <int G, int CC, typename VP>
+void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, VP vsrc, int ja, int jb, int c0) {
+  const int c32 = head_dim / 32;
   F16 a[G][2 * CC];
   uint32_t pairs[G][KEY_BLOCK / 2];
   for (int g = 0; g < G; ++g) {
@@ -407,47 +499,54 @@ void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* cor
     simd::store_bf16(reinterpret_cast<uint16_t*>(pairs[g]), simd::load(probs + g * KEY_BLOCK));
   }
   for (int j = ja; j <= jb; ++j) {
-    __m512i vp[2 * CC];
-    for (int c = 0; c < CC; ++c) {
-      const __m512i v0 = _mm512_loadu_si512(vrow[2 * j] + (c0 + c) * 32);
-      const __m512i v1 = _mm512_loadu_si512(vrow[2 * j + 1] + (c0 + c) * 32);
-      vp[2 * c] = _mm512_unpacklo_epi16(v0, v1);
-      vp[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+    __m512i v[2 * CC];
+    if constexpr (std::is_same_v<VP, const __m512i*>) {
+      for (int c = 0; c < 2 * CC; ++c) v[c] = _mm512_load_si512(vsrc + (j * c32 + c0) * 2 + c);
+    } else {
+      for (int c = 0; c < CC; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(vsrc[2 * j] + (c0 + c) * 32);
+        const __m512i v1 = _mm512_loadu_si512(vsrc[2 * j + 1] + (c0 + c) * 32);
+        v[2 * c] = _mm512_unpacklo_epi16(v0, v1);
+        v[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
     }
     for (int g = 0; g < G; ++g) {
       const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j]));
-      for (int c = 0; c < 2 * CC; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)vp[c], pj);
+      for (int c = 0; c < 2 * CC; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)v[c], pj);
     }
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 2 * CC; ++c) simd::store(acc + g * head_dim + (2 * c0 + c) * LANES, a[g][c]);
 }
 
-using PvBf16Fn = void (*)(float*, int, const float*, const float*, const uint16_t* const*, int, int, int);
+template <typename VP>
+using PvBf16Fn = void (*)(float*, int, const float*, const float*, VP, int, int, int);
 
-template <int G>
-constexpr PvBf16Fn pv_bf16_for_cc(int cc) {
-  return cc == 1 ? &pv_tile_bf16<G, 1> : &pv_tile_bf16<G, 2>;
+template <int G, typename VP>
+constexpr PvBf16Fn<VP> pv_bf16_for_cc(int cc) {
+  return cc == 1 ? &pv_tile_bf16<G, 1, VP> : &pv_tile_bf16<G, 2, VP>;
 }
 
-inline PvBf16Fn pv_bf16_kernel(int g, int cc) {
+template <typename VP>
+inline PvBf16Fn<VP> pv_bf16_kernel(int g, int cc) {
   switch (g) {
-    case 1: return pv_bf16_for_cc<1>(cc);
-    case 2: return pv_bf16_for_cc<2>(cc);
-    case 3: return pv_bf16_for_cc<3>(cc);
-    default: return pv_bf16_for_cc<4>(cc);
+    case 1: return pv_bf16_for_cc<1, VP>(cc);
+    case 2: return pv_bf16_for_cc<2, VP>(cc);
+    case 3: return pv_bf16_for_cc<3, VP>(cc);
+    default: return pv_bf16_for_cc<4, VP>(cc);
   }
 }
 
 // acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub.
-inline void block_query_pv_bf16(const Problem& pb, float* acc, const float* probs, const float* corr,
-                                const uint16_t* const vrow[16], int ua, int ub) {
+template <typename VP>
+inline void block_query_pv_bf16(const Problem& pb, float* acc, const float* probs, const float* corr, VP vsrc, int ua,
+                                int ub) {
   const int D = pb.head_dim, chunks32 = D / 32;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
     for (int c0 = 0; c0 < chunks32; c0 += 2)
-      pv_bf16_kernel(ng, std::min(2, chunks32 - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vrow, ua / 2,
-                                                     ub / 2, c0);
+      pv_bf16_kernel<VP>(ng, std::min(2, chunks32 - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vsrc,
+                                                         ua / 2, ub / 2, c0);
   }
 }
 
@@ -598,13 +697,35 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
         for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
       }
 
-      for (int i = 0; i < tile.n; ++i) {
-        if (qa[i] > qb[i]) continue;
-        float* scores = &s.probs[(i * HG + h * G) * KEY_BLOCK];
-        if constexpr (bf16_products)
-          block_query_scores<CH>(pb, &s.qb[i * HGD + h * GD], kbrow, qa[i], qb[i], scores);
-        else
-          block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], scores);
+#if defined(PROTOSERVE_SIMD_BF16)
+      if constexpr (bf16_products) {
+        // The block transposed once for all the tile's query heads, then their scores SCORE_HEADS at a time.
+        __m512i* kt = reinterpret_cast<__m512i*>(s.kt.data());
+        transpose_keys<CH * 8>(kbrow, kt);
+        int vis[QUERY_TILE], nvis = 0;
+        for (int i = 0; i < tile.n; ++i)
+          if (qa[i] <= qb[i]) vis[nvis++] = i;
+        for (int t0 = 0; t0 < nvis * G; t0 += SCORE_HEADS) {
+          const int n = std::min(SCORE_HEADS, nvis * G - t0);
+          const uint16_t* qp[SCORE_HEADS];
+          F16 sc[SCORE_HEADS];
+          for (int r = 0; r < n; ++r) {
+            const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
+            qp[r] = &s.qb[i * HGD + h * GD + g * D];
+          }
+          column_scores_n<CH * 8>(n, kt, qp, sc);
+          for (int r = 0; r < n; ++r) {
+            const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
+            const simd::Mask visible = ((1u << (qb[i] + 1)) - 1u) & ~((1u << qa[i]) - 1u);
+            simd::store(&s.probs[(i * HG + h * G + g) * KEY_BLOCK], simd::select(visible, simd::set1(NEG_INF), sc[r]));
+          }
+        }
+      } else
+#endif
+      {
+        for (int i = 0; i < tile.n; ++i)
+          if (qa[i] <= qb[i])
+            block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], &s.probs[(i * HG + h * G) * KEY_BLOCK]);
       }
       if (next_ub > next_mid)
         prefetch_rows(next_k + h * D, next_slots + next_mid + 1, next_ub - next_mid - 1, row_stride, D);
@@ -613,13 +734,22 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
           block_query_softmax(G, qa[i], qb[i], &s.m[i * HG + h * G], &s.l[i * HG + h * G],
                               &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
       prefetch_rows(next_v + h * D, next_slots, next_mid, row_stride, D);
+#if defined(PROTOSERVE_SIMD_BF16)
+      if constexpr (bf16_products)
+        if (tile.n > 1)
+          unpack_values<CH / 2>(reinterpret_cast<const uint16_t* const*>(vrow), reinterpret_cast<__m512i*>(s.vp.data()));
+#endif
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
 #if defined(PROTOSERVE_SIMD_BF16)
         if constexpr (bf16_products) {
-          block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
-                              reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
+          if (tile.n > 1)
+            block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
+                                static_cast<const __m512i*>(reinterpret_cast<const __m512i*>(s.vp.data())), qa[i], qb[i]);
+          else
+            block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
+                                reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
           continue;
         }
 #endif
