@@ -30,10 +30,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-KERNEL_NAMES = ("linear", "norm_rope", "paged_attention", "decoder_step", "moe_experts")
+KERNEL_NAMES = ("linear", "norm_rope", "paged_attention", "decoder_step", "moe_experts", "argmax")
 SOURCES = ("module.cpp", "linear.cpp", "int8_dot_linear.cpp", "norm_rope.cpp", "paged_attention.cpp", "decoder_step.cpp",
            "lora.cpp")
-SOURCES += ("moe_experts.cpp",)
+SOURCES += ("moe_experts.cpp", "argmax.cpp")
 SUPPORTED_CPU_CAPABILITIES = ("AVX512", "AVX2")
 
 

@@ -78,6 +78,9 @@ bool int8_dot_amx_available();
 // Whether bfloat16 packs multiply in bfloat16 (x rounded to bf16 once per call, vdpbf16ps) here.
 bool linear_multiplies_in_bf16();
 
+// argmax.cpp: each row's first maximum (NumPy's argmax), int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& logits);
+
 // norm_rope.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);

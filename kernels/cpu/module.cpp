@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bfloat16 packs multiply in bfloat16 here (x rounded to bf16 once per call)");
   m.def("int8_dot_amx_available", &protoserve::int8_dot_amx_available,
         "whether the integer-dot formats run their 16-row groups on AMX tiles here");
+  m.def("argmax_rows", &protoserve::argmax_rows, "each row's first maximum, as NumPy's argmax (int64)", no_gil);
   m.def("rms_norm", &protoserve::rms_norm, "RMSNorm over the last dim (float32)", no_gil);
   m.def("add_rms_norm_", &protoserve::add_rms_norm_, "residual += x; return RMSNorm(residual)", no_gil);
   m.def("rope_", &protoserve::rope_, "rotate-half RoPE in place", no_gil);
