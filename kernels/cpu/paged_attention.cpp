@@ -83,8 +83,8 @@ namespace {
 constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one vector of scores)
 constexpr int LANES = 16;      // floats per vector (simd.h)
 // Consecutive queries of a sequence sharing each loaded K/V block (and, for bfloat16 products, each
-// block's transposed keys and interleaved values): 32 took a 256-query prefill chunk at 4k context
-// ~8% below 16 and ~17% below 8 (with the transposed scores; single thread).
+// block's transposed keys and interleaved values): a long tile spreads a block's transpose over more
+// queries (docs/notes/performance-log.md has the measurements).
 constexpr int QUERY_TILE = 32;
 constexpr int PARTITION = 256;  // key positions per partition (a multiple of KEY_BLOCK)
 // P @ V register tile: query heads x 16-column chunks of accumulators kept in registers (16 of
