@@ -198,7 +198,7 @@ class LLMEngine:
             raise InvalidRequestError(bad)
         fitted = fit_to_context(prompt, ContextPolicy(request.context_policy), self.max_model_len, sp.max_tokens)
         grammar = self.compile_constraint(sp.constraint)
-        return AdmittedRequest(request, fitted.prompt_token_ids, fitted.truncated, fitted.max_len, grammar)
+        return AdmittedRequest(request, fitted, grammar)
 
     def compile_constraint(self, constraint: Constraint | None) -> CompiledGrammar | None:
         """The compiled grammar of ``constraint`` (cached); InvalidRequestError on ``constraint.<kind>``
@@ -233,19 +233,19 @@ class LLMEngine:
                 self._release_adapter(req)
                 raise QueueFullError(len(self.scheduler.waiting))
             shed.append(self._drop_shed(victim.request_id))
-        state = RunningRequest(req, prepared.prompt_token_ids, prepared.truncated, self._token_bytes,
+        state = RunningRequest(req, prepared.fitted.prompt_token_ids, prepared.fitted.truncated, self._token_bytes,
                              self._special_ids)
         if req.trace is not None:
-            state.span = RequestSpan(req.trace, req, len(prepared.prompt_token_ids),
-                                     lambda: self._prompt_text(prepared.prompt_token_ids))
+            state.span = RequestSpan(req.trace, req, len(prepared.fitted.prompt_token_ids),
+                                     lambda: self._prompt_text(prepared.fitted.prompt_token_ids))
         matcher = prepared.grammar.new_matcher() if prepared.grammar is not None else None
-        seq = self._new_seq(state, 0, prepared.max_len, matcher=matcher)
+        seq = self._new_seq(state, 0, prepared.fitted.max_len, matcher=matcher)
         seq.num_pending_forks = req.sampling.n - 1
         self.requests[req.request_id] = state
         if self.kv_offload is None or not self.kv_offload.park(seq):  # parked: its prefix comes off disk first
             self.scheduler.add(seq)
-        self.counters.prompt_tokens += len(prepared.prompt_token_ids)
-        self.counters.truncated_prompt_tokens += prepared.truncated
+        self.counters.prompt_tokens += len(prepared.fitted.prompt_token_ids)
+        self.counters.truncated_prompt_tokens += prepared.fitted.truncated
         return shed
 
     def _drop_shed(self, request_id: str) -> str:

@@ -17,25 +17,23 @@ if TYPE_CHECKING:
     from protoserve.engine.sampling.constraints.compiler import CompiledGrammar
 
 
-@dataclass
-class AdmittedRequest:
-    """A TokenizedRequest admitted to the queue: validated, its prompt as its context policy leaves it,
-    its constraint compiled."""
-
-    request: TokenizedRequest
-    prompt_token_ids: list[int]
-    truncated: int
-    max_len: int  # total tokens (prompt + generated) at which each choice stops with "length"
-    grammar: CompiledGrammar | None = None  # the compiled constraint, when the request has one
-
-
 @dataclass(frozen=True)
 class FittedPrompt:
     """A prompt as its context policy leaves it within the window."""
 
     prompt_token_ids: list[int]
     truncated: int  # tokens cut from the prompt
-    max_len: int  # total tokens at which a choice stops with "length"
+    max_len: int  # total tokens (prompt + generated) at which each choice stops with "length"
+
+
+@dataclass
+class AdmittedRequest:
+    """A TokenizedRequest admitted to the queue: validated, its prompt as its context policy leaves it,
+    its constraint compiled."""
+
+    request: TokenizedRequest
+    fitted: FittedPrompt
+    grammar: CompiledGrammar | None = None  # the compiled constraint, when the request has one
 
 
 def prompt_problems(prompt: list[int], vocab_size: int) -> list[tuple[str, str]]:
