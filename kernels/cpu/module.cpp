@@ -5,7 +5,9 @@
 
 #include "kernels.h"
 
-#include <torch/extension.h>
+// pybind11 with ATen's tensor casters, not <torch/extension.h>: that one parses the whole C++
+// frontend (autograd, nn, optim) and took three times as long to compile.
+#include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
 using protoserve::DecoderShape;
@@ -34,8 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)", no_gil);
 
   py::class_<LinearWeights>(m, "LinearWeights")
-      .def(py::init([](int64_t format, torch::Tensor data, c10::optional<torch::Tensor> scales,
-                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t out_features,
+      .def(py::init([](int64_t format, at::Tensor data, c10::optional<at::Tensor> scales,
+                       c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t out_features,
                        int64_t group_size) {
              return LinearWeights{format, std::move(data), std::move(scales), std::move(mins), std::move(bias),
                                   out_features, group_size};
@@ -43,11 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("format"), py::arg("data"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
            py::arg("out_features"), py::arg("group_size"));
   py::class_<LayerWeights>(m, "LayerWeights")
-      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
-                       c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, LinearWeights qkv,
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
+                       c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, LinearWeights qkv,
                        LinearWeights o, LinearWeights gate_up, LinearWeights down,
-                       c10::optional<torch::Tensor> pre_feedforward_norm,
-                       c10::optional<torch::Tensor> post_feedforward_norm) {
+                       c10::optional<at::Tensor> pre_feedforward_norm,
+                       c10::optional<at::Tensor> post_feedforward_norm) {
              return LayerWeights{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
                                  std::move(k_norm), std::move(qkv), std::move(o), std::move(gate_up),
                                  std::move(down), std::move(pre_feedforward_norm), std::move(post_feedforward_norm)};
@@ -56,7 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("pre_feedforward_norm") = py::none(), py::arg("post_feedforward_norm") = py::none());
   py::class_<LoraLinear>(m, "LoraLinear")
-      .def(py::init([](torch::Tensor a, torch::Tensor bt, std::vector<int64_t> slice_begin,
+      .def(py::init([](at::Tensor a, at::Tensor bt, std::vector<int64_t> slice_begin,
                        std::vector<int64_t> slice_end, int64_t rank) {
              return LoraLinear{std::move(a), std::move(bt), std::move(slice_begin), std::move(slice_end), rank};
            }),
@@ -77,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
            py::arg("rms_norm_eps"), py::arg("attention_scale"), py::arg("gelu_tanh") = false);
   py::class_<DecoderStep>(m, "DecoderStep")
-      .def(py::init<DecoderShape, std::vector<LayerWeights>, torch::Tensor, LinearWeights>(), py::arg("shape"),
+      .def(py::init<DecoderShape, std::vector<LayerWeights>, at::Tensor, LinearWeights>(), py::arg("shape"),
            py::arg("layers"), py::arg("final_norm"), py::arg("lm_head"))
       .def("forward", &DecoderStep::forward, "logits of one flattened batch (float32)", py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
