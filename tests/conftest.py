@@ -371,6 +371,15 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.live)
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # `make test`'s second run (`-m serial`) would otherwise import every test module, ~20 s, to keep
+    # one file's tests: a module that never names the mark cannot hold a test carrying it.
+    if (config.getoption("markexpr") == "serial" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return "mark.serial" not in collection_path.read_text(encoding="utf-8") or None
+    return None
+
+
 @pytest.hookimpl(trylast=True)  # after tests/fuzz/conftest.py gives schemathesis' items their own ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen: set[str] = set()

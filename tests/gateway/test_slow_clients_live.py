@@ -2,7 +2,7 @@
 
 Against ``protoserve serve --stream-idle-timeout 2`` (guarded_server): a WebSocket client and an
 SSE client on bare sockets that never read (a 4 KiB receive buffer, never drained), and a gRPC
-client that never iterates its stream (BDP probing off, so its window stays at 64 KiB). Each
+client that never iterates its stream (a 4 KiB window, BDP probing off so that it stays there). Each
 starts a generation far longer than the test waits; the server must cancel it within a few
 timeouts, free its KV cache (``GET /v1/metrics``: nothing running, KV usage 0) and close the
 connection, without a traceback or an ERROR line in its log. The waits are generous bounds,
@@ -124,14 +124,16 @@ def test_a_reading_sse_client_is_served_to_the_end(server):
 
 def test_a_grpc_client_that_never_reads_gets_deadline_exceeded(server):
     before = cancelled(snapshot(server.url), "DEADLINE_EXCEEDED")
-    channel = grpc.insecure_channel(server.grpc_target, options=[("grpc.http2.bdp_probe", 0)])
+    # A 4 KiB stream window (BDP probing off keeps it there): the server's writes wait after ~90
+    # deltas instead of the default 64 KiB's ~1,400, seconds of generation instead of half a minute.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096)]
+    channel = grpc.insecure_channel(server.grpc_target, options=options)
     with channel:
         sampling = pb.SamplingParams(max_tokens=LONG, ignore_eos=True, temperature=1.0)
         request = pb.GenerateStreamRequest(
             request=pb.GenerateRequest(prompt="Once upon a time", sampling=sampling)
         )
         stream = pb_grpc.InferenceServiceStub(channel).GenerateStream(request, timeout=600)
-        # Its 64 KiB window holds ~1,400 deltas; then the server's writes wait on it.
         snap = wait_ended(server.url, "DEADLINE_EXCEEDED", before, 300)
         assert snap["kv_cache_usage"] == 0
         deltas = 0
