@@ -14,7 +14,10 @@
 
 #include "kernels.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <c10/core/InferenceMode.h>
 #include <omp.h>
 

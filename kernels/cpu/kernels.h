@@ -3,10 +3,11 @@
 // back through Python between layers.
 #pragma once
 
-// ATen, not torch/extension.h: only module.cpp binds to Python, and the whole torch API with
-// pybind11 took each source ~17 s to parse, most of a first build's time (every fresh venv,
-// every kernel change).
-#include <ATen/ATen.h>
+// The Tensor class and ATen's threads, not <ATen/ATen.h> or torch/extension.h: every source parses
+// this header, and each source includes the few operators it calls (ATen/ops/*.h), since parsing
+// the headers was most of a first build's time (every fresh venv, every kernel change).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include "team.h"
 

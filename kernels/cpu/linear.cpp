@@ -30,7 +30,7 @@
 #include "kernels.h"
 #include "simd.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

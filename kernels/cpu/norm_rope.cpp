@@ -8,7 +8,7 @@
 #include "kernels.h"
 #include "simd.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
