@@ -16,7 +16,8 @@ PYTEST_ARGS ?=
 # waits on servers, subprocesses and sockets, so two workers finish it in ~0.7 of the time on 2 cores.
 # TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
+# --no-loadscope-reorder: files go out in tests/conftest.py's order, the longest kinds first.
+PYTEST := $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 CONTRACT_BASELINE := proto/baseline/protoserve.binpb
 CLIENT_PKG := clients/python/protoserve_client
 SYNC_CLIENT := $(CLIENT_PKG)/client.py

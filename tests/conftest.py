@@ -388,3 +388,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.nodeid in seen:
             raise pytest.UsageError(f"two tests have the node id {item.nodeid!r}: pytest-xdist would run one")
         seen.add(item.nodeid)
+    # pytest-xdist hands whole files to its workers in this order (`make test` turns off its own
+    # reordering, which puts files with many tests first): files with a slow test first, then files
+    # that start servers, then unit files. Its reordering left two-test files of a minute or more
+    # (the wheel, tensor parallelism) for the end, where one worker ran them while the other idled.
+    rank: dict[Path, int] = {}
+    for item in items:
+        here = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("live") else 2
+        rank[item.path] = min(here, rank.get(item.path, here))
+    items.sort(key=lambda item: rank[item.path])
