@@ -5,8 +5,9 @@ decoder step calls the other kernels in C++ (``protoserve.kernels.h``). It is co
 first use with the machine's compiler for the machine's own CPU
 (``-march=native``) and cached by PyTorch under ``$PROTOSERVE_KERNEL_CACHE``
 (default ``~/.cache/protoserve/kernels``) in a folder per CPU feature set and
-sources' content (a changed source builds in a new folder). ``make install`` builds them ahead of time so
-no request pays the compile.
+sources' content (a changed source builds in a new folder); a process finding a finished build there
+imports it without running the build tools. ``make install`` builds them ahead of time so no request
+pays the compile.
 
 The kernels are written for AVX-512 and for AVX2 with FMA (``simd.h``); on a CPU
 with neither, or where no compiler is present, ``load`` returns None and every
@@ -20,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import types
@@ -35,6 +37,9 @@ SOURCES = ("module.cpp", "linear.cpp", "int8_dot_linear.cpp", "norm_rope.cpp", "
            "lora.cpp")
 SOURCES += ("moe_experts.cpp", "argmax.cpp")
 SUPPORTED_CPU_CAPABILITIES = ("AVX512", "AVX2")
+MODULE_NAME = "protoserve_cpu"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
 
 
 def cache_dir() -> Path:
@@ -64,15 +69,15 @@ def build_dir() -> Path:
 
     Keyed by the CPU's flags: a home directory shared by machines with different CPUs (an
     AVX-512 VNNI machine, then an AMX one) must not load a binary built for the other's
-    instructions, which would die of SIGILL or leave AMX unused. And by the sources' content
-    and the torch they link (version and folder), not the sources' folder: every checkout using
-    one venv's torch with the same sources (a git worktree, a copy) loads one build instead of
-    compiling its own, and the build compiles copies kept in the folder (``src/``), so
-    build.ninja names the same paths for all of them.
+    instructions, which would die of SIGILL or leave AMX unused. And by the compiler flags, the
+    sources' content and the torch they link (version and folder), not the sources' folder: every
+    checkout using one venv's torch with the same sources (a git worktree, a copy, a wheel's venv
+    that links this torch's files) loads one build instead of compiling its own, and the build
+    compiles copies kept in the folder (``src/``).
     """
-    # torch's folder too: the build links it by path, and a venv with its own torch (a wheel installed
-    # into a fresh venv) sharing this folder would rebuild it for itself, and the next checkout back.
-    digest = hashlib.sha256(f"{cpu_flags()}\n{torch.__version__}\n{Path(torch.__file__).parent}\n".encode())
+    # torch's folder (its real one, links resolved): the build links that torch's libraries.
+    torch_dir = Path(torch.__file__).resolve().parent
+    digest = hashlib.sha256(f"{cpu_flags()}\n{torch.__version__}\n{torch_dir}\n{CFLAGS}\n{LDFLAGS}\n".encode())
     for path in source_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return cache_dir() / "cpu" / digest.hexdigest()[:12]
@@ -119,17 +124,37 @@ def _module() -> types.ModuleType | None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with _exclusive(directory):
-            return cpp_extension.load(
-                name="protoserve_cpu",
+            return _built_module(directory) or cpp_extension.load(
+                name=MODULE_NAME,
                 sources=_copied_sources(directory),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(directory),
                 verbose=False,
             )
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back, loudly
         log.warning("CPU kernels not available, using the PyTorch paths: %s", exc)
         return None
+
+
+def _built_module(directory: Path) -> types.ModuleType | None:
+    """The module an earlier build left in ``directory``, imported without running ninja again.
+
+    The folder's name already pins everything the build read. A process whose torch is the same files
+    reached through links (a wheel's test venv) would write a build.ninja naming other include paths,
+    and ninja would then rebuild everything for it, and again for the next process back.
+    """
+    path = directory / f"{MODULE_NAME}.so"
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path) if path.is_file() else None
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)  # dlopen: where a damaged file fails
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # a build cut short: build it again
+        log.warning("rebuilding the CPU kernels: the build in %s does not load: %s", directory, exc)
+        return None
+    return module
 
 
 class _exclusive:

@@ -47,3 +47,34 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading():
     assert loaded.stdout.strip() == "True", loaded.stderr
     assert not (directory / "lock").exists()
     assert "stale kernel build lock" in loaded.stderr
+
+
+def test_a_venv_linking_this_torch_shares_its_build(monkeypatch, tmp_path):
+    """A venv that reaches this torch's files through links (tests/packaging/test_wheel.py's) links the
+    same libraries: it loads the build already made instead of compiling its own."""
+    here = extension.build_dir()
+    linked = tmp_path / "shared-torch" / "torch"
+    linked.parent.mkdir()
+    linked.symlink_to(extension.Path(extension.torch.__file__).resolve().parent)
+    monkeypatch.setattr(extension.torch, "__file__", str(linked / "__init__.py"))
+    assert extension.build_dir() == here
+
+
+@pytest.mark.skipif(extension.load("linear") is None, reason="no CPU kernels on this machine")
+def test_a_finished_build_loads_without_the_toolchain():
+    """Without ninja or a compiler on PATH, the finished build still loads: a process only asks ninja
+    when the folder holds no module, so a venv writing other include paths into build.ninja cannot
+    make every later load rebuild."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from protoserve.kernels.cpu.extension import _module; print(_module() is not None)"],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/nonexistent", "HOME": str(extension.Path.home())},
+    )
+    assert loaded.stdout.strip() == "True", loaded.stderr
+
+
+def test_a_build_that_does_not_load_is_rebuilt(tmp_path, caplog):
+    """A module file cut short (a process killed while it linked) is not imported: None, and a warning."""
+    (tmp_path / f"{extension.MODULE_NAME}.so").write_bytes(b"\x7fELF cut short")
+    assert extension._built_module(tmp_path) is None
+    assert "does not load" in caplog.text
+    assert extension._built_module(tmp_path / "empty") is None  # nothing built yet: nothing to say

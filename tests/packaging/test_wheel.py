@@ -2,10 +2,10 @@
 
 Builds protoserve's wheel (generated code made by the build backend, kernel
 sources as package data), installs it and the default model's package into a
-fresh venv (torch shared from this one), runs that venv's `protoserve serve`
-from a folder outside the repository, and checks its first greedy answer is the
-repo server's. Slow (a fresh venv resolves every other dependency), so it runs
-once per suite.
+fresh venv (torch shared from this one, so the kernels load the build made for
+this torch and these sources), runs that venv's `protoserve serve` from a folder
+outside the repository, and checks its first greedy answer is the repo server's.
+Slow (a fresh venv resolves every other dependency), so it runs once per suite.
 """
 
 from __future__ import annotations
