@@ -24,6 +24,15 @@ head with its per-channel ones) and its sequence's cached K/V. ``decode_roofline
 holds a decode figure to ``machine.memory_bandwidth`` (bench/memory_bandwidth.py):
 
     share of bandwidth = tokens/s x bytes read per token / bytes per second
+
+A decode at a long context reads the extra positions' K/V on top of what the
+short-context decode reads, so against that decode it can keep at most
+(``long_decode_ceiling``)
+
+    ceiling = t_short / (t_short + extra positions x K/V bytes per position / bytes per second)
+
+with t_short the measured short-context step: the K/V read at the probe's full
+rate and costing nothing else.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ SECTION = "roofline"
 UNIT = "of peak"
 # Single-stream decode figures held to the memory bandwidth: through gRPC, and the engine in turn with it.
 DECODE_FIGURES = r"decode\.grpc|decode\.engine\.paired"
+# A long-context decode against the short one (bench/sections/long_context.py), held to the K/V it adds.
+LONG_DECODE_FIGURES = r"long_context\.self\.decode\.(\d+)"
 # int8 dot products per weight multiply-add in the quantized linears: coarse and fine activation codes.
 DOT_PRODUCTS_PER_MAC = 2
 
@@ -144,6 +155,26 @@ def decode_roofline(figure: Figure, bytes_per_token: float, bandwidth: Figure | 
     )
 
 
+def long_decode_ceiling(ratio: Figure, short: Figure | None, extra_positions: int, kv_per_position: int,
+                        bandwidth: Figure | None) -> Figure:
+    """``roofline.<ratio>``: the most a decode ``extra_positions`` further into its context can keep of the
+    ``short`` decode's tokens/s, its extra K/V read at ``bandwidth`` and nothing else added (unit "x")."""
+    name = f"roofline.{ratio.name}"
+    missing = next((f"{what} was not measured" for what, f in ((BANDWIDTH_FIGURE, bandwidth), ("the short decode", short))
+                    if f is None or f.value is None), None)  # fmt: skip
+    if missing is not None:
+        return skipped(name, "x", SECTION, missing)
+    extra_s = extra_positions * kv_per_position / (bandwidth.value * 1e9)
+    short_s = 1.0 / short.value
+    ceiling = short_s / (short_s + extra_s)
+    details = {"of": ratio.name, "extra_kv_mb": round(extra_positions * kv_per_position / 1e6, 1),
+               "extra_kv_ms": round(extra_s * 1e3, 2), "short_step_ms": round(short_s * 1e3, 2),
+               "bandwidth_gbps": bandwidth.value}  # fmt: skip
+    if ratio.value is not None:
+        details["of_ceiling"] = round(ratio.value / ceiling, 3)
+    return Figure(name=name, value=ceiling, unit="x", section=SECTION, details=details)
+
+
 @dataclass(frozen=True)
 class RooflineInputs:
     """What the figures are measured on: the model's work, the serving workload and the machine."""
@@ -157,6 +188,8 @@ class RooflineInputs:
     # at (the decode profile's prompt plus half its new tokens); None: no decode roofline.
     decode_bytes: DecodeBytes | None = None
     decode_context: int = 96
+    # long_context's short decode: the prompt its long decodes' extra positions are counted from.
+    long_decode_short_prompt: int = 32
 
 
 def macs_per_token(name: str, inputs: RooflineInputs) -> float | None:
@@ -180,6 +213,10 @@ def roofline_figures(figures: Iterable[Figure], inputs: RooflineInputs) -> list[
         per_token = inputs.decode_bytes.per_token(inputs.decode_context)
         decode = [decode_roofline(f, per_token, by_name.get(BANDWIDTH_FIGURE)) for f in figures
                   if re.fullmatch(DECODE_FIGURES, f.name)]  # fmt: skip
+        short = by_name.get("long_context.protoserve.decode.short")
+        decode += [long_decode_ceiling(f, short, int(m[1]) - inputs.long_decode_short_prompt,
+                                       inputs.decode_bytes.kv_per_position, by_name.get(BANDWIDTH_FIGURE))
+                   for f in figures if (m := re.fullmatch(LONG_DECODE_FIGURES, f.name))]  # fmt: skip
     work_of = {f.name: work for f in figures if (work := macs_per_token(f.name, inputs)) is not None}
     names = list(work_of)
     if not names:

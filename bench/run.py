@@ -157,6 +157,7 @@ def roofline_inputs(profile: Profile) -> RooflineInputs | None:
             quantization := profile.serving_variant.quantization) in ("int4", "int8") else None,
         # a single-stream request's mean context over its decode
         decode_context=profile.decode_prompt_len + profile.decode_tokens // 2,
+        long_decode_short_prompt=long_context.SHORT_PROMPT,
     )
 
 

@@ -82,6 +82,28 @@ def test_decode_figures_take_their_share_of_the_bandwidth() -> None:
     assert roofline_figures(figures, _inputs(None)) == []
 
 
+def test_a_long_decode_is_held_to_the_k_v_it_adds() -> None:
+    """SmolLM2 at 4,096: 93.6 MB more K/V than the 32-token decode at 43.3 GB/s is 2.17 ms beside a
+    3.24 ms short step (309 tok/s), so the long decode keeps at most 0.60 of the short one's speed."""
+    d = DecodeBytes.of(GGUFCheckpoint(default_model_path()).config)
+    figures = [Figure(memory_bandwidth.FIGURE, 43.3, "GB/s", "machine"),
+               Figure("long_context.protoserve.decode.short", 309.0, "tok/s", "long_context"),
+               Figure("long_context.self.decode.4096", 0.53, "x", "long_context"),
+               Figure("long_context.self.decode.512", None, "x", "long_context")]  # fmt: skip
+    out = {f.name: f for f in roofline_figures(figures, _inputs(d))}
+    ceiling = out["roofline.long_context.self.decode.4096"]
+    extra_s = (4096 - 32) * d.kv_per_position / 43.3e9
+    assert ceiling.value == pytest.approx((1 / 309) / (1 / 309 + extra_s))
+    assert 0.59 < ceiling.value < 0.61 and ceiling.unit == "x"
+    assert ceiling.details["extra_kv_mb"] == pytest.approx(93.6, abs=0.05)
+    assert ceiling.details["of_ceiling"] == pytest.approx(0.53 / ceiling.value, abs=1e-3)
+    # A ratio that was not measured still has its ceiling; without the short decode there is none.
+    assert "of_ceiling" not in out["roofline.long_context.self.decode.512"].details
+    assert out["roofline.long_context.self.decode.512"].value > ceiling.value
+    without_short = {f.name: f for f in roofline_figures([figures[0], *figures[2:]], _inputs(d))}
+    assert "the short decode was not measured" in without_short["roofline.long_context.self.decode.4096"].note
+
+
 def test_the_bandwidth_probe_measures_a_positive_rate() -> None:
     if machine_peak.compiler() is None:
         pytest.skip("no C compiler")
