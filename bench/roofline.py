@@ -160,10 +160,10 @@ def long_decode_ceiling(ratio: Figure, short: Figure | None, extra_positions: in
     """``roofline.<ratio>``: the most a decode ``extra_positions`` further into its context can keep of the
     ``short`` decode's tokens/s, its extra K/V read at ``bandwidth`` and nothing else added (unit "x")."""
     name = f"roofline.{ratio.name}"
-    missing = next((f"{what} was not measured" for what, f in ((BANDWIDTH_FIGURE, bandwidth), ("the short decode", short))
-                    if f is None or f.value is None), None)  # fmt: skip
-    if missing is not None:
-        return skipped(name, "x", SECTION, missing)
+    if bandwidth is None or bandwidth.value is None:
+        return skipped(name, "x", SECTION, f"{BANDWIDTH_FIGURE} was not measured")
+    if short is None or short.value is None:
+        return skipped(name, "x", SECTION, "the short decode was not measured")
     extra_s = extra_positions * kv_per_position / (bandwidth.value * 1e9)
     short_s = 1.0 / short.value
     ceiling = short_s / (short_s + extra_s)
