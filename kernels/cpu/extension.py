@@ -149,12 +149,27 @@ def _built_module(directory: Path) -> types.ModuleType | None:
     if spec is None or spec.loader is None:
         return None
     try:
-        module = importlib.util.module_from_spec(spec)  # dlopen: where a damaged file fails
+        if not _whole_elf(path):  # dlopen maps a file cut short and dies of SIGBUS touching the rest
+            raise ImportError("the file ends before its section headers")
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except ImportError as exc:  # a build cut short: build it again
+    except ImportError as exc:  # a link cut short: build it again
         log.warning("rebuilding the CPU kernels: the build in %s does not load: %s", directory, exc)
+        path.unlink(missing_ok=True)  # or ninja, finding it newer than its objects, would keep it
         return None
     return module
+
+
+def _whole_elf(path: Path) -> bool:
+    """Whether a 64-bit little-endian ELF file reaches the end of its section header table, which the
+    linker writes last."""
+    with open(path, "rb") as file:
+        header = file.read(64)
+    if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
+        return False
+    table = int.from_bytes(header[0x28:0x30], "little")
+    entry, count = int.from_bytes(header[0x3A:0x3C], "little"), int.from_bytes(header[0x3C:0x3E], "little")
+    return table + entry * count <= path.stat().st_size
 
 
 class _exclusive:
