@@ -149,7 +149,7 @@ def _built_module(directory: Path) -> types.ModuleType | None:
     if spec is None or spec.loader is None:
         return None
     try:
-        if not _whole_elf(path):  # dlopen maps a file cut short and dies of SIGBUS touching the rest
+        if _cut_short(path):  # dlopen maps a file cut short and dies of SIGBUS touching the rest
             raise ImportError("the file ends before its section headers")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -160,16 +160,18 @@ def _built_module(directory: Path) -> types.ModuleType | None:
     return module
 
 
-def _whole_elf(path: Path) -> bool:
-    """Whether a 64-bit little-endian ELF file reaches the end of its section header table, which the
-    linker writes last."""
+def _cut_short(path: Path) -> bool:
+    """Whether a 64-bit little-endian ELF file ends before its section header table, which the linker
+    writes last (or before its 64-byte header). Other formats are not judged here."""
     with open(path, "rb") as file:
         header = file.read(64)
-    if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
+    if not header.startswith(b"\x7fELF\x02\x01"[: len(header)]):
         return False
+    if len(header) < 64:
+        return True
     table = int.from_bytes(header[0x28:0x30], "little")
     entry, count = int.from_bytes(header[0x3A:0x3C], "little"), int.from_bytes(header[0x3C:0x3E], "little")
-    return table + entry * count <= path.stat().st_size
+    return table + entry * count > path.stat().st_size
 
 
 class _exclusive:

@@ -90,3 +90,10 @@ def test_a_module_cut_short_is_removed_not_loaded(tmp_path, keep):
 
 def test_nothing_built_yet_is_nothing_to_load(tmp_path):
     assert extension._built_module(tmp_path) is None
+
+
+def test_only_an_elf_file_is_judged_cut_short(tmp_path):
+    path = tmp_path / "module.so"
+    for content, cut in ((b"", True), (b"\x7fELF\x02\x01", True), (b"\xcf\xfa\xed\xfe" + bytes(60), False)):
+        path.write_bytes(content)  # empty, an ELF header's first bytes, a Mach-O header (not ours to judge)
+        assert extension._cut_short(path) is cut, content
