@@ -420,6 +420,10 @@ def test_a_real_conversation_reuses_its_prefix_turn_after_turn(live_server, clea
     assert live_server.http_port, "the server started no REST gateway"
     sizes = replace(SMALL, system_prompt_tokens=200, message_tokens=12, answer_tokens=6, think_s=(0.0, 0.05))
     plan = ConversationFactory(model_words(resources.model_path()), sizes).plan(2, seed=1)
+    # The second user starts a second after the first, once the shared system prompt's blocks are
+    # computed: two first turns admitted into one step both compute it (and the plan had them 50 ms apart).
+    first, second = plan.users
+    plan = replace(plan, users=(first, replace(second, start_s=first.start_s + 1.0)))
 
     async def main() -> tuple[list[TurnRecord], list[MetricsSample]]:
         fetch, close = grpc_fetch(live_server.grpc_target)
