@@ -411,6 +411,9 @@ inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua,
   }
 }
 
+// The lanes of keys ua..ub of a key block.
+inline simd::Mask visible_lanes(int ua, int ub) { return ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u); }
+
 // One key block for one query, in three steps that the tile loop runs for all of its
 // queries in turn (so each step is a long run of independent work):
 // scores of all `group` heads (lanes outside ua..ub = -inf) ...
@@ -418,7 +421,7 @@ template <int CH>
 inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[16], int ua, int ub,
                                float* scores) {
   const int D = pb.head_dim, chunks = D / LANES;
-  const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
+  const simd::Mask visible = visible_lanes(ua, ub);
   for (int g = 0; g < pb.group; ++g)
     simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), block_scores<CH>(q + g * D, krow, chunks)));
 }
@@ -428,7 +431,7 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
 // when the max did not move, the common case once a sequence's large scores are seen, so
 // that case skips the exp (same bits: exp(0) is 1 and l * 1 + p rounds like l + p) ...
 inline void block_query_softmax(int group, int ua, int ub, float* m, F16* l, float* probs, float* corr) {
-  const simd::Mask visible = ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u);
+  const simd::Mask visible = visible_lanes(ua, ub);
   for (int g = 0; g < group; ++g) {
     const F16 sc = simd::load(probs + g * KEY_BLOCK);
     const F16 m_old = simd::set1(m[g]);
@@ -714,8 +717,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
           column_scores_n<CH * 8>(n, kt, qp, sc);
           for (int r = 0; r < n; ++r) {
             const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
-            const simd::Mask visible = ((1u << (qb[i] + 1)) - 1u) & ~((1u << qa[i]) - 1u);
-            simd::store(&s.probs[(i * HG + h * G + g) * KEY_BLOCK], simd::select(visible, simd::set1(NEG_INF), sc[r]));
+            simd::store(&s.probs[(i * HG + h * G + g) * KEY_BLOCK],
+                        simd::select(visible_lanes(qa[i], qb[i]), simd::set1(NEG_INF), sc[r]));
           }
         }
       } else
@@ -744,7 +747,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
         if constexpr (bf16_products) {
           if (tile.n > 1)
             block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
-                                static_cast<const __m512i*>(reinterpret_cast<const __m512i*>(s.vp.data())), qa[i], qb[i]);
+                                reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i]);
           else
             block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
                                 reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
