@@ -220,7 +220,7 @@ class LLMEngine:
         the engine; their callers are owed a QueueFullError.
         """
         prepared = request if isinstance(request, AdmittedRequest) else self.prepare(request)
-        req = prepared.request
+        req, fitted = prepared.request, prepared.fitted
         if req.request_id in self.requests:
             raise InvalidRequestError([("request_id", f"request {req.request_id!r} is already running")])
         # The adapter first: a refusal for want of a slot must come before another request is shed.
@@ -233,19 +233,18 @@ class LLMEngine:
                 self._release_adapter(req)
                 raise QueueFullError(len(self.scheduler.waiting))
             shed.append(self._drop_shed(victim.request_id))
-        state = RunningRequest(req, prepared.fitted.prompt_token_ids, prepared.fitted.truncated, self._token_bytes,
-                             self._special_ids)
+        state = RunningRequest(req, fitted.prompt_token_ids, fitted.truncated, self._token_bytes, self._special_ids)
         if req.trace is not None:
-            state.span = RequestSpan(req.trace, req, len(prepared.fitted.prompt_token_ids),
-                                     lambda: self._prompt_text(prepared.fitted.prompt_token_ids))
+            state.span = RequestSpan(req.trace, req, len(fitted.prompt_token_ids),
+                                     lambda: self._prompt_text(fitted.prompt_token_ids))
         matcher = prepared.grammar.new_matcher() if prepared.grammar is not None else None
-        seq = self._new_seq(state, 0, prepared.fitted.max_len, matcher=matcher)
+        seq = self._new_seq(state, 0, fitted.max_len, matcher=matcher)
         seq.num_pending_forks = req.sampling.n - 1
         self.requests[req.request_id] = state
         if self.kv_offload is None or not self.kv_offload.park(seq):  # parked: its prefix comes off disk first
             self.scheduler.add(seq)
-        self.counters.prompt_tokens += len(prepared.fitted.prompt_token_ids)
-        self.counters.truncated_prompt_tokens += prepared.fitted.truncated
+        self.counters.prompt_tokens += len(fitted.prompt_token_ids)
+        self.counters.truncated_prompt_tokens += fitted.truncated
         return shed
 
     def _drop_shed(self, request_id: str) -> str:
