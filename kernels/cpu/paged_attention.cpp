@@ -13,15 +13,19 @@
 // Work unit = a tile of up to QUERY_TILE consecutive queries of one sequence and one
 // KV head: the GQA group's query heads and the tile's queries share every K/V row
 // loaded. Each query walks exactly its own visible keys in ascending order, in key
-// blocks of KEY_BLOCK = 16 positions aligned to position 0 (the same blocks whatever
+// blocks of KEY_BLOCK = 64 positions aligned to position 0 (the same blocks whatever
 // the cache's block size), with an online softmax:
 //
 //   scores  s_u = tree_sum_l( chain_c q[16c+l] * k_u[16c+l] )   (fixed tree below; bfloat16
-//           pools with vdpbf16ps: four chains over the pairs instead, see column_scores)
+//           pools with vdpbf16ps: one chain over the pairs instead, see column_scores)
 //   m'      = max(m, max_u s_u)                                  (exact)
 //   p_u     = exp(s_u - m')  for visible u, exactly 0 otherwise
-//   l       = l * exp(m - m') + p               (16 lanes, summed once at the end)
+//   l       = l * exp(m - m') + ((p_0..15 + p_16..31) + (p_32..47 + p_48..63))
+//                                               (16 lanes, summed once at the end)
 //   acc     = acc * exp(m - m') + sum_u p_u v_u  (one FMA chain per lane, ascending u)
+//
+// A block's scores are four vectors of 16 keys; the step's fixed costs (the max across lanes, the
+// rescale of acc, the bookkeeping) are paid once per 64 keys.
 //
 // Long contexts: the keys are cut into partitions of PARTITION positions aligned to position 0. A
 // query runs the walk above from a fresh state (m = -inf, l = 0, acc = 0) in each partition its keys
@@ -80,8 +84,10 @@ constexpr bool BF16_ATTENTION = false;
 
 namespace {
 
-constexpr int KEY_BLOCK = 16;  // keys per online-softmax step (one vector of scores)
 constexpr int LANES = 16;      // floats per vector (simd.h)
+constexpr int SUBS = 4;        // vectors of scores per key block
+constexpr int KEY_BLOCK = SUBS * LANES;  // keys per online-softmax step
+static_assert(SUBS == 4, "the sums of a block's four score vectors are written out as trees");
 // Consecutive queries of a sequence sharing each loaded K/V block (and, for bfloat16 products, each
 // block's transposed keys and interleaved values): a long tile spreads a block's transpose over more
 // queries (docs/notes/performance-log.md has the measurements).
@@ -155,6 +161,46 @@ inline F16 exp_nonpositive(F16 x, simd::Mask keep) {
   return simd::keep(keep, simd::scale_pow2(y, n));
 }
 
+// ---- rows asked for ahead ----------------------------------------------------------------
+
+// The cached rows a thread reads next (one KV head's K rows, then its V rows), asked for into L1 while
+// the current head computes: a sequence's blocks are scattered, so the hardware prefetcher cannot guess
+// them, and decode reads every row from beyond L2. The rows are the next KV head's of the current key
+// block, or the first head's of the next block: a 64-key block of SmolLM2's three KV heads is 48 KB of
+// K and V, an L1's worth, so asking for the whole next block while this one computes evicts lines
+// before they are read. They are asked for a few lines at a time, from inside the scores' and P @ V's
+// loops and in eighths between the head's steps: a prefetch waits to issue while the core's L1 miss
+// buffers are full, and nothing behind it runs meanwhile, so a burst of 32 lines or more stalls the work.
+class LinesAhead {
+ public:
+  LinesAhead() = default;
+  LinesAhead(const void* k, const void* v, const int64_t* slots, int rows, int64_t row_stride_bytes, int span_bytes)
+      : base_(static_cast<const char*>(k)), v_(static_cast<const char*>(v)), slots_(slots), rows_(rows),
+        stride_(row_stride_bytes), span_(span_bytes), left_(2 * rows * ((span_bytes + 63) / 64)) {}
+  int left() const { return left_; }
+  __attribute__((always_inline)) void issue(int lines) {
+    for (; lines > 0 && left_ > 0; --lines, --left_) {
+      _mm_prefetch(base_ + slots_[u_] * stride_ + off_, _MM_HINT_T0);
+      if ((off_ += 64) < span_) continue;
+      off_ = 0;
+      if (++u_ == rows_) u_ = 0, base_ = v_;
+    }
+  }
+
+ private:
+  const char* base_ = nullptr;
+  const char* v_ = nullptr;
+  const int64_t* slots_ = nullptr;
+  int rows_ = 0;
+  int64_t stride_ = 0;
+  int span_ = 0;
+  int left_ = 0;
+  int u_ = 0, off_ = 0;
+};
+
+// Lines asked for per step of the scores' and P @ V's inner loops.
+constexpr int LINES_PER_STEP = 1;
+
 // ---- scores -----------------------------------------------------------------------------
 
 // Scores of one (pre-scaled) query head against the block's 16 key rows (float32).
@@ -194,23 +240,20 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
 }
 
 #if defined(PROTOSERVE_SIMD_BF16)
-// bfloat16 scores in column form. The block's 16 key rows (bfloat16, as cached) are transposed once
-// per tile, block and KV head: kt[d] holds in lane u the pair (2d, 2d+1) of key u's row. A query
-// head's 16 scores are then one vector: lane u is
-//   (A_0 + A_1) + (A_2 + A_3),   A_k = chain over d = k, k + 4, k + 8, ... ascending of
-//                                      vdpbf16ps(q[2d] k_u[2d] + q[2d+1] k_u[2d+1])
-// with the query's pair d broadcast. Four chains hide vdpbf16ps's latency when few query heads
-// share a block (decode); a tile's query heads run side by side on each loaded kt[d] (a small GEMM
-// micro-kernel, no horizontal sums). Which heads share a kernel call changes nothing in a head's lanes.
-// Against the row form's lane tree per head (45 other instructions per 32 vdpbf16ps) this costs one
-// 16 x 16 transpose per D / 32 and key block, shared by the tile's query heads; decode (one query, a
-// group of 3) pays about what the three trees cost.
+// bfloat16 scores in column form. Each 16 key rows of the block (bfloat16, as cached) are transposed
+// once per tile, block and KV head: kt[s * D/2 + d] holds in lane u the pair (2d, 2d+1) of key
+// 16s + u's row. A query head's 64 scores are then four vectors: lane u of vector s is one chain over
+// d ascending of
+//   vdpbf16ps(q[2d] k_{16s+u}[2d] + q[2d+1] k_{16s+u}[2d+1])
+// with the query's pair d broadcast. A small GEMM micro-kernel: R query heads x 4 vectors of keys, each
+// broadcast pair serving four vdpbf16ps and each loaded kt serving R, no horizontal sums; R x 4
+// independent chains hide vdpbf16ps's latency even for decode's group of 3. Which heads share a
+// kernel call changes nothing in a head's lanes.
 typedef uint32_t u32_alias __attribute__((may_alias));
 
-// acc + vdpbf16ps(k, the bfloat16 pair at p broadcast). (The broadcast folded into the instruction
-// by inline asm, which GCC does not do itself, measured the same.)
-__attribute__((always_inline)) inline F16 dp_broadcast(F16 acc, __m512bh k, const uint16_t* p) {
-  return _mm512_dpbf16_ps(acc, k, (__m512bh)_mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const u32_alias*>(p))));
+// The bfloat16 pair at p in every lane.
+__attribute__((always_inline)) inline __m512bh broadcast_pair(const uint16_t* p) {
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const u32_alias*>(p)));
 }
 
 // out[d] lane u = in[u] dword d, for a 16 x 16 block of dwords.
@@ -239,53 +282,59 @@ __attribute__((always_inline)) inline void transpose16x16(const __m512i in[16], 
   }
 }
 
-// kt[d] (d < P2 = D / 2) from the block's 16 rows.
+// kt (SUBS * P2 vectors, P2 = D / 2) from the block's KEY_BLOCK rows.
 template <int P2>
-inline void transpose_keys(const uint16_t* const krow[16], __m512i* kt) {
-  for (int c = 0; c < P2 / 16; ++c) {
-    __m512i rows[16];
+inline void transpose_keys(const uint16_t* const krow[KEY_BLOCK], __m512i* kt) {
+  for (int sub = 0; sub < SUBS; ++sub)
+    for (int c = 0; c < P2 / 16; ++c) {
+      __m512i rows[16];
 #pragma GCC unroll 16
-    for (int u = 0; u < 16; ++u) rows[u] = _mm512_loadu_si512(krow[u] + 32 * c);
-    transpose16x16(rows, kt + 16 * c);
-  }
+      for (int u = 0; u < 16; ++u) rows[u] = _mm512_loadu_si512(krow[sub * LANES + u] + 32 * c);
+      transpose16x16(rows, kt + sub * P2 + 16 * c);
+    }
 }
 
-// The 16 scores of R query heads (bfloat16 pairs at q[r]) against the transposed block.
+// The KEY_BLOCK scores of R query heads (bfloat16 pairs at q[r]) against the transposed block:
+// out[r * SUBS + s] holds keys 16s .. 16s + 15.
 template <int R, int P2>
-__attribute__((always_inline)) inline void column_scores(const __m512i* kt, const uint16_t* const q[R], F16 out[R]) {
-  static_assert(P2 % 4 == 0, "four chains");
-  F16 acc[R][4];
-  {
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const __m512bh kd = (__m512bh)_mm512_load_si512(kt + k);
+__attribute__((always_inline)) inline void column_scores(const __m512i* kt, const uint16_t* const q[R], F16* out,
+                                                         LinesAhead& ahead) {
+  F16 acc[R][SUBS];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        acc[r][k] = dp_broadcast(simd::zero(), kd, q[r] + 2 * k);
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int sub = 0; sub < SUBS; ++sub) acc[r][sub] = simd::zero();
+#pragma GCC unroll 64
+  for (int d = 0; d < P2; ++d) {
+    ahead.issue(LINES_PER_STEP);
+    __m512bh kd[SUBS];
+#pragma GCC unroll 4
+    for (int sub = 0; sub < SUBS; ++sub) kd[sub] = (__m512bh)_mm512_load_si512(kt + sub * P2 + d);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qd = broadcast_pair(q[r] + 2 * d);
+#pragma GCC unroll 4
+      for (int sub = 0; sub < SUBS; ++sub) acc[r][sub] = _mm512_dpbf16_ps(acc[r][sub], kd[sub], qd);
     }
   }
-#pragma GCC unroll 64
-  for (int d = 4; d < P2; ++d) {
-    const __m512bh kd = (__m512bh)_mm512_load_si512(kt + d);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      acc[r][d % 4] = dp_broadcast(acc[r][d % 4], kd, q[r] + 2 * d);
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) out[r] = simd::add(simd::add(acc[r][0], acc[r][1]), simd::add(acc[r][2], acc[r][3]));
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int sub = 0; sub < SUBS; ++sub) out[r * SUBS + sub] = acc[r][sub];
 }
 
 constexpr int SCORE_HEADS = 6;  // query heads per column_scores call: 24 accumulators
 
 template <int P2>
-inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SCORE_HEADS], F16 out[SCORE_HEADS]) {
+inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SCORE_HEADS], F16* out,
+                            LinesAhead& ahead) {
   switch (n) {
-    case 1: column_scores<1, P2>(kt, q, out); break;
-    case 2: column_scores<2, P2>(kt, q, out); break;
-    case 3: column_scores<3, P2>(kt, q, out); break;
-    case 4: column_scores<4, P2>(kt, q, out); break;
-    case 5: column_scores<5, P2>(kt, q, out); break;
-    default: column_scores<6, P2>(kt, q, out); break;
+    case 1: column_scores<1, P2>(kt, q, out, ahead); break;
+    case 2: column_scores<2, P2>(kt, q, out, ahead); break;
+    case 3: column_scores<3, P2>(kt, q, out, ahead); break;
+    case 4: column_scores<4, P2>(kt, q, out, ahead); break;
+    case 5: column_scores<5, P2>(kt, q, out, ahead); break;
+    default: column_scores<6, P2>(kt, q, out, ahead); break;
   }
 }
 #endif
@@ -296,8 +345,8 @@ inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SC
 // 16-column vectors starting at column chunk c0: each loaded V vector serves the G heads.
 // Per lane this is one FMA chain in ascending u whatever G and CC are.
 template <typename KT, int G, int CC>
-void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[16], int ua,
-             int ub, int c0) {
+void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[KEY_BLOCK],
+             int ua, int ub, int c0) {
   F16 a[G][CC];
   for (int g = 0; g < G; ++g) {
     const F16 cg = simd::set1(corr[g]);
@@ -356,8 +405,8 @@ struct Scratch {
   std::vector<float> probs;  // [QUERY_TILE, heads, KEY_BLOCK] this block's scores, then probabilities
   std::vector<float> corr;   // [QUERY_TILE, heads] this block's rescale factors
   std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
-  std::vector<F16> kt;       // [D / 2] bf16 products: the block's K rows transposed (transpose_keys)
-  std::vector<F16> vp;       // [D / 2] bf16 products: the block's V pairs interleaved (unpack_values)
+  std::vector<F16> kt;       // [SUBS * D / 2] bf16 products: the block's K rows transposed (transpose_keys)
+  std::vector<F16> vp;       // [KEY_BLOCK * D / 32] bf16 products: the block's V pairs interleaved (unpack_values)
   // The fold of the partitions done so far, laid out as acc / m / l.
   std::vector<float> facc;
   std::vector<float> fm;
@@ -373,8 +422,8 @@ struct Scratch {
     grow(probs, g * KEY_BLOCK);
     grow(corr, g);
     grow(kbuf, static_cast<size_t>(KEY_BLOCK) * pb.head_dim);
-    grow(kt, static_cast<size_t>(pb.head_dim / 2));
-    grow(vp, static_cast<size_t>(pb.head_dim / 2));
+    grow(kt, static_cast<size_t>(SUBS * pb.head_dim / 2));
+    grow(vp, static_cast<size_t>(KEY_BLOCK * pb.head_dim / 32));
     grow(facc, gd);
     grow(fm, g);
     grow(fl, g);
@@ -398,7 +447,7 @@ struct KeyRange {
 };
 
 // Slot (row of the flattened cache) of positions j0+ua .. j0+ub of sequence `table`.
-inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua, int ub, int64_t slots[16]) {
+inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua, int ub, int64_t slots[KEY_BLOCK]) {
   const int bs = pb.block_size;
   int j = j0 + ua;
   int blk = j / bs, off = j % bs;
@@ -411,19 +460,26 @@ inline void block_slots(const Problem& pb, const int32_t* table, int j0, int ua,
   }
 }
 
-// The lanes of keys ua..ub of a key block.
-inline simd::Mask visible_lanes(int ua, int ub) { return ((1u << (ub + 1)) - 1u) & ~((1u << ua) - 1u); }
+// Keys ua..ub of a key block: bit u for key u.
+inline uint64_t visible_keys(int ua, int ub) { return (~uint64_t{0} >> (KEY_BLOCK - 1 - ub)) & (~uint64_t{0} << ua); }
+
+// The lanes of score vector `sub` (keys 16 sub .. 16 sub + 15) among `keys`.
+inline simd::Mask sub_lanes(uint64_t keys, int sub) { return static_cast<simd::Mask>((keys >> (sub * LANES)) & 0xFFFFu); }
 
 // One key block for one query, in three steps that the tile loop runs for all of its
 // queries in turn (so each step is a long run of independent work):
-// scores of all `group` heads (lanes outside ua..ub = -inf) ...
+// scores of all `group` heads (lanes outside ua..ub = -inf; a vector with none of them is not computed) ...
 template <int CH>
-inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[16], int ua, int ub,
+inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[KEY_BLOCK], int ua, int ub,
                                float* scores) {
   const int D = pb.head_dim, chunks = D / LANES;
-  const simd::Mask visible = visible_lanes(ua, ub);
+  const uint64_t visible = visible_keys(ua, ub);
   for (int g = 0; g < pb.group; ++g)
-    simd::store(scores + g * KEY_BLOCK, simd::select(visible, simd::set1(NEG_INF), block_scores<CH>(q + g * D, krow, chunks)));
+    for (int sub = 0; sub < SUBS; ++sub) {
+      const simd::Mask lanes = sub_lanes(visible, sub);
+      const F16 sc = lanes != 0 ? block_scores<CH>(q + g * D, krow + sub * LANES, chunks) : simd::zero();
+      simd::store(scores + g * KEY_BLOCK + sub * LANES, simd::select(lanes, simd::set1(NEG_INF), sc));
+    }
 }
 
 // ... the online-softmax update of (m, l), scores -> probabilities, and the rescale factor
@@ -431,20 +487,27 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
 // when the max did not move, the common case once a sequence's large scores are seen, so
 // that case skips the exp (same bits: exp(0) is 1 and l * 1 + p rounds like l + p) ...
 inline void block_query_softmax(int group, int ua, int ub, float* m, F16* l, float* probs, float* corr) {
-  const simd::Mask visible = visible_lanes(ua, ub);
+  const uint64_t visible = visible_keys(ua, ub);
   for (int g = 0; g < group; ++g) {
-    const F16 sc = simd::load(probs + g * KEY_BLOCK);
+    float* p = probs + g * KEY_BLOCK;
+    F16 sc[SUBS];
+    for (int sub = 0; sub < SUBS; ++sub) sc[sub] = simd::load(p + sub * LANES);
     const F16 m_old = simd::set1(m[g]);
-    const F16 m_new = simd::max(m_old, simd::max_all_lanes(sc));
+    const F16 m_new = simd::max(m_old, simd::max_all_lanes(simd::max(simd::max(sc[0], sc[1]), simd::max(sc[2], sc[3]))));
     const float m_new1 = simd::first(m_new);
-    const F16 pr = exp_nonpositive(simd::sub(sc, m_new), visible);
-    simd::store(probs + g * KEY_BLOCK, pr);
+    F16 pr[SUBS];
+    for (int sub = 0; sub < SUBS; ++sub) {
+      const simd::Mask lanes = sub_lanes(visible, sub);
+      pr[sub] = lanes != 0 ? exp_nonpositive(simd::sub(sc[sub], m_new), lanes) : simd::zero();
+      simd::store(p + sub * LANES, pr[sub]);
+    }
+    const F16 psum = simd::add(simd::add(pr[0], pr[1]), simd::add(pr[2], pr[3]));
     if (m_new1 == m[g]) {  // the usual case once the big scores are seen: corr = exp(0) = 1 exactly
-      l[g] = simd::add(l[g], pr);
+      l[g] = simd::add(l[g], psum);
       corr[g] = 1.0f;
     } else {
       const F16 c = exp_nonpositive(simd::sub(m_old, m_new), 0xFFFF);
-      l[g] = simd::fmadd(l[g], c, pr);
+      l[g] = simd::fmadd(l[g], c, psum);
       corr[g] = simd::first(c);
     }
     m[g] = m_new1;
@@ -454,7 +517,7 @@ inline void block_query_softmax(int group, int ua, int ub, float* m, F16* l, flo
 // ... and acc = acc * corr + P @ V over the visible keys.
 template <typename KT>
 inline void block_query_pv(const Problem& pb, float* acc, const float* probs, const float* corr,
-                           const KT* const vrow[16], int ua, int ub) {
+                           const KT* const vrow[KEY_BLOCK], int ua, int ub) {
   const int D = pb.head_dim, chunks = D / LANES;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
@@ -476,7 +539,7 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
 //
 // vp[(j * C32 + c) * 2 + 0 / 1]: pair j's interleaved chunk c (of C32 = D / 32), low / high half.
 template <int C32>
-inline void unpack_values(const uint16_t* const vrow[16], __m512i* vp) {
+inline void unpack_values(const uint16_t* const vrow[KEY_BLOCK], __m512i* vp) {
 #pragma GCC unroll 8
   for (int j = 0; j < KEY_BLOCK / 2; ++j)
 #pragma GCC unroll 4
@@ -487,19 +550,22 @@ inline void unpack_values(const uint16_t* const vrow[16], __m512i* vp) {
     }
 }
 
-// VP: const __m512i* (the block's pairs from unpack_values) or const uint16_t* const* (the 16 V rows,
+// VP: const __m512i* (the block's pairs from unpack_values) or const uint16_t* const* (the block's V rows,
 // interleaved here: a tile of one query, as decode's, reads each pair once). The same dp chains either way.
 template <int G, int CC, typename VP>
-void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, VP vsrc, int ja, int jb, int c0) {
+void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, VP vsrc, int ja, int jb, int c0,
+                  LinesAhead& ahead) {
   const int c32 = head_dim / 32;
   F16 a[G][2 * CC];
   uint32_t pairs[G][KEY_BLOCK / 2];
   for (int g = 0; g < G; ++g) {
     const F16 cg = simd::set1(corr[g]);
     for (int c = 0; c < 2 * CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (2 * c0 + c) * LANES), cg);
-    simd::store_bf16(reinterpret_cast<uint16_t*>(pairs[g]), simd::load(probs + g * KEY_BLOCK));
+    for (int sub = 0; sub < SUBS; ++sub)
+      simd::store_bf16(reinterpret_cast<uint16_t*>(pairs[g]) + sub * LANES, simd::load(probs + g * KEY_BLOCK + sub * LANES));
   }
   for (int j = ja; j <= jb; ++j) {
+    ahead.issue(LINES_PER_STEP);
     __m512i v[2 * CC];
     if constexpr (std::is_same_v<VP, const __m512i*>) {
       for (int c = 0; c < 2 * CC; ++c) v[c] = _mm512_load_si512(vsrc + (j * c32 + c0) * 2 + c);
@@ -521,7 +587,7 @@ void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* cor
 }
 
 template <typename VP>
-using PvBf16Fn = void (*)(float*, int, const float*, const float*, VP, int, int, int);
+using PvBf16Fn = void (*)(float*, int, const float*, const float*, VP, int, int, int, LinesAhead&);
 
 template <int G, typename VP>
 constexpr PvBf16Fn<VP> pv_bf16_for_cc(int cc) {
@@ -541,13 +607,13 @@ inline PvBf16Fn<VP> pv_bf16_kernel(int g, int cc) {
 // acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub.
 template <typename VP>
 inline void block_query_pv_bf16(const Problem& pb, float* acc, const float* probs, const float* corr, VP vsrc, int ua,
-                                int ub) {
+                                int ub, LinesAhead& ahead) {
   const int D = pb.head_dim, chunks32 = D / 32;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
     for (int c0 = 0; c0 < chunks32; c0 += 2)
       pv_bf16_kernel<VP>(ng, std::min(2, chunks32 - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vsrc,
-                                                         ua / 2, ub / 2, c0);
+                                                         ua / 2, ub / 2, c0, ahead);
   }
 }
 
@@ -567,23 +633,6 @@ inline void store_bf16_acc(float* out, const float* acc, int head_dim, F16 denom
 template <typename KT, int CH>
 constexpr bool uses_bf16_products = BF16_ATTENTION && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
 
-// Ask for one head's cached rows (D values at base + slots[u] * row_stride, u = 0..last) into L1.
-// The tile asks for the next key block's rows while this one computes: a sequence's blocks are
-// scattered, so the hardware prefetcher cannot guess them, and decode reads every row from beyond
-// L2. It asks for a head's K rows around that head's scores and its V rows around its P @ V, half
-// before and half after (16 lines a time for D = 64 in bfloat16), spread through the block's work: a
-// prefetch waits to issue while the core's L1 miss buffers are full (a 32-line burst filled them),
-// and while it waits nothing behind it runs. All at once (a block's 192 lines for SmolLM2's three KV
-// heads), the requests did not shorten the attention's wait on memory at all; a burst per head and
-// pool halved it; half-bursts took decode attention another ~10% faster.
-template <typename KT>
-inline void prefetch_rows(const KT* base, const int64_t* slots, int last, int64_t row_stride, int D) {
-  for (int u = 0; u <= last; ++u) {
-    const char* row = reinterpret_cast<const char*>(base + slots[u] * row_stride);
-    for (int off = 0; off < D * static_cast<int>(sizeof(KT)); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-  }
-}
-
 // The first key block of the unit a thread computes next: its rows are asked for during the
 // current unit's last block, which would otherwise leave every unit's first block to wait on
 // memory unasked.
@@ -591,7 +640,7 @@ template <typename KT>
 struct FirstRows {
   const KT* kbase = nullptr;  // the unit's first KV head's rows (as attend_tile_vec's kbase/vbase)
   const KT* vbase = nullptr;
-  int64_t slots[16];
+  int64_t slots[KEY_BLOCK];
   int last = -1;  // slots[0..last]; -1: no next unit
 };
 
@@ -644,19 +693,18 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
   // tile's queries before the next, so the core has independent work to overlap.
   const int tile_lo = std::max(first_key(pb, tile.pos0), keys.lo), tile_hi = std::min(tile.pos0 + tile.n - 1, keys.hi);
   const int kb_last = tile_hi / KEY_BLOCK;
-  const float* krow[16];
-  const uint16_t* kbrow[16];  // bf16 scores: the cached rows themselves
-  const KT* vrow[16];
+  const float* krow[KEY_BLOCK];
+  const uint16_t* kbrow[KEY_BLOCK];  // bf16 scores: the cached rows themselves
+  const KT* vrow[KEY_BLOCK];
   int qa[QUERY_TILE], qb[QUERY_TILE];
-  int64_t slots[16];
+  int64_t slots[KEY_BLOCK];
   for (int kb = tile_lo / KEY_BLOCK; kb <= kb_last; ++kb) {
     const int j0 = kb * KEY_BLOCK;
     const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
     block_slots(pb, table, j0, ua, ub, slots);
-    // The next block's slots; each head's K/V rows of it are asked for while this block's same
-    // head computes (a burst of all heads' lines at once overflows the core's miss buffers).
-    // The last block asks for the next unit's first rows instead.
-    int64_t next_slots[16];
+    // The next block's slots, whose first head's rows are asked for while this block's last head
+    // computes (LinesAhead); the last block asks for the next unit's first rows instead.
+    int64_t next_slots[KEY_BLOCK];
     const KT* next_k = kbase;
     const KT* next_v = vbase;
     int next_ub = -1;
@@ -675,8 +723,12 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       qb[i] = std::min(std::min(pos, keys.hi) - j0, KEY_BLOCK - 1);
     }
     for (int h = 0; h < nkv; ++h) {
-      const int next_mid = std::min(next_ub, KEY_BLOCK / 2 - 1);
-      prefetch_rows(next_k + h * D, next_slots, next_mid, row_stride, D);
+      const bool last_head = h + 1 == nkv;
+      LinesAhead ahead(last_head ? next_k : kbase + (h + 1) * D, last_head ? next_v : vbase + (h + 1) * D,
+                       last_head ? next_slots : slots + ua, (last_head ? next_ub : ub - ua) + 1,
+                       row_stride * static_cast<int64_t>(sizeof(KT)), D * static_cast<int>(sizeof(KT)));
+      const int dose = ahead.left() / 8;
+      ahead.issue(dose);
       for (int u = ua; u <= ub; ++u) {
         const KT* k = kbase + slots[u] * row_stride + h * D;
         vrow[u] = vbase + slots[u] * row_stride + h * D;
@@ -709,16 +761,18 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
         for (int t0 = 0; t0 < nvis * G; t0 += SCORE_HEADS) {
           const int n = std::min(SCORE_HEADS, nvis * G - t0);
           const uint16_t* qp[SCORE_HEADS];
-          F16 sc[SCORE_HEADS];
+          F16 sc[SCORE_HEADS * SUBS];
           for (int r = 0; r < n; ++r) {
             const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
             qp[r] = &s.qb[i * HGD + h * GD + g * D];
           }
-          column_scores_n<CH * 8>(n, kt, qp, sc);
+          column_scores_n<CH * 8>(n, kt, qp, sc, ahead);
           for (int r = 0; r < n; ++r) {
             const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
-            simd::store(&s.probs[(i * HG + h * G + g) * KEY_BLOCK],
-                        simd::select(visible_lanes(qa[i], qb[i]), simd::set1(NEG_INF), sc[r]));
+            const uint64_t visible = visible_keys(qa[i], qb[i]);
+            for (int sub = 0; sub < SUBS; ++sub)
+              simd::store(&s.probs[(i * HG + h * G + g) * KEY_BLOCK + sub * LANES],
+                          simd::select(sub_lanes(visible, sub), simd::set1(NEG_INF), sc[r * SUBS + sub]));
           }
         }
       } else
@@ -728,13 +782,12 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
           if (qa[i] <= qb[i])
             block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], &s.probs[(i * HG + h * G) * KEY_BLOCK]);
       }
-      if (next_ub > next_mid)
-        prefetch_rows(next_k + h * D, next_slots + next_mid + 1, next_ub - next_mid - 1, row_stride, D);
+      ahead.issue(dose);
       for (int i = 0; i < tile.n; ++i)
         if (qa[i] <= qb[i])
           block_query_softmax(G, qa[i], qb[i], &s.m[i * HG + h * G], &s.l[i * HG + h * G],
                               &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
-      prefetch_rows(next_v + h * D, next_slots, next_mid, row_stride, D);
+      ahead.issue(dose);
 #if defined(PROTOSERVE_SIMD_BF16)
       if constexpr (bf16_products)
         if (tile.n > 1)
@@ -747,17 +800,16 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
         if constexpr (bf16_products) {
           if (tile.n > 1)
             block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
-                                reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i]);
+                                reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i], ahead);
           else
             block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
-                                reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i]);
+                                reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i], ahead);
           continue;
         }
 #endif
         block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vrow, qa[i], qb[i]);
       }
-      if (next_ub > next_mid)
-        prefetch_rows(next_v + h * D, next_slots + next_mid + 1, next_ub - next_mid - 1, row_stride, D);
+      ahead.issue(ahead.left());
     }
   }
 }
@@ -886,7 +938,7 @@ void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s
   const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
   const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh) * D;
   const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh) * D;
-  int64_t slots[16];
+  int64_t slots[KEY_BLOCK];
   float sc[KEY_BLOCK];
   for (int i = 0; i < tile.n; ++i) {
     const int p = tile.pos0 + i, lo = first_key(pb, p);

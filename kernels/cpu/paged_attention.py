@@ -2,7 +2,7 @@
 
 The engine's attention reads K/V straight from the block-paged cache. The C++
 kernel does it in one pass per (query token, KV head) with AVX-512 or AVX2, walking
-exactly the query's own visible keys in ascending order in 16-key blocks
+exactly the query's own visible keys in ascending order in 64-key blocks
 aligned to position 0, with an online softmax started afresh in each partition
 of 256 positions and the partitions folded in ascending order (so one long
 sequence's decode can spread its partitions over the threads). Because nothing in that walk

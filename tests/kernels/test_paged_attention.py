@@ -90,7 +90,7 @@ CASES = [
     # (head_dim, num_heads, kv_heads, block_size, window)
     (64, 9, 3, 16, 0),  # SmolLM2
     (64, 9, 3, 16, 20),
-    (64, 4, 4, 5, 0),  # block size not a divisor of the 16-key blocks
+    (64, 4, 4, 5, 0),  # block size not a divisor of the 64-key blocks
     (16, 4, 2, 1, 0),  # the tiny test models
     (16, 4, 2, 4, 7),
     (32, 6, 2, 32, 0),  # qwen3 tiny
