@@ -346,13 +346,14 @@ inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SC
 // Per lane this is one FMA chain in ascending u whatever G and CC are.
 template <typename KT, int G, int CC>
 void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[KEY_BLOCK],
-             int ua, int ub, int c0) {
+             int ua, int ub, int c0, LinesAhead& ahead) {
   F16 a[G][CC];
   for (int g = 0; g < G; ++g) {
     const F16 cg = simd::set1(corr[g]);
     for (int c = 0; c < CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (c0 + c) * LANES), cg);
   }
   for (int u = ua; u <= ub; ++u) {
+    ahead.issue(LINES_PER_STEP * static_cast<int>(sizeof(KT)) / 2);
     F16 vc[CC];
     for (int c = 0; c < CC; ++c) vc[c] = load16(vrow[u] + (c0 + c) * LANES);
     for (int g = 0; g < G; ++g) {
@@ -365,7 +366,7 @@ void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, co
 }
 
 template <typename KT>
-using PvFn = void (*)(float*, int, const float*, const float*, const KT* const*, int, int, int);
+using PvFn = void (*)(float*, int, const float*, const float*, const KT* const*, int, int, int, LinesAhead&);
 
 template <typename KT, int G>
 constexpr PvFn<KT> pv_for_cc(int cc) {
@@ -471,12 +472,13 @@ inline simd::Mask sub_lanes(uint64_t keys, int sub) { return static_cast<simd::M
 // scores of all `group` heads (lanes outside ua..ub = -inf; a vector with none of them is not computed) ...
 template <int CH>
 inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[KEY_BLOCK], int ua, int ub,
-                               float* scores) {
+                               float* scores, LinesAhead& ahead) {
   const int D = pb.head_dim, chunks = D / LANES;
   const uint64_t visible = visible_keys(ua, ub);
   for (int g = 0; g < pb.group; ++g)
     for (int sub = 0; sub < SUBS; ++sub) {
       const simd::Mask lanes = sub_lanes(visible, sub);
+      ahead.issue(LINES_PER_STEP);
       const F16 sc = lanes != 0 ? block_scores<CH>(q + g * D, krow + sub * LANES, chunks) : simd::zero();
       simd::store(scores + g * KEY_BLOCK + sub * LANES, simd::select(lanes, simd::set1(NEG_INF), sc));
     }
@@ -517,13 +519,13 @@ inline void block_query_softmax(int group, int ua, int ub, float* m, F16* l, flo
 // ... and acc = acc * corr + P @ V over the visible keys.
 template <typename KT>
 inline void block_query_pv(const Problem& pb, float* acc, const float* probs, const float* corr,
-                           const KT* const vrow[KEY_BLOCK], int ua, int ub) {
+                           const KT* const vrow[KEY_BLOCK], int ua, int ub, LinesAhead& ahead) {
   const int D = pb.head_dim, chunks = D / LANES;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
     for (int c0 = 0; c0 < chunks; c0 += PV_COLUMNS)
       pv_kernel<KT>(ng, std::min(PV_COLUMNS, chunks - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vrow,
-                                                           ua, ub, c0);
+                                                           ua, ub, c0, ahead);
   }
 }
 
@@ -780,7 +782,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       {
         for (int i = 0; i < tile.n; ++i)
           if (qa[i] <= qb[i])
-            block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], &s.probs[(i * HG + h * G) * KEY_BLOCK]);
+            block_query_scores<CH>(pb, &s.q[i * HGD + h * GD], krow, qa[i], qb[i], &s.probs[(i * HG + h * G) * KEY_BLOCK], ahead);
       }
       ahead.issue(dose);
       for (int i = 0; i < tile.n; ++i)
@@ -807,7 +809,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
           continue;
         }
 #endif
-        block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vrow, qa[i], qb[i]);
+        block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vrow, qa[i], qb[i], ahead);
       }
       ahead.issue(ahead.left());
     }
