@@ -173,7 +173,6 @@ inline F16 exp_nonpositive(F16 x, simd::Mask keep) {
 // buffers are full, and nothing behind it runs meanwhile, so a burst of 32 lines or more stalls the work.
 class LinesAhead {
  public:
-  LinesAhead() = default;
   LinesAhead(const void* k, const void* v, const int64_t* slots, int rows, int64_t row_stride_bytes, int span_bytes)
       : base_(static_cast<const char*>(k)), v_(static_cast<const char*>(v)), slots_(slots), rows_(rows),
         stride_(row_stride_bytes), span_(span_bytes), left_(2 * rows * ((span_bytes + 63) / 64)) {}
