@@ -173,10 +173,14 @@ inline F16 exp_nonpositive(F16 x, simd::Mask keep) {
 // buffers are full, and nothing behind it runs meanwhile, so a burst of 32 lines or more stalls the work.
 class LinesAhead {
  public:
-  LinesAhead(const void* k, const void* v, const int64_t* slots, int rows, int64_t row_stride_bytes, int span_bytes)
+  // step_lines: lines per step() of the scores' and P @ V's inner loops.
+  LinesAhead(const void* k, const void* v, const int64_t* slots, int rows, int64_t row_stride_bytes, int span_bytes,
+             int step_lines)
       : base_(static_cast<const char*>(k)), v_(static_cast<const char*>(v)), slots_(slots), rows_(rows),
-        stride_(row_stride_bytes), span_(span_bytes), left_(2 * rows * ((span_bytes + 63) / 64)) {}
+        stride_(row_stride_bytes), span_(span_bytes), step_lines_(step_lines),
+        left_(2 * rows * ((span_bytes + 63) / 64)) {}
   int left() const { return left_; }
+  __attribute__((always_inline)) void step() { issue(step_lines_); }
   __attribute__((always_inline)) void issue(int lines) {
     for (; lines > 0 && left_ > 0; --lines, --left_) {
       _mm_prefetch(base_ + slots_[u_] * stride_ + off_, _MM_HINT_T0);
@@ -193,12 +197,16 @@ class LinesAhead {
   int rows_ = 0;
   int64_t stride_ = 0;
   int span_ = 0;
+  int step_lines_ = 0;
   int left_ = 0;
   int u_ = 0, off_ = 0;
 };
 
-// Lines asked for per step of the scores' and P @ V's inner loops.
-constexpr int LINES_PER_STEP = 1;
+// Lines asked for per step of the scores' and P @ V's inner loops, per 2 bytes of a cached value: two for
+// a lone query (decode), whose loops take few steps a head; one for a tile of queries (prefill), whose
+// many steps would otherwise ask for the next head's rows long before they are read and push the tile's
+// transposed keys and interleaved values out of L1.
+constexpr int step_lines(int tile_queries, int value_bytes) { return (tile_queries == 1 ? 2 : 1) * value_bytes / 2; }
 
 // ---- scores -----------------------------------------------------------------------------
 
@@ -305,7 +313,7 @@ __attribute__((always_inline)) inline void column_scores(const __m512i* kt, cons
     for (int sub = 0; sub < SUBS; ++sub) acc[r][sub] = simd::zero();
 #pragma GCC unroll 64
   for (int d = 0; d < P2; ++d) {
-    ahead.issue(LINES_PER_STEP);
+    ahead.step();
     __m512bh kd[SUBS];
 #pragma GCC unroll 4
     for (int sub = 0; sub < SUBS; ++sub) kd[sub] = (__m512bh)_mm512_load_si512(kt + sub * P2 + d);
@@ -352,7 +360,7 @@ void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, co
     for (int c = 0; c < CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (c0 + c) * LANES), cg);
   }
   for (int u = ua; u <= ub; ++u) {
-    ahead.issue(LINES_PER_STEP * static_cast<int>(sizeof(KT)) / 2);
+    ahead.step();
     F16 vc[CC];
     for (int c = 0; c < CC; ++c) vc[c] = load16(vrow[u] + (c0 + c) * LANES);
     for (int g = 0; g < G; ++g) {
@@ -477,7 +485,7 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
   for (int g = 0; g < pb.group; ++g)
     for (int sub = 0; sub < SUBS; ++sub) {
       const simd::Mask lanes = sub_lanes(visible, sub);
-      ahead.issue(LINES_PER_STEP);
+      ahead.step();
       const F16 sc = lanes != 0 ? block_scores<CH>(q + g * D, krow + sub * LANES, chunks) : simd::zero();
       simd::store(scores + g * KEY_BLOCK + sub * LANES, simd::select(lanes, simd::set1(NEG_INF), sc));
     }
@@ -566,7 +574,7 @@ void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* cor
       simd::store_bf16(reinterpret_cast<uint16_t*>(pairs[g]) + sub * LANES, simd::load(probs + g * KEY_BLOCK + sub * LANES));
   }
   for (int j = ja; j <= jb; ++j) {
-    ahead.issue(LINES_PER_STEP);
+    ahead.step();
     __m512i v[2 * CC];
     if constexpr (std::is_same_v<VP, const __m512i*>) {
       for (int c = 0; c < 2 * CC; ++c) v[c] = _mm512_load_si512(vsrc + (j * c32 + c0) * 2 + c);
@@ -727,7 +735,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       const bool last_head = h + 1 == nkv;
       LinesAhead ahead(last_head ? next_k : kbase + (h + 1) * D, last_head ? next_v : vbase + (h + 1) * D,
                        last_head ? next_slots : slots + ua, (last_head ? next_ub : ub - ua) + 1,
-                       row_stride * static_cast<int64_t>(sizeof(KT)), D * static_cast<int>(sizeof(KT)));
+                       row_stride * static_cast<int64_t>(sizeof(KT)), D * static_cast<int>(sizeof(KT)),
+                       step_lines(tile.n, static_cast<int>(sizeof(KT))));
       const int dose = ahead.left() / 8;
       ahead.issue(dose);
       for (int u = ua; u <= ub; ++u) {
