@@ -474,6 +474,11 @@ inline uint64_t visible_keys(int ua, int ub) { return (~uint64_t{0} >> (KEY_BLOC
 // The lanes of score vector `sub` (keys 16 sub .. 16 sub + 15) among `keys`.
 inline simd::Mask sub_lanes(uint64_t keys, int sub) { return static_cast<simd::Mask>((keys >> (sub * LANES)) & 0xFFFFu); }
 
+// Score vector `sub` of a block into its place in scores (a head's KEY_BLOCK), lanes outside `visible` -inf.
+inline void store_scores(float* scores, uint64_t visible, int sub, F16 sc) {
+  simd::store(scores + sub * LANES, simd::select(sub_lanes(visible, sub), simd::set1(NEG_INF), sc));
+}
+
 // One key block for one query, in three steps that the tile loop runs for all of its
 // queries in turn (so each step is a long run of independent work):
 // scores of all `group` heads (lanes outside ua..ub = -inf; a vector with none of them is not computed) ...
@@ -484,10 +489,9 @@ inline void block_query_scores(const Problem& pb, const float* q, const float* c
   const uint64_t visible = visible_keys(ua, ub);
   for (int g = 0; g < pb.group; ++g)
     for (int sub = 0; sub < SUBS; ++sub) {
-      const simd::Mask lanes = sub_lanes(visible, sub);
       ahead.step();
-      const F16 sc = lanes != 0 ? block_scores<CH>(q + g * D, krow + sub * LANES, chunks) : simd::zero();
-      simd::store(scores + g * KEY_BLOCK + sub * LANES, simd::select(lanes, simd::set1(NEG_INF), sc));
+      const F16 sc = sub_lanes(visible, sub) != 0 ? block_scores<CH>(q + g * D, krow + sub * LANES, chunks) : simd::zero();
+      store_scores(scores + g * KEY_BLOCK, visible, sub, sc);
     }
 }
 
@@ -781,8 +785,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
             const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
             const uint64_t visible = visible_keys(qa[i], qb[i]);
             for (int sub = 0; sub < SUBS; ++sub)
-              simd::store(&s.probs[(i * HG + h * G + g) * KEY_BLOCK + sub * LANES],
-                          simd::select(sub_lanes(visible, sub), simd::set1(NEG_INF), sc[r * SUBS + sub]));
+              store_scores(&s.probs[(i * HG + h * G + g) * KEY_BLOCK], visible, sub, sc[r * SUBS + sub]);
           }
         }
       } else
