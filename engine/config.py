@@ -15,7 +15,7 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")
 # exactly (measured: mean |logit error| 0.20 vs 1.79 at 64).
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 32
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 # How int8/int4 layers on the integer-dot kernels quantize their activations: "exact", int8 codes plus
 # int8 codes of their rounding error; "fast", the codes alone (llama.cpp's Q8 activations), half the
 # integer products at a coarser result (kernels/cpu/int8_dot_linear.cpp, figures in docs/notes/performance-log.md).
@@ -39,8 +39,9 @@ class EngineConfig:
     max_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024 * 1024  # pool budget when max_kv_blocks is None
     # "bfloat16" halves the pool's bytes (twice the tokens per budget, half the memory a batched
-    # decode step streams) at bf16 rounding of K and V; "auto" is the activation dtype, or bfloat16
-    # for a model served with quantized weights (model_runner.resolve_kv_dtype).
+    # decode step streams) at bf16 rounding of K and V; "int8" halves them again (codes and a scale per
+    # token and KV head, as llama.cpp's q8_0 K/V; the CPU kernel only); "auto" is the activation dtype,
+    # or bfloat16 for a model served with quantized weights (model_runner.resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
     # New tokens per step (decode tokens included): the chunked-prefill budget. A burst of short
@@ -123,6 +124,9 @@ class EngineConfig:
                              f"got {self.activation_precision!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.kv_cache_dtype == "int8" and self.device != "cpu":
+            raise ValueError("kv_cache_dtype int8 is served by the CPU attention kernel only; "
+                             f"on device {self.device} use auto, bfloat16 or float32")
         if self.quant_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quant_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                              f"got {self.quant_group_size}")

@@ -193,8 +193,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         help="K/V storage: bfloat16 holds twice the tokens per budget and halves what a batched "
-        "decode step reads, at bf16 rounding of K and V [auto: the model's dtype, bfloat16 when the weights "
-        "are served int8/int4]",
+        "decode step reads, at bf16 rounding of K and V; int8 (CPU only) holds about twice bfloat16's, as int8 "
+        "codes with a float32 scale per token and KV head (llama.cpp's q8_0 K/V) [auto: the model's dtype, "
+        "bfloat16 when the weights are served int8/int4]",
     )
     parser.add_argument(
         "--activation-precision",

@@ -100,6 +100,9 @@ class ModelRunner:
         self.lora_slots_of: Callable[[list[Sequence]], list[int]] | None = None
         self.block_size = config.block_size
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, quantization)
+        if self.kv_dtype == torch.int8 and model_config.attn_logit_softcapping is not None:
+            raise ValueError("kv_cache_dtype int8 cannot serve a model with soft-capped attention scores: "
+                             "those take the PyTorch attention, which reads float32 and bfloat16 pools only")
         self.block_bytes = PagedKVCache.model_block_bytes(model_config, config.block_size, self.kv_dtype)
         self.num_blocks = resolve_num_blocks(config, self.block_bytes)
         # (Not under tensor parallelism: each step's broadcast to the other ranks runs on the host.)

@@ -15,13 +15,17 @@ import math
 import os
 from dataclasses import dataclass
 
+import torch
+
 from protoserve.engine.config import DEFAULT_INT4_GROUP_SIZE, EngineConfig, resolve_num_blocks
+from protoserve.engine.execution.model_runner import resolve_kv_dtype
 from protoserve.engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
 from protoserve.engine.loader.catalogue import resolve_model
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.hf_checkpoint import open_hf_checkpoint
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.kv_cache import PagedKVCache
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Per value of a quantized linear: int4 packs two codes a byte with a float16 scale and min per group;
@@ -62,10 +66,8 @@ def estimate_footprint(
         raise ModelLoadError(path, "no such file or directory")
     mode = stored if quantization == AUTO else quantization
     weights = weight_bytes(model_config, dtype, mode, config.quant_group_size)
-    kv_dtype_bytes = _kv_dtype_bytes(config.kv_cache_dtype, dtype, mode)
-    layout = model_config.kv_layout  # shared: DeepSeek's latent pool keeps one vector per token, not K and V
-    block_bytes = ((1 if layout.shared else 2) * model_config.num_layers * config.block_size * layout.num_heads
-                   * layout.head_dim * kv_dtype_bytes)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, getattr(torch, dtype), mode)
+    block_bytes = PagedKVCache.model_block_bytes(model_config, config.block_size, kv_dtype)
     blocks = resolve_num_blocks(config, block_bytes)
     return Footprint(weight_bytes=weights, kv_pool_bytes=blocks * block_bytes, kv_blocks=blocks)
 
@@ -99,12 +101,3 @@ def _quantized_bytes(mode: str, shape: tuple[int, ...], group_size: int) -> int:
     if mode == "int4":
         return codes + rows * (cols // group_size) * 4
     return codes + rows * 4
-
-
-def _kv_dtype_bytes(setting: str, dtype: str, mode: str) -> int:
-    """As model_runner.resolve_kv_dtype: ``auto`` is bfloat16 under quantized float32 weights."""
-    if setting != "auto":
-        return _DTYPE_BYTES[setting]
-    if mode != "none" and dtype == "float32":
-        return 2
-    return _DTYPE_BYTES[dtype]

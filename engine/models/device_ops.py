@@ -82,7 +82,7 @@ def _cpu_ops() -> DeviceOps:
         packed_linear=cpu_linear.packed_linear if cpu_linear.available() else None,
         pack_layout="cpu",
         paged_attention=_cpu_attention if cpu_attention.available() else None,
-        kv_dtypes=(torch.float32, torch.bfloat16),
+        kv_dtypes=(torch.float32, torch.bfloat16, torch.int8),
     )
 
 

@@ -167,9 +167,9 @@ class FusedStep:
 
     @staticmethod
     def accepts(kv_cache: KVCache) -> bool:
-        """The C++ loop reads and writes float32 or bfloat16 paged pools through the attention kernel."""
+        """The C++ loop reads and writes float32, bfloat16 or int8 paged pools through the attention kernel."""
         return (isinstance(kv_cache, PagedKVCache) and kv_cache.use_kernel
-                and kv_cache.dtype in (torch.float32, torch.bfloat16))
+                and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.int8))
 
     def __call__(
         self,

@@ -50,6 +50,21 @@ from protoserve.engine.models.device_ops import ops_for
 # How a PagedKVCache step attends: the C++ kernel (both modes), or the PyTorch fallbacks.
 AttentionPath = Literal["kernel", "tiled", "fast", "sdpa"]
 
+# An int8 pool's row per (token, KV head): head_dim codes, then the row's float32 scale in 4 bytes
+# (kernels/cpu/paged_attention.cpp, "int8 rows").
+INT8_SCALE_BYTES = 4
+
+
+def kv_row_elements(head_dim: int, dtype: torch.dtype) -> int:
+    """Pool elements one (token, KV head) row takes."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def int8_pool_values(pool: torch.Tensor) -> torch.Tensor:
+    """What an int8 pool ``[..., head_dim + 4]`` holds, as float32 ``[..., head_dim]``: code * scale."""
+    codes, scales = pool[..., :-INT8_SCALE_BYTES], pool[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return codes.float() * scales
+
 
 @dataclass
 class AttentionMetadata:
@@ -127,6 +142,11 @@ class PagedKVCache(KVCache):
     ``shared_kv``: one pool per layer, read as K and as V (``self.v is self.k``): multi-head latent
     attention caches ``[latent ; rope key]`` per token and attends with the latent as its value
     (engine/models/latent_attention.py), so the pool holds half the bytes of separate K and V.
+
+    ``dtype=torch.int8``: each (token, KV head) row is quantized on write to int8 codes with one float32
+    scale (max|x| / 127), as llama.cpp's ``-ctk q8_0 -ctv q8_0`` and vLLM's 8-bit ``--kv-cache-dtype``
+    store K/V: half a bfloat16 pool's bytes. Only the C++ kernel reads such a pool (head_dim a multiple
+    of 16, no soft-capped scores).
     """
 
     def __init__(
@@ -146,6 +166,11 @@ class PagedKVCache(KVCache):
         kernel_ok = self.ops.paged_attention is not None and dtype in self.ops.kv_dtypes
         if use_kernel and not kernel_ok:
             raise RuntimeError(f"the paged attention kernel cannot serve a {dtype} cache on {device}")
+        if dtype == torch.int8 and (not kernel_ok or use_kernel is False or head_dim % 16):
+            raise ValueError(
+                "kv_cache_dtype int8 is read only by the CPU attention kernel (AVX-512 or AVX2), with head_dim a "
+                f"multiple of 16; here: device {device}, kernel {'available' if kernel_ok else 'unavailable'}"
+                f"{', not used' if use_kernel is False else ''}, head_dim {head_dim}")
         self.use_kernel = kernel_ok if use_kernel is None else use_kernel
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -154,7 +179,7 @@ class PagedKVCache(KVCache):
         self.head_dim = head_dim
         self.dtype = dtype
         self.shared_kv = shared_kv
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, kv_row_elements(head_dim, dtype))
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = self.k if shared_kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -174,7 +199,8 @@ class PagedKVCache(KVCache):
         shared_kv: bool = False,
     ) -> int:
         """Bytes of one block across all layers, K and V (one pool when ``shared_kv``)."""
-        return (1 if shared_kv else 2) * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        row_bytes = kv_row_elements(head_dim, dtype) * dtype.itemsize
+        return (1 if shared_kv else 2) * num_layers * block_size * num_kv_heads * row_bytes
 
     @classmethod
     def model_block_bytes(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -207,6 +233,16 @@ class PagedKVCache(KVCache):
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_size * self.bytes_per_token
+
+    def _write(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slots: torch.Tensor) -> None:
+        if self.dtype != torch.int8:
+            return super()._write(k_pool, v_pool, k, v, slots)
+        from protoserve.kernels.cpu.paged_attention import write_int8_rows
+
+        write_int8_rows(k_pool, slots, k)
+        if v_pool is not k_pool:
+            write_int8_rows(v_pool, slots, v)
 
     def prepare(
         self, batch: ForwardBatch, *, num_heads: int, sliding_window: int | None, deterministic: bool,

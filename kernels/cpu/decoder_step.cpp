@@ -168,16 +168,17 @@ at::Tensor DecoderStep::forward(at::Tensor x, const at::Tensor& cos, const at::T
     plan_of[i] = k;
   }
   const at::Tensor& pool0 = k_caches[0];
-  const bool bf16_pools = pool0.scalar_type() == at::kBFloat16;
+  const at::ScalarType pool_dtype = pool0.scalar_type();
   for (int64_t i = 0; i < num_layers; ++i) {
     for (const auto* pool : {&k_caches[i], &v_caches[i]})
-      TORCH_CHECK((pool->scalar_type() == at::kFloat || pool->scalar_type() == at::kBFloat16) &&
-                      pool->scalar_type() == pool0.scalar_type() && pool->is_contiguous() && pool->dim() == 4 &&
+      TORCH_CHECK((pool_dtype == at::kFloat || pool_dtype == at::kBFloat16 || pool_dtype == at::kChar) &&
+                      pool->scalar_type() == pool_dtype && pool->is_contiguous() && pool->dim() == 4 &&
                       pool->sizes() == pool0.sizes(),
-                  "every K/V pool must be contiguous, of one shape and one dtype (float32 or bfloat16)");
+                  "every K/V pool must be contiguous, of one shape and one dtype (float32, bfloat16 or int8)");
   }
-  TORCH_CHECK(pool0.size(2) == KVH && pool0.size(3) == D, "the K/V pools hold ", pool0.size(2), " heads of ",
-              pool0.size(3), ", the model ", KVH, " of ", D);
+  TORCH_CHECK(pool0.size(2) == KVH && kv_pool_head_dim(pool0) == D, "the K/V pools hold ", pool0.size(2),
+              " heads of ", kv_pool_head_dim(pool0), ", the model ", KVH, " of ", D);
+  TORCH_CHECK(pool_dtype != at::kChar || D % 16 == 0, "int8 K/V rows need head_dim a multiple of 16, got ", D);
   const int64_t num_slots = pool0.size(0) * pool0.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < T; ++r)
@@ -317,12 +318,18 @@ at::Tensor DecoderStep::forward(at::Tensor x, const at::Tensor& cos, const at::T
         }
         rope_row(qr, H, D, lcos + r * D, lsin + r * D, D);
         rope_row(kr, KVH, D, lcos + r * D, lsin + r * D, D);
-        if (bf16_pools) {
+        if (pool_dtype == at::kBFloat16) {
           // Round to nearest even, as the module path's k.to(torch.bfloat16) does.
           auto* kdst = static_cast<c10::BFloat16*>(kpool) + slots[r] * kv_size;
           auto* vdst = static_cast<c10::BFloat16*>(vpool) + slots[r] * kv_size;
           for (int64_t e = 0; e < kv_size; ++e) kdst[e] = c10::BFloat16(kr[e]);
           for (int64_t e = 0; e < kv_size; ++e) vdst[e] = c10::BFloat16(vr[e]);
+        } else if (pool_dtype == at::kChar) {  // as the module path's write_kv_int8_
+          const int64_t row = pool0.size(3);
+          for (int64_t hh = 0; hh < KVH; ++hh) {
+            quantize_kv_row(kr + hh * D, D, static_cast<int8_t*>(kpool) + (slots[r] * KVH + hh) * row);
+            quantize_kv_row(vr + hh * D, D, static_cast<int8_t*>(vpool) + (slots[r] * KVH + hh) * row);
+          }
         } else {
           std::memcpy(static_cast<float*>(kpool) + slots[r] * kv_size, kr, kv_size * sizeof(float));
           std::memcpy(static_cast<float*>(vpool) + slots[r] * kv_size, vr, kv_size * sizeof(float));

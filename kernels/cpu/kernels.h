@@ -97,6 +97,8 @@ void rope_row(float* x, int64_t heads, int64_t head_stride, const float* cos, co
 // paged_attention.cpp
 // Whether bfloat16 pools (head_dim a multiple of 32) multiply in bfloat16 (query and probabilities rounded).
 bool attention_multiplies_in_bf16();
+// Whether int8 pools (head_dim 32, 64 or 128) multiply in int16 (query and block weights quantized to int16).
+bool attention_int8_in_int16();
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t sliding_window);
@@ -137,7 +139,13 @@ struct AttentionPlan {
 void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                     const at::Tensor& seq_lens, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t sliding_window);
-// out [T, H, D] dense; q rows q_stride floats apart; caches float32 or bfloat16 [num_blocks, bs, KVH, D].
+// The head size of a K/V pool: [num_blocks, bs, KVH, D] float32 or bfloat16, [.., D + 4] int8.
+int64_t kv_pool_head_dim(const at::Tensor& pool);
+// One (token, KV head) row of D values (D % 16 == 0) as an int8 pool's row: D codes, then the float32 scale.
+void quantize_kv_row(const float* x, int64_t D, int8_t* row);
+// pool's slots[t] rows = rows[t] ([T, KVH, D] float32), quantized (the module path's K/V write).
+void write_kv_int8_(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows);
+// out [T, H, D] dense; q rows q_stride floats apart; caches float32, bfloat16 or int8 (kv_pool_head_dim).
 // In a team, members take units from `next` (zero before the first member starts) and do not sync.
 void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t num_heads,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, float* out, double scale,

@@ -32,8 +32,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &protoserve::rope_, "rotate-half RoPE in place", no_gil);
   m.def("attention_multiplies_in_bf16", &protoserve::attention_multiplies_in_bf16,
         "whether bfloat16 K/V pools (head_dim % 32 == 0) multiply in bfloat16 (query and probabilities rounded)");
+  m.def("attention_int8_in_int16", &protoserve::attention_int8_in_int16,
+        "whether int8 K/V pools (head_dim 32, 64 or 128) multiply in int16 (query and block weights quantized)");
   m.def("paged_attention", &protoserve::paged_attention,
         "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)", no_gil);
+  m.def("write_kv_int8_", &protoserve::write_kv_int8_,
+        "pool rows at slots = rows [T, KVH, D] float32 quantized to int8 codes and a float32 scale each",
+        py::arg("pool"), py::arg("slots"), py::arg("rows"), no_gil);
 
   py::class_<LinearWeights>(m, "LinearWeights")
       .def(py::init([](int64_t format, at::Tensor data, c10::optional<at::Tensor> scales,

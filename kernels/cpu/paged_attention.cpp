@@ -4,7 +4,8 @@
 // context into new tensors) and batch-invariant by construction.
 //
 // Layout: q [T, H, D] float32 (rows may be strided); k/v cache [num_blocks, block_size, KVH, D] float32
-// or bfloat16; sequence b owns query rows query_start_loc[b]..query_start_loc[b+1]
+// or bfloat16, or [num_blocks, block_size, KVH, D + 4] int8 (each head's row: D codes, then their float32
+// scale; see "int8 rows" below); sequence b owns query rows query_start_loc[b]..query_start_loc[b+1]
 // and, after this step, a context of seq_lens[b] tokens whose K/V the caller has
 // already written. Its query row i sits at position p = seq_lens[b] - n_b + i
 // and sees key j iff j <= p and (no window or j > p - window). Query head h reads
@@ -81,6 +82,13 @@ constexpr bool BF16_ATTENTION = true;
 #else
 constexpr bool BF16_ATTENTION = false;
 #endif
+// int8 pools on those CPUs (all of which have AVX512-VNNI) multiply in int16 with vpdpwssd: the cached
+// codes widened exactly, against the query and the block's probabilities quantized to 15 bits.
+#if defined(PROTOSERVE_SIMD_BF16) && defined(__AVX512VNNI__)
+constexpr bool INT16_ATTENTION = true;
+#else
+constexpr bool INT16_ATTENTION = false;
+#endif
 
 namespace {
 
@@ -111,7 +119,7 @@ constexpr float EXP_MIN = -87.0f;
 struct Problem {
   const float* q;                // [T, H, D], rows q_stride floats apart
   int64_t q_stride;
-  const void* k;                 // [num_slots, KVH, D] (float or uint16 bfloat16 bits)
+  const void* k;                 // [num_slots, KVH, kv_row] (float, uint16 bfloat16 bits or int8 rows)
   const void* v;
   const int32_t* block_tables;   // [B, max_blocks]
   int64_t max_blocks;
@@ -120,6 +128,7 @@ struct Problem {
   int num_heads;
   int num_kv_heads;
   int head_dim;
+  int kv_row;                    // pool elements per KV head of a slot: head_dim, or head_dim + 4 for int8
   int group;                     // query heads per KV head
   int block_size;                // cache block size (slots per block)
   float scale;
@@ -140,6 +149,47 @@ inline float load1(const uint16_t* p) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+// ---- int8 rows ----------------------------------------------------------------------------
+
+// An int8 pool keeps each (token, KV head) row as D codes and then, in the next 4 bytes, the row's
+// float32 scale, as GGUF's q8_0 keeps a block's scale beside its codes (llama.cpp's `-ctk q8_0`):
+// scale = max|x| / 127, code = round(x / scale) in -127..127, value = code * scale. Half a bfloat16
+// row's bytes (D + 4 against 2D), which a long context's decode streams every step.
+constexpr int INT8_SCALE_BYTES = 4;
+
+inline float int8_row_scale(const int8_t* row, int D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+// The row's values code * scale (one float32 rounding), for the float32 walk (CPUs without AVX512-VNNI,
+// head sizes not held in registers).
+inline void widen_int8_row(const int8_t* row, int D, float* out) {
+  const F16 s = simd::set1(int8_row_scale(row, D));
+  for (int d = 0; d < D; d += LANES) simd::store(out + d, simd::mul(simd::to_float(simd::load_i8_as_i32(row + d)), s));
+}
+
+// Register-held head sizes of pairs: 32 values (a 512-bit vector of 16-bit pairs) at a time.
+template <int CH>
+constexpr bool pair_head_dim = CH >= 2 && CH % 2 == 0;
+
+// bfloat16 rows multiply in bfloat16 (scores and P @ V by vdpbf16ps) ...
+template <typename KT, int CH>
+constexpr bool uses_bf16_products = BF16_ATTENTION && std::is_same_v<KT, uint16_t> && pair_head_dim<CH>;
+
+// ... and int8 rows in int16 (vpdpwssd, see "int16 products" below): the same pair walk.
+template <typename KT, int CH>
+constexpr bool uses_int16_products = INT16_ATTENTION && std::is_same_v<KT, int8_t> && pair_head_dim<CH>;
+
+template <typename KT, int CH>
+constexpr bool uses_pair_products = uses_bf16_products<KT, CH> || uses_int16_products<KT, CH>;
+
+// The element type the walk reads a pool's rows as: the pool's own, or for an int8 pool without int16
+// products its rows widened to float32 once per key block and KV head into the thread's scratch.
+template <typename PT, int CH>
+using row_t = std::conditional_t<!std::is_same_v<PT, int8_t> || uses_int16_products<PT, CH>, PT, float>;
 
 // ---- exp --------------------------------------------------------------------------------
 
@@ -206,7 +256,9 @@ class LinesAhead {
 // a lone query (decode), whose loops take few steps a head; one for a tile of queries (prefill), whose
 // many steps would otherwise ask for the next head's rows long before they are read and push the tile's
 // transposed keys and interleaved values out of L1.
-constexpr int step_lines(int tile_queries, int value_bytes) { return (tile_queries == 1 ? 2 : 1) * value_bytes / 2; }
+constexpr int step_lines(int tile_queries, int value_bytes) {
+  return std::max(1, (tile_queries == 1 ? 2 : 1) * value_bytes / 2);
+}
 
 // ---- scores -----------------------------------------------------------------------------
 
@@ -256,11 +308,29 @@ __attribute__((always_inline)) inline F16 block_scores(const float* q, const flo
 // broadcast pair serving four vdpbf16ps and each loaded kt serving R, no horizontal sums; R x 4
 // independent chains hide vdpbf16ps's latency even for decode's group of 3. Which heads share a
 // kernel call changes nothing in a head's lanes.
+//
+// int16 products (int8 pools): the same walk over int16 pairs, one vpdpwssd where vdpbf16ps was. The
+// key codes widen exactly to int16; the scaled query is quantized per (query, head) to int16 codes
+// round(q * 32767 / max|q|) (quantize_query), so a score is the exact integer sum times that
+// query's scale times the key's row scale. |sum| <= D * 32767 * 127 < 2^31 for D <= 256.
 typedef uint32_t u32_alias __attribute__((may_alias));
 
-// The bfloat16 pair at p in every lane.
-__attribute__((always_inline)) inline __m512bh broadcast_pair(const uint16_t* p) {
-  return (__m512bh)_mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const u32_alias*>(p)));
+// The 16-bit pair at p in every lane.
+__attribute__((always_inline)) inline __m512i broadcast_pair(const uint16_t* p) {
+  return _mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const u32_alias*>(p)));
+}
+
+// 32 consecutive values of a cached row as 16-bit lanes: bfloat16 as cached, int8 codes widened to int16.
+__attribute__((always_inline)) inline __m512i load_pairs(const uint16_t* p) { return _mm512_loadu_si512(p); }
+__attribute__((always_inline)) inline __m512i load_pairs(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc + the pairs' products: float32 lanes (bfloat16 pairs) or int32 lanes held in an F16 (int16 pairs).
+template <bool INT16>
+__attribute__((always_inline)) inline F16 dot_pairs(F16 acc, __m512i a, __m512i b) {
+  if constexpr (INT16) return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), a, b));
+  else return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
 // out[d] lane u = in[u] dword d, for a 16 x 16 block of dwords.
@@ -289,21 +359,21 @@ __attribute__((always_inline)) inline void transpose16x16(const __m512i in[16], 
   }
 }
 
-// kt (SUBS * P2 vectors, P2 = D / 2) from the block's KEY_BLOCK rows.
-template <int P2>
-inline void transpose_keys(const uint16_t* const krow[KEY_BLOCK], __m512i* kt) {
+// kt (SUBS * P2 vectors, P2 = D / 2) from the block's KEY_BLOCK rows (bfloat16 or int8).
+template <int P2, typename KT>
+inline void transpose_keys(const KT* const krow[KEY_BLOCK], __m512i* kt) {
   for (int sub = 0; sub < SUBS; ++sub)
     for (int c = 0; c < P2 / 16; ++c) {
       __m512i rows[16];
 #pragma GCC unroll 16
-      for (int u = 0; u < 16; ++u) rows[u] = _mm512_loadu_si512(krow[sub * LANES + u] + 32 * c);
+      for (int u = 0; u < 16; ++u) rows[u] = load_pairs(krow[sub * LANES + u] + 32 * c);
       transpose16x16(rows, kt + sub * P2 + 16 * c);
     }
 }
 
-// The KEY_BLOCK scores of R query heads (bfloat16 pairs at q[r]) against the transposed block:
-// out[r * SUBS + s] holds keys 16s .. 16s + 15.
-template <int R, int P2>
+// The KEY_BLOCK scores of R query heads (bfloat16 or int16 pairs at q[r]) against the transposed block:
+// out[r * SUBS + s] holds keys 16s .. 16s + 15 (int16: the integer sums, in int32 lanes).
+template <int R, int P2, bool INT16>
 __attribute__((always_inline)) inline void column_scores(const __m512i* kt, const uint16_t* const q[R], F16* out,
                                                          LinesAhead& ahead) {
   F16 acc[R][SUBS];
@@ -314,14 +384,14 @@ __attribute__((always_inline)) inline void column_scores(const __m512i* kt, cons
 #pragma GCC unroll 64
   for (int d = 0; d < P2; ++d) {
     ahead.step();
-    __m512bh kd[SUBS];
+    __m512i kd[SUBS];
 #pragma GCC unroll 4
-    for (int sub = 0; sub < SUBS; ++sub) kd[sub] = (__m512bh)_mm512_load_si512(kt + sub * P2 + d);
+    for (int sub = 0; sub < SUBS; ++sub) kd[sub] = _mm512_load_si512(kt + sub * P2 + d);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh qd = broadcast_pair(q[r] + 2 * d);
+      const __m512i qd = broadcast_pair(q[r] + 2 * d);
 #pragma GCC unroll 4
-      for (int sub = 0; sub < SUBS; ++sub) acc[r][sub] = _mm512_dpbf16_ps(acc[r][sub], kd[sub], qd);
+      for (int sub = 0; sub < SUBS; ++sub) acc[r][sub] = dot_pairs<INT16>(acc[r][sub], kd[sub], qd);
     }
   }
 #pragma GCC unroll 8
@@ -332,17 +402,30 @@ __attribute__((always_inline)) inline void column_scores(const __m512i* kt, cons
 
 constexpr int SCORE_HEADS = 6;  // query heads per column_scores call: 24 accumulators
 
-template <int P2>
+template <int P2, bool INT16>
 inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SCORE_HEADS], F16* out,
                             LinesAhead& ahead) {
   switch (n) {
-    case 1: column_scores<1, P2>(kt, q, out, ahead); break;
-    case 2: column_scores<2, P2>(kt, q, out, ahead); break;
-    case 3: column_scores<3, P2>(kt, q, out, ahead); break;
-    case 4: column_scores<4, P2>(kt, q, out, ahead); break;
-    case 5: column_scores<5, P2>(kt, q, out, ahead); break;
-    default: column_scores<6, P2>(kt, q, out, ahead); break;
+    case 1: column_scores<1, P2, INT16>(kt, q, out, ahead); break;
+    case 2: column_scores<2, P2, INT16>(kt, q, out, ahead); break;
+    case 3: column_scores<3, P2, INT16>(kt, q, out, ahead); break;
+    case 4: column_scores<4, P2, INT16>(kt, q, out, ahead); break;
+    case 5: column_scores<5, P2, INT16>(kt, q, out, ahead); break;
+    default: column_scores<6, P2, INT16>(kt, q, out, ahead); break;
   }
+}
+
+// The scaled query row's int16 codes round(q * 32767 / max|q|) into codes (D values); returns their scale
+// max|q| / 32767 (0 for a zero row, its codes 0).
+inline float quantize_query(const float* q, int D, uint16_t* codes) {
+  F16 m = simd::zero();
+  for (int d = 0; d < D; d += LANES) m = simd::max(m, simd::abs(simd::load(q + d)));
+  const float amax = simd::reduce_max(m);
+  const F16 inv = simd::set1(amax == 0.0f ? 0.0f : 32767.0f / amax);
+  for (int d = 0; d < D; d += LANES)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d),
+                        _mm512_cvtepi32_epi16(simd::to_int(simd::mul(simd::load(q + d), inv))));
+  return amax / 32767.0f;
 }
 #endif
 
@@ -406,15 +489,17 @@ using Tile = protoserve::AttentionTile;
 struct Scratch {
   // Per query of the tile, per query head of the unit (its KV heads' groups):
   std::vector<float> q;      // [QUERY_TILE, heads, D] scaled queries
-  std::vector<uint16_t> qb;  // [QUERY_TILE, heads, D] the same in bfloat16 (bf16 scores)
+  std::vector<uint16_t> qb;  // [QUERY_TILE, heads, D] the same in bfloat16 (bf16 scores) or int16 codes (int16 scores)
+  std::vector<float> qscale;  // [QUERY_TILE, heads] the int16 codes' scales
   std::vector<float> acc;    // [QUERY_TILE, heads, D] running sum of p * v
   std::vector<float> m;      // [QUERY_TILE, heads] running max
   std::vector<F16> l;        // [QUERY_TILE, heads] running sum of p, per lane
   std::vector<float> probs;  // [QUERY_TILE, heads, KEY_BLOCK] this block's scores, then probabilities
   std::vector<float> corr;   // [QUERY_TILE, heads] this block's rescale factors
-  std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 cache)
-  std::vector<F16> kt;       // [SUBS * D / 2] bf16 products: the block's K rows transposed (transpose_keys)
-  std::vector<F16> vp;       // [KEY_BLOCK * D / 32] bf16 products: the block's V pairs interleaved (unpack_values)
+  std::vector<float> kbuf;   // [KEY_BLOCK, D] the block's K rows widened to float32 (bfloat16 or int8 cache)
+  std::vector<float> vbuf;   // [KEY_BLOCK, D] its V rows widened to float32 (int8 cache)
+  std::vector<F16> kt;       // [SUBS * D / 2] pair products: the block's K rows transposed (transpose_keys)
+  std::vector<F16> vp;       // [KEY_BLOCK * D / 32] pair products: the block's V pairs interleaved (unpack_values)
   // The fold of the partitions done so far, laid out as acc / m / l.
   std::vector<float> facc;
   std::vector<float> fm;
@@ -424,12 +509,13 @@ struct Scratch {
     const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.num_heads * pb.head_dim, g = QUERY_TILE * pb.num_heads;
     grow(q, gd);
     grow(qb, gd);
+    grow(qscale, g);
     grow(acc, gd);
     grow(m, g);
     grow(l, g);
     grow(probs, g * KEY_BLOCK);
     grow(corr, g);
-    grow(kbuf, static_cast<size_t>(KEY_BLOCK) * pb.head_dim);
+    for (auto* rows : {&kbuf, &vbuf}) grow(*rows, static_cast<size_t>(KEY_BLOCK) * pb.head_dim);
     grow(kt, static_cast<size_t>(SUBS * pb.head_dim / 2));
     grow(vp, static_cast<size_t>(KEY_BLOCK * pb.head_dim / 32));
     grow(facc, gd);
@@ -541,42 +627,76 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
 }
 
 #if defined(PROTOSERVE_SIMD_BF16)
-// P @ V for bfloat16 pools in bfloat16 pairs: the block's probabilities rounded to bfloat16 (as GPU
-// flash attention feeds P to its bf16 matmul; l keeps the float32 sum), keys paired (2j, 2j+1) so
-// that one vdpbf16ps adds p_2j v_2j + p_2j+1 v_2j+1 for 16 columns. The pair's V rows are
-// interleaved by unpacklo/hi_epi16 inside each 128-bit lane, once per tile, block and KV head
-// (unpack_values), so the accumulators hold each 32-column chunk as (lo: columns 8L+0..3, hi:
-// 8L+4..7 of lanes L = 0..3); store_bf16_acc restores the order. Per column: one chain over the
-// query's own pairs, ascending, from acc * corr; an invisible key of a pair has p exactly 0 and adds
-// exactly 0.
+// P @ V in pairs of keys (2j, 2j+1), so that one instruction adds p_2j v_2j + p_2j+1 v_2j+1 for 16
+// columns:
+//   bfloat16 pools: vdpbf16ps, the block's probabilities rounded to bfloat16 (as GPU flash attention
+//     feeds P to its bf16 matmul; l keeps the float32 sum), from acc * corr;
+//   int8 pools: vpdpwssd, the weights p_u * (V row u's scale) as int16 codes round(p_u * vq_u) with
+//     vq_u = (V row u's scale) * 32767 / (the largest such scale among the query's keys of the block,
+//     value_weights), so that p <= 1 keeps them in range, against the V codes widened to int16; the
+//     block's exact int32 sums (|sum| <= 64 * 32767 * 127 < 2^31) join as acc * corr + sums * that scale / 32767.
+// The pair's V rows are interleaved by unpacklo/hi_epi16 inside each 128-bit lane, once per tile,
+// block and KV head (unpack_values), so the accumulators hold each 32-column chunk as (lo: columns
+// 8L+0..3, hi: 8L+4..7 of lanes L = 0..3); store_pair_acc restores the order. Per column: one chain
+// over the query's own pairs, ascending; an invisible key of a pair has p exactly 0 and adds exactly 0.
 //
 // vp[(j * C32 + c) * 2 + 0 / 1]: pair j's interleaved chunk c (of C32 = D / 32), low / high half.
-template <int C32>
-inline void unpack_values(const uint16_t* const vrow[KEY_BLOCK], __m512i* vp) {
+template <int C32, typename KT>
+inline void unpack_values(const KT* const vrow[KEY_BLOCK], __m512i* vp) {
 #pragma GCC unroll 8
   for (int j = 0; j < KEY_BLOCK / 2; ++j)
 #pragma GCC unroll 4
     for (int c = 0; c < C32; ++c) {
-      const __m512i v0 = _mm512_loadu_si512(vrow[2 * j] + c * 32), v1 = _mm512_loadu_si512(vrow[2 * j + 1] + c * 32);
+      const __m512i v0 = load_pairs(vrow[2 * j] + c * 32), v1 = load_pairs(vrow[2 * j + 1] + c * 32);
       _mm512_store_si512(vp + (j * C32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
       _mm512_store_si512(vp + (j * C32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
     }
 }
 
-// VP: const __m512i* (the block's pairs from unpack_values) or const uint16_t* const* (the block's V rows,
-// interleaved here: a tile of one query, as decode's, reads each pair once). The same dp chains either way.
-template <int G, int CC, typename VP>
-void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* corr, VP vsrc, int ja, int jb, int c0,
-                  LinesAhead& ahead) {
+// An int8 pool's P @ V weights for one query and block: vq (KEY_BLOCK factors) as above; returns the sums'
+// scale (max V row scale among keys ua..ub) / 32767. Only the query's own keys decide it: batch invariant.
+inline float value_weights(const float* vscale, int ua, int ub, float* vq) {
+  const uint64_t visible = visible_keys(ua, ub);
+  F16 m = simd::zero();
+  for (int sub = 0; sub < SUBS; ++sub) m = simd::max(m, simd::keep(sub_lanes(visible, sub), simd::load(vscale + sub * LANES)));
+  const float vmax = simd::reduce_max(m);
+  const F16 inv = simd::set1(vmax == 0.0f ? 0.0f : 32767.0f / vmax);
+  for (int sub = 0; sub < SUBS; ++sub) simd::store(vq + sub * LANES, simd::mul(simd::load(vscale + sub * LANES), inv));
+  return vmax / 32767.0f;
+}
+
+// The G heads' pair weights for one block (pairs[g] as KEY_BLOCK 16-bit values): bfloat16 P, or the int16
+// codes round(P * vq) (value_weights).
+template <int G, bool INT16>
+inline void pair_weights(const float* probs, const float* vq, uint32_t pairs[G][KEY_BLOCK / 2]) {
+  for (int g = 0; g < G; ++g) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(pairs[g]);
+    const float* p = probs + g * KEY_BLOCK;
+    for (int sub = 0; sub < SUBS; ++sub) {
+      if constexpr (INT16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + sub * LANES),
+                            _mm512_cvtepi32_epi16(simd::to_int(simd::mul(simd::load(p + sub * LANES),
+                                                                         simd::load(vq + sub * LANES)))));
+      else
+        simd::store_bf16(out + sub * LANES, simd::load(p + sub * LANES));
+    }
+  }
+}
+
+// VP: const __m512i* (the block's pairs from unpack_values) or the block's V rows (const uint16_t* const* or
+// const int8_t* const*), interleaved here: a tile of one query, as decode's, reads each pair once. The
+// same chains either way.
+// vq, wscale: an int8 pool's weight factors and sums' scale (value_weights).
+template <int G, int CC, typename VP, bool INT16>
+void pv_tile_pairs(float* acc, int head_dim, const float* probs, const float* corr, const float* vq, float wscale,
+                   VP vsrc, int ja, int jb, int c0, LinesAhead& ahead) {
   const int c32 = head_dim / 32;
   F16 a[G][2 * CC];
   uint32_t pairs[G][KEY_BLOCK / 2];
-  for (int g = 0; g < G; ++g) {
-    const F16 cg = simd::set1(corr[g]);
-    for (int c = 0; c < 2 * CC; ++c) a[g][c] = simd::mul(simd::load(acc + g * head_dim + (2 * c0 + c) * LANES), cg);
-    for (int sub = 0; sub < SUBS; ++sub)
-      simd::store_bf16(reinterpret_cast<uint16_t*>(pairs[g]) + sub * LANES, simd::load(probs + g * KEY_BLOCK + sub * LANES));
-  }
+  pair_weights<G, INT16>(probs, vq, pairs);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * CC; ++c)
+      a[g][c] = INT16 ? simd::zero() : simd::mul(simd::load(acc + g * head_dim + (2 * c0 + c) * LANES), simd::set1(corr[g]));
   for (int j = ja; j <= jb; ++j) {
     ahead.step();
     __m512i v[2 * CC];
@@ -584,54 +704,63 @@ void pv_tile_bf16(float* acc, int head_dim, const float* probs, const float* cor
       for (int c = 0; c < 2 * CC; ++c) v[c] = _mm512_load_si512(vsrc + (j * c32 + c0) * 2 + c);
     } else {
       for (int c = 0; c < CC; ++c) {
-        const __m512i v0 = _mm512_loadu_si512(vsrc[2 * j] + (c0 + c) * 32);
-        const __m512i v1 = _mm512_loadu_si512(vsrc[2 * j + 1] + (c0 + c) * 32);
+        const __m512i v0 = load_pairs(vsrc[2 * j] + (c0 + c) * 32);
+        const __m512i v1 = load_pairs(vsrc[2 * j + 1] + (c0 + c) * 32);
         v[2 * c] = _mm512_unpacklo_epi16(v0, v1);
         v[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j]));
-      for (int c = 0; c < 2 * CC; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)v[c], pj);
+      const __m512i pj = _mm512_set1_epi32(static_cast<int>(pairs[g][j]));
+      for (int c = 0; c < 2 * CC; ++c) a[g][c] = dot_pairs<INT16>(a[g][c], v[c], pj);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 2 * CC; ++c) simd::store(acc + g * head_dim + (2 * c0 + c) * LANES, a[g][c]);
+    for (int c = 0; c < 2 * CC; ++c) {
+      float* out = acc + g * head_dim + (2 * c0 + c) * LANES;
+      if constexpr (INT16)
+        simd::store(out, simd::fmadd(simd::to_float(_mm512_castps_si512(a[g][c])), simd::set1(wscale),
+                                     simd::mul(simd::load(out), simd::set1(corr[g]))));
+      else
+        simd::store(out, a[g][c]);
+    }
 }
 
 template <typename VP>
-using PvBf16Fn = void (*)(float*, int, const float*, const float*, VP, int, int, int, LinesAhead&);
+using PvPairsFn = void (*)(float*, int, const float*, const float*, const float*, float, VP, int, int, int, LinesAhead&);
 
-template <int G, typename VP>
-constexpr PvBf16Fn<VP> pv_bf16_for_cc(int cc) {
-  return cc == 1 ? &pv_tile_bf16<G, 1, VP> : &pv_tile_bf16<G, 2, VP>;
+template <int G, typename VP, bool INT16>
+constexpr PvPairsFn<VP> pv_pairs_for_cc(int cc) {
+  return cc == 1 ? &pv_tile_pairs<G, 1, VP, INT16> : &pv_tile_pairs<G, 2, VP, INT16>;
 }
 
-template <typename VP>
-inline PvBf16Fn<VP> pv_bf16_kernel(int g, int cc) {
+template <typename VP, bool INT16>
+inline PvPairsFn<VP> pv_pairs_kernel(int g, int cc) {
   switch (g) {
-    case 1: return pv_bf16_for_cc<1, VP>(cc);
-    case 2: return pv_bf16_for_cc<2, VP>(cc);
-    case 3: return pv_bf16_for_cc<3, VP>(cc);
-    default: return pv_bf16_for_cc<4, VP>(cc);
+    case 1: return pv_pairs_for_cc<1, VP, INT16>(cc);
+    case 2: return pv_pairs_for_cc<2, VP, INT16>(cc);
+    case 3: return pv_pairs_for_cc<3, VP, INT16>(cc);
+    default: return pv_pairs_for_cc<4, VP, INT16>(cc);
   }
 }
 
 // acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub.
-template <typename VP>
-inline void block_query_pv_bf16(const Problem& pb, float* acc, const float* probs, const float* corr, VP vsrc, int ua,
-                                int ub, LinesAhead& ahead) {
+template <bool INT16, typename VP>
+inline void block_query_pv_pairs(const Problem& pb, float* acc, const float* probs, const float* corr,
+                                 const float* vscale, VP vsrc, int ua, int ub, LinesAhead& ahead) {
   const int D = pb.head_dim, chunks32 = D / 32;
+  alignas(64) float vq[KEY_BLOCK];
+  const float wscale = INT16 ? value_weights(vscale, ua, ub, vq) : 0.0f;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
     for (int c0 = 0; c0 < chunks32; c0 += 2)
-      pv_bf16_kernel<VP>(ng, std::min(2, chunks32 - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0, vsrc,
-                                                         ua / 2, ub / 2, c0, ahead);
+      pv_pairs_kernel<VP, INT16>(ng, std::min(2, chunks32 - c0))(acc + g0 * D, D, probs + g0 * KEY_BLOCK, corr + g0,
+                                                                 vq, wscale, vsrc, ua / 2, ub / 2, c0, ahead);
   }
 }
 
-// A head's accumulator from pv_tile_bf16's column order back to 0..D-1, divided by denom.
-inline void store_bf16_acc(float* out, const float* acc, int head_dim, F16 denom) {
+// A head's accumulator from pv_tile_pairs' column order back to 0..D-1, divided by denom.
+inline void store_pair_acc(float* out, const float* acc, int head_dim, F16 denom) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int c = 0; c < head_dim / 32; ++c) {
@@ -642,27 +771,23 @@ inline void store_bf16_acc(float* out, const float* acc, int head_dim, F16 denom
 }
 #endif
 
-// bfloat16 pools with D a multiple of 32 multiply in bfloat16 (scores and P @ V by vdpbf16ps).
-template <typename KT, int CH>
-constexpr bool uses_bf16_products = BF16_ATTENTION && std::is_same_v<KT, uint16_t> && CH >= 2 && CH % 2 == 0;
-
 // The first key block of the unit a thread computes next: its rows are asked for during the
 // current unit's last block, which would otherwise leave every unit's first block to wait on
 // memory unasked.
-template <typename KT>
+template <typename PT>
 struct FirstRows {
-  const KT* kbase = nullptr;  // the unit's first KV head's rows (as attend_tile_vec's kbase/vbase)
-  const KT* vbase = nullptr;
+  const PT* kbase = nullptr;  // the unit's first KV head's rows (as attend_tile_vec's kbase/vbase)
+  const PT* vbase = nullptr;
   int64_t slots[KEY_BLOCK];
   int last = -1;  // slots[0..last]; -1: no next unit
 };
 
-template <typename KT>
-void first_rows(const Problem& pb, const Tile& tile, int kvh0, KeyRange keys, FirstRows<KT>& out) {
+template <typename PT>
+void first_rows(const Problem& pb, const Tile& tile, int kvh0, KeyRange keys, FirstRows<PT>& out) {
   const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
   const int lo = std::max(first_key(pb, tile.pos0), keys.lo), hi = std::min(tile.pos0 + tile.n - 1, keys.hi);
-  out.kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * pb.head_dim;
-  out.vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * pb.head_dim;
+  out.kbase = static_cast<const PT*>(pb.k) + static_cast<int64_t>(kvh0) * pb.kv_row;
+  out.vbase = static_cast<const PT*>(pb.v) + static_cast<int64_t>(kvh0) * pb.kv_row;
   out.last = std::min(hi - lo, KEY_BLOCK - 1 - lo % KEY_BLOCK);
   block_slots(pb, table, lo, 0, out.last, out.slots);
 }
@@ -672,16 +797,20 @@ void first_rows(const Problem& pb, const Tile& tile, int kvh0, KeyRange keys, Fi
 // in one pass, which DRAM serves far better than three interleaved strided walks. Either way each
 // (query, head) runs the same operations on the same rows in the same order: the same bits.
 // It leaves each (query, head)'s state in s.acc / s.m / s.l (only keys within `keys`).
-template <typename KT, int CH>
+// PT: the pool's element type; KT: the type its rows are read as (row_t).
+template <typename PT, int CH>
 void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, KeyRange keys, Scratch& s,
-                     const FirstRows<KT>& after) {
-  const int D = pb.head_dim, chunks = D / LANES, G = pb.group, GD = G * D, HG = nkv * G, HGD = nkv * GD;
+                     const FirstRows<PT>& after) {
+  using KT = row_t<PT, CH>;
+  constexpr bool int8_pool = std::is_same_v<PT, int8_t>;
+  const int D = pb.head_dim, R = pb.kv_row, chunks = D / LANES, G = pb.group, GD = G * D, HG = nkv * G, HGD = nkv * GD;
   const int32_t* table = pb.block_tables + static_cast<int64_t>(tile.seq) * pb.max_blocks;
-  const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * D;
-  const KT* kbase = static_cast<const KT*>(pb.k) + static_cast<int64_t>(kvh0) * D;
-  const KT* vbase = static_cast<const KT*>(pb.v) + static_cast<int64_t>(kvh0) * D;
+  const int64_t row_stride = static_cast<int64_t>(pb.num_kv_heads) * R;
+  const PT* kbase = static_cast<const PT*>(pb.k) + static_cast<int64_t>(kvh0) * R;
+  const PT* vbase = static_cast<const PT*>(pb.v) + static_cast<int64_t>(kvh0) * R;
 
-  constexpr bool bf16_products = uses_bf16_products<KT, CH>;
+  constexpr bool bf16_products = uses_bf16_products<KT, CH>, int16_products = uses_int16_products<KT, CH>;
+  constexpr bool pair_products = bf16_products || int16_products;
   const F16 scale = simd::set1(pb.scale);
   for (int i = 0; i < tile.n; ++i) {  // the unit's heads are consecutive in a query row
     const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
@@ -695,6 +824,10 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
 #endif
       simd::store(&s.q[i * HGD + e], scaled);
     }
+#if defined(PROTOSERVE_SIMD_BF16)
+    if constexpr (int16_products)
+      for (int hg = 0; hg < HG; ++hg) s.qscale[i * HG + hg] = quantize_query(&s.q[i * HGD + hg * D], D, &s.qb[i * HGD + hg * D]);
+#endif
   }
   std::fill(s.acc.begin(), s.acc.begin() + tile.n * HGD, 0.0f);
   std::fill(s.m.begin(), s.m.begin() + tile.n * HG, NEG_INF);
@@ -707,8 +840,9 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
   const int tile_lo = std::max(first_key(pb, tile.pos0), keys.lo), tile_hi = std::min(tile.pos0 + tile.n - 1, keys.hi);
   const int kb_last = tile_hi / KEY_BLOCK;
   const float* krow[KEY_BLOCK];
-  const uint16_t* kbrow[KEY_BLOCK];  // bf16 scores: the cached rows themselves
+  const KT* kprow[KEY_BLOCK];  // pair products: the cached rows themselves
   const KT* vrow[KEY_BLOCK];
+  alignas(64) float kscale[KEY_BLOCK], vscale[KEY_BLOCK];  // int16 products: the rows' scales
   int qa[QUERY_TILE], qb[QUERY_TILE];
   int64_t slots[KEY_BLOCK];
   for (int kb = tile_lo / KEY_BLOCK; kb <= kb_last; ++kb) {
@@ -718,8 +852,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
     // The next block's slots, whose first head's rows are asked for while this block's last head
     // computes (LinesAhead); the last block asks for the next unit's first rows instead.
     int64_t next_slots[KEY_BLOCK];
-    const KT* next_k = kbase;
-    const KT* next_v = vbase;
+    const PT* next_k = kbase;
+    const PT* next_v = vbase;
     int next_ub = -1;
     if (kb < kb_last) {
       next_ub = std::min(tile_hi - j0 - KEY_BLOCK, KEY_BLOCK - 1);
@@ -737,38 +871,53 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
     }
     for (int h = 0; h < nkv; ++h) {
       const bool last_head = h + 1 == nkv;
-      LinesAhead ahead(last_head ? next_k : kbase + (h + 1) * D, last_head ? next_v : vbase + (h + 1) * D,
+      LinesAhead ahead(last_head ? next_k : kbase + (h + 1) * R, last_head ? next_v : vbase + (h + 1) * R,
                        last_head ? next_slots : slots + ua, (last_head ? next_ub : ub - ua) + 1,
-                       row_stride * static_cast<int64_t>(sizeof(KT)), D * static_cast<int>(sizeof(KT)),
-                       step_lines(tile.n, static_cast<int>(sizeof(KT))));
+                       row_stride * static_cast<int64_t>(sizeof(PT)), R * static_cast<int>(sizeof(PT)),
+                       step_lines(tile.n, static_cast<int>(sizeof(PT))));
       const int dose = ahead.left() / 8;
       ahead.issue(dose);
       for (int u = ua; u <= ub; ++u) {
-        const KT* k = kbase + slots[u] * row_stride + h * D;
-        vrow[u] = vbase + slots[u] * row_stride + h * D;
-        if constexpr (std::is_same_v<KT, float>) {
-          krow[u] = k;
-        } else if constexpr (bf16_products) {
-          kbrow[u] = k;
-        } else {  // widen once per block and head, not once per query head
-          float* dst = &s.kbuf[u * D];
-          for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
-          krow[u] = dst;
+        const PT* k = kbase + slots[u] * row_stride + h * R;
+        const PT* v = vbase + slots[u] * row_stride + h * R;
+        if constexpr (pair_products) {
+          kprow[u] = k;
+          vrow[u] = v;
+          if constexpr (int16_products) kscale[u] = int8_row_scale(k, D), vscale[u] = int8_row_scale(v, D);
+        } else if constexpr (int8_pool) {  // widened once per block and head, not once per query head
+          widen_int8_row(k, D, &s.kbuf[u * D]);
+          if (v != k) widen_int8_row(v, D, &s.vbuf[u * D]);  // one shared pool (latent attention): its rows once
+          krow[u] = &s.kbuf[u * D];
+          vrow[u] = v != k ? &s.vbuf[u * D] : &s.kbuf[u * D];
+        } else {
+          vrow[u] = v;
+          if constexpr (std::is_same_v<KT, float>) {
+            krow[u] = k;
+          } else {  // widen once per block and head, not once per query head
+            float* dst = &s.kbuf[u * D];
+            for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
+            krow[u] = dst;
+          }
         }
       }
-      if constexpr (bf16_products) {
-        for (int u = 0; u < ua; ++u) kbrow[u] = kbrow[ua], vrow[u] = vrow[ua];  // lanes no query sees: any readable row
-        for (int u = ub + 1; u < KEY_BLOCK; ++u) kbrow[u] = kbrow[ub], vrow[u] = vrow[ub];
+      // Lanes no query sees: any readable row (and a finite scale).
+      if constexpr (pair_products) {
+        for (int u = 0; u < ua; ++u) kprow[u] = kprow[ua], vrow[u] = vrow[ua];
+        for (int u = ub + 1; u < KEY_BLOCK; ++u) kprow[u] = kprow[ub], vrow[u] = vrow[ub];
+        if constexpr (int16_products) {
+          std::fill(kscale, kscale + ua, kscale[ua]), std::fill(vscale, vscale + ua, vscale[ua]);
+          std::fill(kscale + ub + 1, kscale + KEY_BLOCK, kscale[ub]), std::fill(vscale + ub + 1, vscale + KEY_BLOCK, vscale[ub]);
+        }
       } else {
         for (int u = 0; u < ua; ++u) krow[u] = krow[ua];
         for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
       }
 
 #if defined(PROTOSERVE_SIMD_BF16)
-      if constexpr (bf16_products) {
+      if constexpr (pair_products) {
         // The block transposed once for all the tile's query heads, then their scores SCORE_HEADS at a time.
         __m512i* kt = reinterpret_cast<__m512i*>(s.kt.data());
-        transpose_keys<CH * 8>(kbrow, kt);
+        transpose_keys<CH * 8>(kprow, kt);
         int vis[QUERY_TILE], nvis = 0;
         for (int i = 0; i < tile.n; ++i)
           if (qa[i] <= qb[i]) vis[nvis++] = i;
@@ -780,12 +929,18 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
             const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
             qp[r] = &s.qb[i * HGD + h * GD + g * D];
           }
-          column_scores_n<CH * 8>(n, kt, qp, sc, ahead);
+          column_scores_n<CH * 8, int16_products>(n, kt, qp, sc, ahead);
           for (int r = 0; r < n; ++r) {
             const int i = vis[(t0 + r) / G], g = (t0 + r) % G;
             const uint64_t visible = visible_keys(qa[i], qb[i]);
-            for (int sub = 0; sub < SUBS; ++sub)
-              store_scores(&s.probs[(i * HG + h * G + g) * KEY_BLOCK], visible, sub, sc[r * SUBS + sub]);
+            for (int sub = 0; sub < SUBS; ++sub) {
+              F16 score = sc[r * SUBS + sub];
+              if constexpr (int16_products)  // the integer sum times the query's and the key's scales
+                score = simd::mul(simd::mul(simd::to_float(_mm512_castps_si512(score)),
+                                            simd::set1(s.qscale[i * HG + h * G + g])),
+                                  simd::load(kscale + sub * LANES));
+              store_scores(&s.probs[(i * HG + h * G + g) * KEY_BLOCK], visible, sub, score);
+            }
           }
         }
       } else
@@ -802,25 +957,25 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
                               &s.probs[(i * HG + h * G) * KEY_BLOCK], &s.corr[i * HG + h * G]);
       ahead.issue(dose);
 #if defined(PROTOSERVE_SIMD_BF16)
-      if constexpr (bf16_products)
-        if (tile.n > 1)
-          unpack_values<CH / 2>(reinterpret_cast<const uint16_t* const*>(vrow), reinterpret_cast<__m512i*>(s.vp.data()));
+      if constexpr (pair_products)
+        if (tile.n > 1) unpack_values<CH / 2>(vrow, reinterpret_cast<__m512i*>(s.vp.data()));
 #endif
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
 #if defined(PROTOSERVE_SIMD_BF16)
-        if constexpr (bf16_products) {
+        if constexpr (pair_products) {
           if (tile.n > 1)
-            block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
-                                reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i], ahead);
+            block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vscale,
+                                                 reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i], ahead);
           else
-            block_query_pv_bf16(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G],
-                                reinterpret_cast<const uint16_t* const*>(vrow), qa[i], qb[i], ahead);
+            block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vscale,
+                                                 static_cast<const KT* const*>(vrow), qa[i], qb[i], ahead);
           continue;
         }
 #endif
-        block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vrow, qa[i], qb[i], ahead);
+        if constexpr (!pair_products)
+          block_query_pv<KT>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vrow, qa[i], qb[i], ahead);
       }
       ahead.issue(ahead.left());
     }
@@ -838,8 +993,8 @@ void write_out(const Problem& pb, const Tile& tile, int kvh0, int nkv, const flo
       const F16 denom = simd::set1(simd::reduce_add(l[i * HG + g]));
       const float* acc = acc_all + i * HGD + g * D;
 #if defined(PROTOSERVE_SIMD_BF16)
-      if constexpr (uses_bf16_products<KT, CH>) {
-        store_bf16_acc(orow + g * D, acc, D, denom);
+      if constexpr (uses_pair_products<KT, CH>) {
+        store_pair_acc(orow + g * D, acc, D, denom);
         continue;
       }
 #endif
@@ -907,13 +1062,13 @@ inline int last_part(const Tile& tile) { return (tile.pos0 + tile.n - 1) / PARTI
 // One unit on the vector path. A whole tile walks its partitions in turn (its rows prefetched across
 // the partition boundaries) and folds them; a split tile's partition leaves its state in the plan's
 // slot, and whichever unit finishes the tile's last partition folds them all in ascending order.
-template <typename KT, int CH>
+template <typename PT, int CH>
 void unit_vec(const Problem& pb, const protoserve::AttentionPlan& plan, const protoserve::AttentionUnit& unit,
-              Scratch& s, const FirstRows<KT>& after) {
+              Scratch& s, const FirstRows<PT>& after) {
   const Tile& tile = plan.tiles[unit.tile];
   const int states = tile.n * unit.nkv * pb.group, p0 = first_part(pb, tile), p1 = last_part(tile);
   if (unit.part >= 0) {
-    attend_tile_vec<KT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(unit.part), s, after);
+    attend_tile_vec<PT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(unit.part), s, after);
     float* slots = plan.partials.data() + plan.tile_slot[unit.tile] * plan.slot_floats;
     copy_state(scratch_state(s), slot_state(slots + (unit.part - p0) * plan.slot_floats, pb.num_heads, pb.head_dim),
                states, pb.head_dim);
@@ -924,23 +1079,23 @@ void unit_vec(const Problem& pb, const protoserve::AttentionPlan& plan, const pr
     clear_fold(fold, states);
     for (int p = 0; p <= p1 - p0; ++p)
       fold_in(fold, slot_state(slots + p * plan.slot_floats, pb.num_heads, pb.head_dim), states, pb.head_dim);
-    write_out<KT, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
+    write_out<row_t<PT, CH>, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
     return;
   }
   if (p0 == p1) {  // the common case: one walk, no fold
-    attend_tile_vec<KT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(p0), s, after);
-    write_out<KT, CH>(pb, tile, unit.kvh0, unit.nkv, s.acc.data(), s.l.data());
+    attend_tile_vec<PT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(p0), s, after);
+    write_out<row_t<PT, CH>, CH>(pb, tile, unit.kvh0, unit.nkv, s.acc.data(), s.l.data());
     return;
   }
   const StateView fold = fold_state(s);
   clear_fold(fold, states);
   for (int p = p0; p <= p1; ++p) {
-    FirstRows<KT> next;
+    FirstRows<PT> next;
     if (p < p1) first_rows(pb, tile, unit.kvh0, KeyRange::of_part(p + 1), next);
-    attend_tile_vec<KT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(p), s, p < p1 ? next : after);
+    attend_tile_vec<PT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(p), s, p < p1 ? next : after);
     fold_in(fold, scratch_state(s), states, pb.head_dim);
   }
-  write_out<KT, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
+  write_out<row_t<PT, CH>, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
 }
 
 // Any D: each query of the tile alone, the same block walk in plain scalar code.
@@ -991,7 +1146,7 @@ void attend_tile_scalar(const Problem& pb, const Tile& tile, int kvh, Scratch& s
   }
 }
 
-template <typename KT>
+template <typename PT>
 void run(const Problem& pb, const protoserve::AttentionPlan& plan, const protoserve::Team* team,
          std::atomic<int64_t>& next) {
   const int threads = team != nullptr ? team->size : at::get_num_threads();
@@ -1008,7 +1163,7 @@ void run(const Problem& pb, const protoserve::AttentionPlan& plan, const protose
     int64_t u = next.fetch_add(1, std::memory_order_relaxed);
     while (u < units) {
       const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
-      FirstRows<KT> after;
+      FirstRows<PT> after;
       if (vector && following < units) {
         const protoserve::AttentionUnit& f = plan.units[following];
         const Tile& ft = plan.tiles[f.tile];
@@ -1016,16 +1171,16 @@ void run(const Problem& pb, const protoserve::AttentionPlan& plan, const protose
       }
       const protoserve::AttentionUnit& unit = plan.units[u];
       switch (pb.head_dim) {  // the common head sizes with the query held in registers
-        case 16: unit_vec<KT, 1>(pb, plan, unit, scratch, after); break;
-        case 32: unit_vec<KT, 2>(pb, plan, unit, scratch, after); break;
-        case 64: unit_vec<KT, 4>(pb, plan, unit, scratch, after); break;
-        case 128: unit_vec<KT, 8>(pb, plan, unit, scratch, after); break;
+        case 16: unit_vec<PT, 1>(pb, plan, unit, scratch, after); break;
+        case 32: unit_vec<PT, 2>(pb, plan, unit, scratch, after); break;
+        case 64: unit_vec<PT, 4>(pb, plan, unit, scratch, after); break;
+        case 128: unit_vec<PT, 8>(pb, plan, unit, scratch, after); break;
         default:
           if (vector) {
-            unit_vec<KT, 0>(pb, plan, unit, scratch, after);
-          } else {
+            unit_vec<PT, 0>(pb, plan, unit, scratch, after);
+          } else if constexpr (!std::is_same_v<PT, int8_t>) {  // int8 pools need D % 16 == 0 (checked)
             for (int kvh = unit.kvh0; kvh < unit.kvh0 + unit.nkv; ++kvh)
-              attend_tile_scalar<KT>(pb, plan.tiles[unit.tile], kvh, scratch);
+              attend_tile_scalar<PT>(pb, plan.tiles[unit.tile], kvh, scratch);
           }
       }
       u = following;
@@ -1085,6 +1240,8 @@ namespace protoserve {
 
 bool attention_multiplies_in_bf16() { return BF16_ATTENTION; }
 
+bool attention_int8_in_int16() { return INT16_ATTENTION; }
+
 void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                     const at::Tensor& seq_lens, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
                     int64_t bs, int64_t sliding_window) {
@@ -1132,10 +1289,46 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
             std::max(1, at::get_num_threads()));
 }
 
+int64_t kv_pool_head_dim(const at::Tensor& pool) {
+  return pool.size(3) - (pool.scalar_type() == at::kChar ? INT8_SCALE_BYTES : 0);
+}
+
+void quantize_kv_row(const float* x, int64_t D, int8_t* row) {
+  F16 m = simd::zero();
+  for (int64_t d = 0; d < D; d += LANES) m = simd::max(m, simd::abs(simd::load(x + d)));
+  const float amax = simd::reduce_max(m);
+  const float scale = amax / 127.0f;
+  // Round to nearest even (the default MXCSR mode); an all-zero row keeps codes 0 and scale 0.
+  const F16 inv = simd::set1(amax == 0.0f ? 0.0f : 127.0f / amax);
+  for (int64_t d = 0; d < D; d += LANES)
+    simd::istore_i8_saturated(row + d, simd::iclamp(simd::to_int(simd::mul(simd::load(x + d), inv)), -127, 127));
+  std::memcpy(row + D, &scale, sizeof scale);
+}
+
+void write_kv_int8_(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kChar && pool.dim() == 4 && pool.is_contiguous(),
+              "pool must be a contiguous int8 [num_blocks, block_size, KVH, D + 4] CPU tensor");
+  const int64_t KVH = pool.size(2), D = kv_pool_head_dim(pool), num_slots = pool.size(0) * pool.size(1);
+  TORCH_CHECK(D > 0 && D % LANES == 0, "int8 K/V rows need head_dim a multiple of ", LANES, ", got ", D);
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 3 && rows.size(1) == KVH &&
+                  rows.size(2) == D,
+              "rows must be a contiguous float32 [T, ", KVH, ", ", D, "] tensor");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows.size(0),
+              "slots must be int64, one per row");
+  const auto slot = slots.contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const float* xp = rows.data_ptr<float>();
+  int8_t* dst = pool.data_ptr<int8_t>();
+  for (int64_t t = 0; t < rows.size(0); ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+    for (int64_t h = 0; h < KVH; ++h) quantize_kv_row(xp + (t * KVH + h) * D, D, dst + (sp[t] * KVH + h) * pool.size(3));
+  }
+}
+
 void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_stride, int64_t H,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, float* out, double scale,
                           const Team* team, std::atomic<int64_t>* next) {
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), D = kv_pool_head_dim(k_cache);
   const Problem pb{q,
                    q_stride,
                    k_cache.data_ptr(),
@@ -1147,6 +1340,7 @@ void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_s
                    static_cast<int>(H),
                    static_cast<int>(KVH),
                    static_cast<int>(D),
+                   static_cast<int>(k_cache.size(3)),
                    static_cast<int>(H / KVH),
                    static_cast<int>(bs),
                    static_cast<float>(scale),
@@ -1155,6 +1349,8 @@ void paged_attention_into(const AttentionPlan& plan, const float* q, int64_t q_s
   std::atomic<int64_t>& counter = next != nullptr ? *next : own;
   if (k_cache.scalar_type() == at::kFloat)
     run<float>(pb, plan, team, counter);
+  else if (k_cache.scalar_type() == at::kChar)
+    run<int8_t>(pb, plan, team, counter);
   else
     run<uint16_t>(pb, plan, team, counter);
 }
@@ -1170,11 +1366,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, KVH, D] tensors of one dtype");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "the cache must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 ||
+                  k_cache.scalar_type() == at::kChar,
+              "the cache must be float32, bfloat16 or int8");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "cache head_dim ", k_cache.size(3), " != q head_dim ", D);
+  TORCH_CHECK(kv_pool_head_dim(k_cache) == D, "cache head_dim ", kv_pool_head_dim(k_cache), " != q head_dim ", D);
+  TORCH_CHECK(k_cache.scalar_type() != at::kChar || D % LANES == 0, "int8 K/V rows need head_dim a multiple of ",
+              LANES, ", got ", D);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK(D > 0 && bs > 0, "empty head_dim or block_size");
   thread_local AttentionPlan plan;  // its tile list is reused across calls

@@ -10,12 +10,15 @@ depends on the other queries of the batch, one kernel is both the fast path and
 the deterministic one: a token's output is bit-identical alone, in any batch,
 in a prompt chunk of any size and on any thread count.
 
-On CPUs with AVX512-BF16, bfloat16 pools (head_dim a multiple of 32) are
+On CPUs with AVX512-BF16, bfloat16 pools (head_dim 32, 64 or 128) are
 multiplied in bfloat16 with ``vdpbf16ps``, as GPU flash attention runs its two
 matmuls: scores against the scaled query rounded to bfloat16, P @ V with each
 block's probabilities rounded to bfloat16 (the softmax itself stays float32).
 One instruction does twice a float32 FMA's multiply-adds and the cached K/V
-need no widening (``multiplies_in_bf16``).
+need no widening (``multiplies_in_bf16``). int8 pools (``write_int8_rows``: codes and a
+float32 scale per token and KV head) are multiplied there in int16 with ``vpdpwssd``:
+the codes widen exactly, the scaled query and each block's weights P * (V scale) are
+quantized to 15 bits, so the integer sums are exact (``multiplies_int8_in_int16``).
 
 ``paged_attention_reference`` is the same contract in plain PyTorch (float64,
 one query at a time) for the tests.
@@ -39,13 +42,35 @@ def available() -> bool:
     return _extension() is not None
 
 
+# The head sizes the kernel holds in registers in 16-bit pairs; others take its float32 walk.
+_PAIR_HEAD_DIMS = (32, 64, 128)
+
+
 def multiplies_in_bf16(cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel multiplies a pool of ``cache_dtype`` in bfloat16: scores against
     ``bfloat16(q * scale)``, P @ V with P rounded to bfloat16."""
     ext = _extension()
     return (
-        ext is not None and ext.attention_multiplies_in_bf16() and cache_dtype == torch.bfloat16 and head_dim % 32 == 0
+        ext is not None and ext.attention_multiplies_in_bf16() and cache_dtype == torch.bfloat16
+        and head_dim in _PAIR_HEAD_DIMS
     )
+
+
+def multiplies_int8_in_int16(head_dim: int) -> bool:
+    """Whether the kernel multiplies an int8 pool's codes in int16 (``vpdpwssd``): scores against the scaled
+    query quantized per (query, head) to int16, P @ V with the block's weights quantized to int16. Otherwise
+    it widens the rows to float32 (code * scale) and runs its float32 walk."""
+    ext = _extension()
+    return ext is not None and ext.attention_int8_in_int16() and head_dim in _PAIR_HEAD_DIMS
+
+
+def write_int8_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool``'s rows at ``slots`` (int64 [T]) = ``rows`` ([T, KVH, D]) quantized: each (token, head) row
+    to int8 codes round(x * 127 / max|x|) and the float32 scale max|x| / 127."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("the paged_attention CPU kernel is not available on this machine")
+    ext.write_kv_int8_(pool, slots.to(torch.int64), rows.float().contiguous())
 
 
 def paged_attention(
@@ -60,8 +85,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the cache -> float32 [T, H, D].
 
-    ``k_cache``/``v_cache``: [num_blocks, block_size, KVH, D] float32 or bfloat16,
-    already holding this step's new K/V. Sequence b owns query rows
+    ``k_cache``/``v_cache``: [num_blocks, block_size, KVH, D] float32 or bfloat16, or int8
+    [num_blocks, block_size, KVH, D + 4] (``write_int8_rows``), already holding this step's new K/V. Sequence b owns query rows
     ``query_start_loc[b]:query_start_loc[b+1]``; its context is ``seq_lens[b]``
     tokens, the new queries being its last ones; its keys live at
     ``block_tables[b][j // block_size] * block_size + j % block_size``. The query at

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 
 from protoserve.engine.llm import LLM, Completion
@@ -175,22 +176,26 @@ def test_priority_request_runs_first(make_engine):
     assert order == ["high", "low"]
 
 
-def test_bfloat16_kv_cache_fits_twice_the_tokens_and_stays_batch_invariant(make_engine):
-    """kv_cache_dtype="bfloat16": the same byte budget holds twice the blocks, and a request's
-    tokens and logprobs still do not depend on the batch it runs in."""
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_low_precision_kv_cache_fits_more_tokens_and_stays_batch_invariant(make_engine, kv_dtype):
+    """kv_cache_dtype="bfloat16": the same byte budget holds twice the blocks; "int8" (codes and a float32
+    scale per token and KV head) holds D / (D + 4) of four times as many. A request's tokens and logprobs
+    still do not depend on the batch it runs in."""
     budget = 4 * 1024 * 1024
     fp32 = make_engine(max_kv_blocks=None, kv_cache_bytes=budget)
-    bf16 = make_engine(max_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="bfloat16")
-    assert bf16.runner.num_blocks == 2 * fp32.runner.num_blocks
-    assert bf16.runner.kv_cache.k[0].dtype == torch.bfloat16
+    low = make_engine(max_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype=kv_dtype)
+    head_dim = fp32.runner.kv_cache.head_dim
+    ratio = 2 if kv_dtype == "bfloat16" else 4 * head_dim / (head_dim + 4)
+    assert low.runner.num_blocks == int(fp32.runner.num_blocks * ratio)
+    assert low.runner.kv_cache.k[0].dtype == getattr(torch, kv_dtype)
     reqs = random_requests(fresh_rng(), 12, max_prompt=120)
-    batched = LLM(engine=make_engine(kv_cache_dtype="bfloat16", max_num_batched_tokens=128)).run(
+    batched = LLM(engine=make_engine(kv_cache_dtype=kv_dtype, max_num_batched_tokens=128)).run(
         [clone(r) for r in reqs]
     )
-    alone_llm = LLM(engine=make_engine(kv_cache_dtype="bfloat16"))
+    alone_llm = LLM(engine=make_engine(kv_cache_dtype=kv_dtype))
     for r, b in zip(reqs, batched, strict=True):
         [a] = alone_llm.run([clone(r, "-alone")])
-        assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone with bf16 K/V"
+        assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone with {kv_dtype} K/V"
         assert logprobs(a) == logprobs(b)
 
 

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from protoserve.engine.llm import LLM
 from protoserve.engine.request import FinishReason, TokenizedRequest
@@ -192,3 +193,20 @@ def test_a_preempted_request_parked_for_its_blocks_can_be_cancelled(make_engine,
     assert all(a.live == 0 for accounts in (fair.groups.accounts, fair.identities.accounts)
                for a in accounts.values())
     assert engine.block_manager.num_free_blocks == 27
+
+
+def test_int8_pools_round_trip_through_disk(make_engine, tmp_path):
+    """kv_cache_dtype int8: the rows (codes and their scales) persist and load back byte for byte, so a
+    restarted engine continues as the one that computed them."""
+    engine = make_engine(kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
+    first, _ = run(engine, PROMPT, "1")
+    second_prompt = PROMPT + first + [9, 8, 7]
+    reference = make_engine(kv_cache_dtype="int8")
+    run(reference, PROMPT, "r1")
+    second, cached_in_memory = run(reference, second_prompt, "r2")
+    engine.close()
+    restarted = make_engine(kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
+    tokens, cached = run(restarted, second_prompt, "2")
+    assert restarted.runner.kv_cache.k[0].dtype == torch.int8
+    assert (tokens, cached) == (second, cached_in_memory) and cached > 0
+    assert restarted.kv_offload.counters.blocks_loaded == cached // BLOCK

@@ -19,7 +19,7 @@ import pytest
 import torch
 from forward_batches import forward_batch, scheduled
 
-from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.engine.models.kv_cache import PagedKVCache, int8_pool_values, kv_row_elements
 from protoserve.kernels.cpu import extension
 from protoserve.kernels.cpu import paged_attention as pa
 
@@ -42,14 +42,28 @@ def make_cache(
 ) -> Cache:
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 3  # spare blocks hold garbage no query may read
-    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    k, v = (int8_pool(x) if dtype == torch.int8 else x.to(dtype) for x in (k, v))
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, start = [], 0
     for n in need:
         tables.append(perm[start : start + n])
         start += n
     return Cache(k, v, tables, list(lens), block_size)
+
+
+def int8_pool(x: torch.Tensor) -> torch.Tensor:
+    """x [num_blocks, block_size, KVH, D] float32 as an int8 pool (the kernel's own quantizer)."""
+    nb, bs, kvh, d = x.shape
+    pool = torch.zeros(nb, bs, kvh, kv_row_elements(d, torch.int8), dtype=torch.int8)
+    pa.write_int8_rows(pool, torch.arange(nb * bs), x.reshape(-1, kvh, d))
+    return pool
+
+
+def values(pool: torch.Tensor) -> torch.Tensor:
+    """What a pool holds, in float32."""
+    return int8_pool_values(pool) if pool.dtype == torch.int8 else pool.float()
 
 
 @dataclass
@@ -101,10 +115,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("case", CASES, ids=[f"D{d}-H{h}-KV{kv}-bs{bs}-w{w}" for d, h, kv, bs, w in CASES])
 def test_matches_reference(case: tuple[int, int, int, int, int], dtype: torch.dtype) -> None:
     head_dim, heads, kv_heads, block_size, window = case
+    if dtype == torch.int8 and head_dim % 16:
+        pytest.skip("int8 rows need head_dim a multiple of 16 (test_int8_pool_refuses_odd_head_dims)")
     g = torch.Generator().manual_seed(sum(case))
     lens = [70, 1, 33, 16, 17, 5, 48]
     cache = make_cache(lens, kv_heads, head_dim, block_size, dtype, g)
@@ -114,17 +130,63 @@ def test_matches_reference(case: tuple[int, int, int, int, int], dtype: torch.dt
     scale = head_dim**-0.5
     out = run(cache, q_all, step, scale, window)
     in_bf16 = pa.multiplies_in_bf16(dtype, head_dim)
+    in_int16 = dtype == torch.int8 and pa.multiplies_int8_in_int16(head_dim)
     reference = functools.partial(pa.paged_attention_reference, round_query=in_bf16)
-    ref = run(cache, q_all, step, scale, window, fn=reference)
+    ref = run(Cache(values(cache.k), values(cache.v), cache.tables, cache.lens, block_size), q_all, step, scale,
+              window, fn=reference)
     # bf16 products: P rounded to bfloat16 (relative error <= 2^-9 each, the weights summing to 1)
-    # moves an output by at most 2^-9 max|v|.
-    tolerance = 2**-9 * cache.v.float().abs().max().item() if in_bf16 else 1e-5
+    # moves an output by at most 2^-9 max|v|; int16 products round the query and the weights to 15 bits.
+    max_v = values(cache.v).abs().max().item()
+    tolerance = 2**-9 * max_v if in_bf16 else 2**-12 * max_v if in_int16 else 1e-5
     for a, b in zip(out, ref, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-5, atol=tolerance)
     if in_bf16:  # the rounding is real: the unrounded contract is measurably further away
         exact = run(cache, q_all, step, scale, window, fn=pa.paged_attention_reference)
         assert max((a - b).abs().max().item() for a, b in zip(out, exact, strict=True)) > 1e-4
+
+
+def test_int8_rows_hold_codes_and_a_scale_per_token_and_head() -> None:
+    """write_int8_rows: codes round(x * 127 / max|x|) and the scale max|x| / 127 of each (token, KV head)
+    row, computed as this float32 reference does; a zero row keeps codes 0 and scale 0."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 2, 64, generator=g) * torch.rand(3, 5, 2, 1, generator=g) * 8
+    x[1, 2, 0] = 0.0
+    pool = int8_pool(x)
+    assert pool.shape == (3, 5, 2, 68) and pool.dtype == torch.int8
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax == 0, 0.0, torch.full_like(amax, 127.0) / amax)  # not 127 / amax: torch rounds 1 / amax first
+    assert torch.equal(pool[..., :64], torch.round(x * inv).to(torch.int8))
+    assert torch.equal(pool[..., 64:].contiguous().view(torch.float32), amax / 127.0)
+    assert torch.equal(values(pool)[1, 2, 0], torch.zeros(64))
+    assert (values(pool) - x).abs().max() <= (amax / 254.0).max() * 1.0001  # half a step at most
+    slots = torch.tensor([7, 2])
+    rows = torch.randn(2, 2, 64, generator=g)
+    pa.write_int8_rows(pool, slots, rows)  # scattered slots, the rest untouched
+    assert torch.equal(values(pool).view(-1, 2, 64)[slots], values(int8_pool(rows.view(1, 2, 2, 64))).view(2, 2, 64))
+    assert torch.equal(pool.view(-1, 2, 68)[0], int8_pool(x).view(-1, 2, 68)[0])
+
+
+def test_int8_pool_refuses_odd_head_dims() -> None:
+    q = torch.randn(3, 2, 24)
+    pool = torch.zeros(4, 4, 1, 28, dtype=torch.int8)
+    index = (torch.tensor([[0]], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
+             torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int8 K/V rows need head_dim a multiple of 16"):
+        pa.paged_attention(q, pool, pool, *index, 0.25)
+    with pytest.raises(ValueError, match="int8 is read only by the CPU attention kernel"):
+        PagedKVCache(1, 4, 4, 1, 24, torch.int8)
+    with pytest.raises(ValueError, match="int8 is read only by the CPU attention kernel"):
+        PagedKVCache(1, 4, 4, 1, 64, torch.int8, use_kernel=False)
+
+
+def test_int8_pool_multiplies_in_int16_where_the_cpu_has_them() -> None:
+    """int8 pools multiply in int16 where bf16 pools multiply in bf16 (AVX512-BF16 CPUs have VNNI)."""
+    from protoserve.kernels.cpu.extension import cpu_flags
+
+    flags = cpu_flags().split()
+    assert pa.multiplies_int8_in_int16(64) == ("avx512_bf16" in flags and "avx512_vnni" in flags)
+    assert not pa.multiplies_int8_in_int16(80)
 
 
 def test_bf16_products_where_the_cpu_has_them() -> None:
@@ -196,6 +258,8 @@ INVARIANCE = [
     # (head_dim, num_heads, kv_heads, block_size, window, dtype)
     (64, 9, 3, 16, 0, torch.float32),
     (64, 9, 3, 16, 37, torch.bfloat16),
+    (64, 9, 3, 16, 37, torch.int8),
+    (16, 4, 2, 4, 0, torch.int8),
     (16, 4, 2, 4, 0, torch.float32),
     (24, 6, 2, 16, 0, torch.float32),
 ]
@@ -293,6 +357,7 @@ LONG = [  # (dtype, window): partitions of 256 keys; the window crosses their bo
     (torch.float32, 0),
     (torch.bfloat16, 0),
     (torch.bfloat16, 300),
+    (torch.int8, 300),
 ]
 
 
@@ -305,9 +370,12 @@ def test_long_context_matches_reference(dtype: torch.dtype, window: int) -> None
     step = Step([(0, 699, 1), (1, 500, 30), (2, 0, 9)])
     out = run(cache, q_all, step, 0.125, window)
     in_bf16 = pa.multiplies_in_bf16(dtype, 64)
+    in_int16 = dtype == torch.int8 and pa.multiplies_int8_in_int16(64)
     reference = functools.partial(pa.paged_attention_reference, round_query=in_bf16)
-    tolerance = 2**-9 * cache.v.float().abs().max().item() if in_bf16 else 1e-5
-    for a, b in zip(out, run(cache, q_all, step, 0.125, window, fn=reference), strict=True):
+    max_v = values(cache.v).abs().max().item()
+    tolerance = 2**-9 * max_v if in_bf16 else 2**-12 * max_v if in_int16 else 1e-5
+    exact = Cache(values(cache.k), values(cache.v), cache.tables, cache.lens, cache.block_size)
+    for a, b in zip(out, run(exact, q_all, step, 0.125, window, fn=reference), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=tolerance)
 
 

@@ -345,8 +345,8 @@ def test_the_load_budget_estimates_the_latent_pool(checkpoint, gqa_checkpoint) -
     from protoserve.engine.llm_engine import LLMEngine
     from protoserve.engine.loader.footprint import estimate_footprint
 
-    for path in (checkpoint("v3")[0], gqa_checkpoint[0]):
-        config = EngineConfig(max_kv_blocks=8, block_size=4)
+    for path, kv_dtype in ((checkpoint("v3")[0], "auto"), (gqa_checkpoint[0], "auto"), (gqa_checkpoint[0], "int8")):
+        config = EngineConfig(max_kv_blocks=8, block_size=4, kv_cache_dtype=kv_dtype)
         engine = LLMEngine(load_model(path, progress=False), config)
         estimate = estimate_footprint(path, "float32", "none", config)
-        assert (estimate.kv_blocks, estimate.kv_pool_bytes) == (8, 8 * engine.runner.block_bytes), path
+        assert (estimate.kv_blocks, estimate.kv_pool_bytes) == (8, 8 * engine.runner.block_bytes), (path, kv_dtype)

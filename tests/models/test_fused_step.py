@@ -40,6 +40,7 @@ from protoserve.engine.models.kv_cache import KVCache, PagedKVCache
 from protoserve.engine.models.linear import KernelPackable, quantize_linears
 from protoserve.engine.models.rope import rope_cos_sin
 from protoserve.kernels.cpu import extension
+from protoserve.kernels.cpu.paged_attention import write_int8_rows
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the CPU kernels need AVX-512 or AVX2")
 
@@ -195,6 +196,30 @@ def test_fused_step_with_bfloat16_kv_pools_is_bit_identical(tiny_checkpoint, fam
     assert not torch.equal(fused[1].k[0].float(), float32_pools.k[0])
     for a, b in zip(fused[0], float32_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0.3)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("family", "quantization"), [("llama", "int4"), ("qwen3", "none")])
+def test_fused_step_with_int8_kv_pools_is_bit_identical(tiny_checkpoint, family: str, quantization: str) -> None:
+    """EngineConfig(kv_cache_dtype="int8"): the fused step quantizes K/V as it stores them with the module
+    path's quantizer (write_int8_rows) and attends over the same int8 pools."""
+    model = load_model(tiny_checkpoint(family)[0], quantization=quantization, progress=False).model
+    c = model.config
+
+    def int8_pools() -> PagedKVCache:
+        return PagedKVCache(c.num_layers, 64, 4, c.num_kv_heads, c.head_dim, torch.int8)
+
+    fused = run_fused(model, int8_pools())
+    assert_same_run(fused, run_module_path(model, int8_pools()), f"{family}/{quantization} int8 K/V")
+    assert fused[1].k[0].dtype == torch.int8
+    float32_logits, float32_pools = run_fused(model)
+    # The pools hold the float32 run's K/V quantized (same first-layer inputs: bit for bit).
+    expected = torch.zeros_like(fused[1].k[0])
+    write_int8_rows(expected, torch.arange(64 * 4), float32_pools.k[0].view(-1, c.num_kv_heads, c.head_dim))
+    assert torch.equal(fused[1].k[0], expected)
+    err = torch.cat([(a - b).abs().flatten() for a, b in zip(fused[0], float32_logits, strict=True)])
+    print(f"{family}/{quantization} int8 K/V against float32: max |logit error| {err.max():.3f}, mean {err.mean():.4f}")
+    assert err.max() < 0.8 and err.mean() < 0.06  # measured 0.47 / 0.038 (llama int4), 0.23 / 0.021 (qwen3)
 
 
 @pytest.mark.parametrize(("family", "quantization"), [("mistral", "none"), ("qwen3", "int4")])
@@ -493,7 +518,7 @@ def test_bad_arguments_raise_clear_errors(tiny_checkpoint) -> None:
         "exceeds its block table": [dict(seq_lens=batch.seq_lens + 100)],
         "query_start_loc must run from 0 to T": [dict(query_start_loc=batch.query_start_loc + 1)],
         r"sliding_window must be >= 0": [dict(sliding_window=-1)],
-        r"every K/V pool must be contiguous, of one shape and one dtype \(float32 or bfloat16\)": [
+        r"every K/V pool must be contiguous, of one shape and one dtype \(float32, bfloat16 or int8\)": [
             dict(k_caches=[t.bfloat16() for t in k]),  # K bf16, V float32
             dict(k_caches=[t.half() for t in k], v_caches=[t.half() for t in v]),
             dict(v_caches=[torch.zeros(8, 4, 1, 32)] * len(v)),

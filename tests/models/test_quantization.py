@@ -231,9 +231,11 @@ def test_served_quantized_smollm2_quality(smollm2, smollm2_path, smollm2_chat, m
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_served_int4_with_bfloat16_kv_cache_quality(smollm2, smollm2_path, smollm2_chat) -> None:
-    """--quantization int4 --kv-cache-dtype bfloat16: K and V rounded to bf16 on top of the int4
-    layers, against float32 weights and float32 K/V along the greedy continuation."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_served_int4_with_low_precision_kv_cache_quality(smollm2, smollm2_path, smollm2_chat, kv_dtype) -> None:
+    """--quantization int4 --kv-cache-dtype bfloat16 / int8: K and V rounded to bf16, or to int8 codes with
+    a scale per token and KV head, on top of the int4 layers, against float32 weights and float32 K/V
+    along the greedy continuation."""
     prompt, continuation = smollm2_chat
     seq = prompt + continuation
     positions = slice(len(prompt) - 1, len(seq) - 1)
@@ -246,14 +248,14 @@ def test_served_int4_with_bfloat16_kv_cache_quality(smollm2, smollm2_path, smoll
     ref = logits(smollm2.model, torch.float32)
     served = load_model(smollm2_path, quantization="int4", progress=False).model
     fp32_kv = logits(served, torch.float32)
-    out = logits(served, torch.bfloat16)
-    assert not torch.equal(out, fp32_kv)  # the bf16 pools really were used
+    out = logits(served, kv_dtype)
+    assert not torch.equal(out, fp32_kv)  # the low-precision pools really were used
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = (out - ref).abs().mean().item()
-    print(f"SmolLM2 served int4, bfloat16 K/V: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
-    # bf16 K/V moves every logit a little (error 0.056 -> 0.060), which can swap the reference's
-    # near-ties: measured two flips in 32, where its top two logits were 0.012 and 0.045 apart. A
-    # token the reference chose by a clear margin must not change.
+    print(f"SmolLM2 served int4, {kv_dtype} K/V: greedy top-1 agreement {agree:.3f}, mean |logit error| {err:.3f}")
+    # Rounded K/V move every logit a little (error 0.056 -> 0.060 with bf16), which can swap the
+    # reference's near-ties: measured two flips in 32 with bf16, where its top two logits were 0.012 and
+    # 0.045 apart. A token the reference chose by a clear margin must not change.
     _, max_err = _served_bounds("int4")
     assert agree >= 0.9 and err <= max_err
     assert not _decisive_flips(out, ref, margin=0.1)

@@ -18,6 +18,7 @@ def test_kv_cache_dtype_flag() -> None:
     assert _engine_config(build_parser().parse_args(["serve"])).kv_cache_dtype == "auto"
     config = _engine_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"]))
     assert config.kv_cache_dtype == "bfloat16"
+    assert _engine_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "float16"])
 
@@ -25,8 +26,10 @@ def test_kv_cache_dtype_flag() -> None:
 def test_engine_config_refuses_an_unknown_kv_cache_dtype() -> None:
     from protoserve.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, int8"):
         EngineConfig(kv_cache_dtype="fp8").validate()
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 is served by the CPU attention kernel only"):
+        EngineConfig(kv_cache_dtype="int8", device="cuda").validate()
 
 
 def test_fairness_flags_reach_the_engine_and_bad_values_name_the_flag() -> None:
