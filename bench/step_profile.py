@@ -5,7 +5,7 @@ sequences with ``context``-token prompts are prefilled, then each decode step's 
 timed alone (no sampler, no scheduler). ``--phases`` also splits those steps' time by phase of the
 layer loop (kernels/cpu/step_phases.py). Usage:
 
-    python -m bench.step_profile --rows 16 64 --context 128 --steps 30 [--phases]
+    python -m bench.step_profile --rows 16 64 --context 128 --steps 30 [--phases] [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=None, help="K/V cache block size [the engine's]")
     parser.add_argument("--phases", action="store_true", help="also split the decode steps' time by phase")
+    parser.add_argument("--kv-cache-dtype", default=None, help="K/V storage [the served variant's, bfloat16]")
     args = parser.parse_args()
     from bench.profile import INT4_KV_BF16
     from bench.resources import load_engine_model
@@ -69,7 +70,7 @@ def main() -> None:
     from protoserve.engine.runtime import LLMEngine
 
     torch.set_num_threads(args.threads)
-    config = EngineConfig(deterministic=True, kv_cache_dtype=INT4_KV_BF16.kv_cache_dtype,
+    config = EngineConfig(deterministic=True, kv_cache_dtype=args.kv_cache_dtype or INT4_KV_BF16.kv_cache_dtype,
                           activation_precision=args.precision)
     if args.block_size is not None:
         config.block_size = args.block_size

@@ -218,47 +218,50 @@ inline F16 exp_nonpositive(F16 x, simd::Mask keep) {
 // them, and decode reads every row from beyond L2. The rows are the next KV head's of the current key
 // block, or the first head's of the next block: a 64-key block of SmolLM2's three KV heads is 48 KB of
 // K and V, an L1's worth, so asking for the whole next block while this one computes evicts lines
-// before they are read. They are asked for a few lines at a time, from inside the scores' and P @ V's
-// loops and in eighths between the head's steps: a prefetch waits to issue while the core's L1 miss
-// buffers are full, and nothing behind it runs meanwhile, so a burst of 32 lines or more stalls the work.
-class LinesAhead {
+// before they are read. They are asked for a row at a time, from inside the scores' and P @ V's loops
+// and in eighths between the head's steps: a prefetch waits to issue while the core's L1 miss buffers
+// are full, and nothing behind it runs meanwhile, so a burst of 32 lines or more stalls the work. A row
+// costs a few instructions (its byte offset is computed once per block), which matters: decode runs
+// ~250 of them per block and head beside ~2,500 instructions of arithmetic.
+class RowsAhead {
  public:
-  // step_lines: lines per step() of the scores' and P @ V's inner loops.
-  LinesAhead(const void* k, const void* v, const int64_t* slots, int rows, int64_t row_stride_bytes, int span_bytes,
-             int step_lines)
-      : base_(static_cast<const char*>(k)), v_(static_cast<const char*>(v)), slots_(slots), rows_(rows),
-        stride_(row_stride_bytes), span_(span_bytes), step_lines_(step_lines),
-        left_(2 * rows * ((span_bytes + 63) / 64)) {}
+  // offsets: the rows' byte offsets from k and from v; lines: 64-byte lines per row (row_lines);
+  // every: one row per `every` steps (1 or 2).
+  RowsAhead(const void* k, const void* v, const int64_t* offsets, int rows, int lines, int every)
+      : base_(static_cast<const char*>(k)), v_(static_cast<const char*>(v)), offsets_(offsets), rows_(rows),
+        lines_(lines), skip_(every - 1), left_(2 * rows) {}
   int left() const { return left_; }
-  __attribute__((always_inline)) void step() { issue(step_lines_); }
-  __attribute__((always_inline)) void issue(int lines) {
-    for (; lines > 0 && left_ > 0; --lines, --left_) {
-      _mm_prefetch(base_ + slots_[u_] * stride_ + off_, _MM_HINT_T0);
-      if ((off_ += 64) < span_) continue;
-      off_ = 0;
+  __attribute__((always_inline)) void step() {
+    if ((++tick_ & skip_) == 0) issue(1);
+  }
+  __attribute__((always_inline)) void issue(int rows) {
+    for (; rows > 0 && left_ > 0; --rows, --left_) {
+      const char* row = base_ + offsets_[u_];
+      for (int l = 0; l < lines_; ++l) _mm_prefetch(row + 64 * l, _MM_HINT_T0);
       if (++u_ == rows_) u_ = 0, base_ = v_;
     }
   }
 
  private:
-  const char* base_ = nullptr;
-  const char* v_ = nullptr;
-  const int64_t* slots_ = nullptr;
-  int rows_ = 0;
-  int64_t stride_ = 0;
-  int span_ = 0;
-  int step_lines_ = 0;
-  int left_ = 0;
-  int u_ = 0, off_ = 0;
+  const char* base_;
+  const char* v_;
+  const int64_t* offsets_;
+  int rows_, lines_, skip_, left_;
+  int u_ = 0, tick_ = 0;
 };
 
-// Lines asked for per step of the scores' and P @ V's inner loops, per 2 bytes of a cached value: two for
-// a lone query (decode), whose loops take few steps a head; one for a tile of queries (prefill), whose
+// The 64-byte lines holding a row of row_bytes whatever its offset: rows are row_bytes apart in the
+// pool, so a row's offset in its line is a multiple of row_bytes' largest power-of-two factor (<= 64).
+constexpr int row_lines(int row_bytes) {
+  const int align = std::min(row_bytes & -row_bytes, 64);
+  return (row_bytes + (64 - align) + 63) / 64;
+}
+
+// Steps per row asked for: one row per step of the scores' and P @ V's inner loops for a lone query
+// (decode), whose loops take few steps a head; one per two steps for a tile of queries (prefill), whose
 // many steps would otherwise ask for the next head's rows long before they are read and push the tile's
 // transposed keys and interleaved values out of L1.
-constexpr int step_lines(int tile_queries, int value_bytes) {
-  return std::max(1, (tile_queries == 1 ? 2 : 1) * value_bytes / 2);
-}
+constexpr int steps_per_row(int tile_queries) { return tile_queries == 1 ? 1 : 2; }
 
 // ---- scores -----------------------------------------------------------------------------
 
@@ -375,7 +378,7 @@ inline void transpose_keys(const KT* const krow[KEY_BLOCK], __m512i* kt) {
 // out[r * SUBS + s] holds keys 16s .. 16s + 15 (int16: the integer sums, in int32 lanes).
 template <int R, int P2, bool INT16>
 __attribute__((always_inline)) inline void column_scores(const __m512i* kt, const uint16_t* const q[R], F16* out,
-                                                         LinesAhead& ahead) {
+                                                         RowsAhead& ahead) {
   F16 acc[R][SUBS];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -404,7 +407,7 @@ constexpr int SCORE_HEADS = 6;  // query heads per column_scores call: 24 accumu
 
 template <int P2, bool INT16>
 inline void column_scores_n(int n, const __m512i* kt, const uint16_t* const q[SCORE_HEADS], F16* out,
-                            LinesAhead& ahead) {
+                            RowsAhead& ahead) {
   switch (n) {
     case 1: column_scores<1, P2, INT16>(kt, q, out, ahead); break;
     case 2: column_scores<2, P2, INT16>(kt, q, out, ahead); break;
@@ -436,7 +439,7 @@ inline float quantize_query(const float* q, int D, uint16_t* codes) {
 // Per lane this is one FMA chain in ascending u whatever G and CC are.
 template <typename KT, int G, int CC>
 void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, const KT* const vrow[KEY_BLOCK],
-             int ua, int ub, int c0, LinesAhead& ahead) {
+             int ua, int ub, int c0, RowsAhead& ahead) {
   F16 a[G][CC];
   for (int g = 0; g < G; ++g) {
     const F16 cg = simd::set1(corr[g]);
@@ -456,7 +459,7 @@ void pv_tile(float* acc, int head_dim, const float* probs, const float* corr, co
 }
 
 template <typename KT>
-using PvFn = void (*)(float*, int, const float*, const float*, const KT* const*, int, int, int, LinesAhead&);
+using PvFn = void (*)(float*, int, const float*, const float*, const KT* const*, int, int, int, RowsAhead&);
 
 template <typename KT, int G>
 constexpr PvFn<KT> pv_for_cc(int cc) {
@@ -570,7 +573,7 @@ inline void store_scores(float* scores, uint64_t visible, int sub, F16 sc) {
 // scores of all `group` heads (lanes outside ua..ub = -inf; a vector with none of them is not computed) ...
 template <int CH>
 inline void block_query_scores(const Problem& pb, const float* q, const float* const krow[KEY_BLOCK], int ua, int ub,
-                               float* scores, LinesAhead& ahead) {
+                               float* scores, RowsAhead& ahead) {
   const int D = pb.head_dim, chunks = D / LANES;
   const uint64_t visible = visible_keys(ua, ub);
   for (int g = 0; g < pb.group; ++g)
@@ -616,7 +619,7 @@ inline void block_query_softmax(int group, int ua, int ub, float* m, F16* l, flo
 // ... and acc = acc * corr + P @ V over the visible keys.
 template <typename KT>
 inline void block_query_pv(const Problem& pb, float* acc, const float* probs, const float* corr,
-                           const KT* const vrow[KEY_BLOCK], int ua, int ub, LinesAhead& ahead) {
+                           const KT* const vrow[KEY_BLOCK], int ua, int ub, RowsAhead& ahead) {
   const int D = pb.head_dim, chunks = D / LANES;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
@@ -689,7 +692,7 @@ inline void pair_weights(const float* probs, const float* vq, uint32_t pairs[G][
 // vq, wscale: an int8 pool's weight factors and sums' scale (value_weights).
 template <int G, int CC, typename VP, bool INT16>
 void pv_tile_pairs(float* acc, int head_dim, const float* probs, const float* corr, const float* vq, float wscale,
-                   VP vsrc, int ja, int jb, int c0, LinesAhead& ahead) {
+                   VP vsrc, int ja, int jb, int c0, RowsAhead& ahead) {
   const int c32 = head_dim / 32;
   F16 a[G][2 * CC];
   uint32_t pairs[G][KEY_BLOCK / 2];
@@ -727,7 +730,7 @@ void pv_tile_pairs(float* acc, int head_dim, const float* probs, const float* co
 }
 
 template <typename VP>
-using PvPairsFn = void (*)(float*, int, const float*, const float*, const float*, float, VP, int, int, int, LinesAhead&);
+using PvPairsFn = void (*)(float*, int, const float*, const float*, const float*, float, VP, int, int, int, RowsAhead&);
 
 template <int G, typename VP, bool INT16>
 constexpr PvPairsFn<VP> pv_pairs_for_cc(int cc) {
@@ -747,7 +750,7 @@ inline PvPairsFn<VP> pv_pairs_kernel(int g, int cc) {
 // acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub.
 template <bool INT16, typename VP>
 inline void block_query_pv_pairs(const Problem& pb, float* acc, const float* probs, const float* corr,
-                                 const float* vscale, VP vsrc, int ua, int ub, LinesAhead& ahead) {
+                                 const float* vscale, VP vsrc, int ua, int ub, RowsAhead& ahead) {
   const int D = pb.head_dim, chunks32 = D / 32;
   alignas(64) float vq[KEY_BLOCK];
   const float wscale = INT16 ? value_weights(vscale, ua, ub, vq) : 0.0f;
@@ -844,26 +847,30 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
   const KT* vrow[KEY_BLOCK];
   alignas(64) float kscale[KEY_BLOCK], vscale[KEY_BLOCK];  // int16 products: the rows' scales
   int qa[QUERY_TILE], qb[QUERY_TILE];
-  int64_t slots[KEY_BLOCK];
+  int64_t slots[KEY_BLOCK], offsets[KEY_BLOCK];  // the block's slots, and their byte offsets in the pool
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(PT));
+  const int lines = row_lines(R * static_cast<int>(sizeof(PT)));
   for (int kb = tile_lo / KEY_BLOCK; kb <= kb_last; ++kb) {
     const int j0 = kb * KEY_BLOCK;
     const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
     block_slots(pb, table, j0, ua, ub, slots);
-    // The next block's slots, whose first head's rows are asked for while this block's last head
-    // computes (LinesAhead); the last block asks for the next unit's first rows instead.
-    int64_t next_slots[KEY_BLOCK];
+    for (int u = ua; u <= ub; ++u) offsets[u] = slots[u] * row_bytes;
+    // The next block's rows, whose first head's are asked for while this block's last head computes
+    // (RowsAhead); the last block asks for the next unit's first rows instead.
+    int64_t next_offsets[KEY_BLOCK];
     const PT* next_k = kbase;
     const PT* next_v = vbase;
     int next_ub = -1;
     if (kb < kb_last) {
       next_ub = std::min(tile_hi - j0 - KEY_BLOCK, KEY_BLOCK - 1);
-      block_slots(pb, table, j0 + KEY_BLOCK, 0, next_ub, next_slots);
+      block_slots(pb, table, j0 + KEY_BLOCK, 0, next_ub, next_offsets);
     } else if (after.last >= 0) {
       next_ub = after.last;
       next_k = after.kbase;
       next_v = after.vbase;
-      std::copy(after.slots, after.slots + next_ub + 1, next_slots);
+      std::copy(after.slots, after.slots + next_ub + 1, next_offsets);
     }
+    for (int u = 0; u <= next_ub; ++u) next_offsets[u] *= row_bytes;
     for (int i = 0; i < tile.n; ++i) {
       const int pos = tile.pos0 + i;
       qa[i] = std::max(std::max(first_key(pb, pos), keys.lo) - j0, 0);
@@ -871,15 +878,16 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
     }
     for (int h = 0; h < nkv; ++h) {
       const bool last_head = h + 1 == nkv;
-      LinesAhead ahead(last_head ? next_k : kbase + (h + 1) * R, last_head ? next_v : vbase + (h + 1) * R,
-                       last_head ? next_slots : slots + ua, (last_head ? next_ub : ub - ua) + 1,
-                       row_stride * static_cast<int64_t>(sizeof(PT)), R * static_cast<int>(sizeof(PT)),
-                       step_lines(tile.n, static_cast<int>(sizeof(PT))));
+      RowsAhead ahead(last_head ? next_k : kbase + (h + 1) * R, last_head ? next_v : vbase + (h + 1) * R,
+                      last_head ? next_offsets : offsets + ua, (last_head ? next_ub : ub - ua) + 1, lines,
+                      steps_per_row(tile.n));
       const int dose = ahead.left() / 8;
       ahead.issue(dose);
+      const char* kh = reinterpret_cast<const char*>(kbase + h * R);
+      const char* vh = reinterpret_cast<const char*>(vbase + h * R);
       for (int u = ua; u <= ub; ++u) {
-        const PT* k = kbase + slots[u] * row_stride + h * R;
-        const PT* v = vbase + slots[u] * row_stride + h * R;
+        const PT* k = reinterpret_cast<const PT*>(kh + offsets[u]);
+        const PT* v = reinterpret_cast<const PT*>(vh + offsets[u]);
         if constexpr (pair_products) {
           kprow[u] = k;
           vrow[u] = v;
