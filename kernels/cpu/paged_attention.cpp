@@ -747,13 +747,12 @@ inline PvPairsFn<VP> pv_pairs_kernel(int g, int cc) {
   }
 }
 
-// acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub.
+// acc = acc * corr + P @ V over the key pairs holding the query's visible keys ua..ub; vq, wscale: an int8
+// pool's value_weights for them.
 template <bool INT16, typename VP>
 inline void block_query_pv_pairs(const Problem& pb, float* acc, const float* probs, const float* corr,
-                                 const float* vscale, VP vsrc, int ua, int ub, RowsAhead& ahead) {
+                                 const float* vq, float wscale, VP vsrc, int ua, int ub, RowsAhead& ahead) {
   const int D = pb.head_dim, chunks32 = D / 32;
-  alignas(64) float vq[KEY_BLOCK];
-  const float wscale = INT16 ? value_weights(vscale, ua, ub, vq) : 0.0f;
   for (int g0 = 0; g0 < pb.group; g0 += PV_HEADS) {
     const int ng = std::min(PV_HEADS, pb.group - g0);
     for (int c0 = 0; c0 < chunks32; c0 += 2)
@@ -968,17 +967,23 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       if constexpr (pair_products)
         if (tile.n > 1) unpack_values<CH / 2>(vrow, reinterpret_cast<__m512i*>(s.vp.data()));
 #endif
+      alignas(64) float vq[KEY_BLOCK];
+      float wscale = 0.0f;
+      int vq_lo = -1, vq_hi = -1;  // the keys vq was made for: a tile's queries mostly share them
       for (int i = 0; i < tile.n; ++i) {
         if (qa[i] > qb[i]) continue;
         const float* probs = &s.probs[(i * HG + h * G) * KEY_BLOCK];
 #if defined(PROTOSERVE_SIMD_BF16)
         if constexpr (pair_products) {
+          if (int16_products && (qa[i] != vq_lo || qb[i] != vq_hi))
+            wscale = value_weights(vscale, qa[i], qb[i], vq), vq_lo = qa[i], vq_hi = qb[i];
           if (tile.n > 1)
-            block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vscale,
-                                                 reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i], ahead);
+            block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vq,
+                                                 wscale, reinterpret_cast<const __m512i*>(s.vp.data()), qa[i], qb[i],
+                                                 ahead);
           else
-            block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vscale,
-                                                 static_cast<const KT* const*>(vrow), qa[i], qb[i], ahead);
+            block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vq,
+                                                 wscale, static_cast<const KT* const*>(vrow), qa[i], qb[i], ahead);
           continue;
         }
 #endif
