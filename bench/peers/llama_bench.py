@@ -81,9 +81,11 @@ def depth_command(
     depths: Sequence[int],
     flash_attn: int,
     repetitions: int,
+    cache_type: str | None = None,
 ) -> list[str]:
     """``-p`` each of ``prompts`` (0: none) and ``-n generate`` (0: none), each over every context depth
-    of ``depths`` (``-d``: tokens put in the context before the timed part): the long-context tests."""
+    of ``depths`` (``-d``: tokens put in the context before the timed part): the long-context tests.
+    ``cache_type``: K and V stored as that type (``-ctk``/``-ctv``, e.g. ``q8_0``) instead of f16."""
     if not prompts or not depths or min(*prompts, *depths, generate) < 0 or threads < 1 or repetitions < 1:
         raise ValueError(f"bad long-context test: prompts {list(prompts)}, generate {generate}, depths {list(depths)}")
     if flash_attn not in (0, 1):
@@ -92,6 +94,7 @@ def depth_command(
         str(binary), "-m", str(model), "-p", ",".join(map(str, prompts)), "-n", str(generate),
         "-d", ",".join(map(str, depths)),
         "-t", str(threads), "-fa", str(flash_attn), "-r", str(repetitions), "-o", "json",
+        *(("-ctk", cache_type, "-ctv", cache_type) if cache_type else ()),
     ]  # fmt: skip
 
 

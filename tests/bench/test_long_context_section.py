@@ -23,6 +23,8 @@ def test_depth_command() -> None:
     cmd = llama_bench.depth_command(Path("/b/llama-bench"), Path("/m.gguf"), 2, (0,), 64, (0, 4096), 1, 2)
     assert cmd == ["/b/llama-bench", "-m", "/m.gguf", "-p", "0", "-n", "64", "-d", "0,4096", "-t", "2",
                    "-fa", "1", "-r", "2", "-o", "json"]
+    kv8 = llama_bench.depth_command(Path("/b/llama-bench"), Path("/m.gguf"), 2, (0,), 64, (0,), 1, 2, "q8_0")
+    assert kv8[-4:] == ["-ctk", "q8_0", "-ctv", "q8_0"]
     with pytest.raises(ValueError, match="flash_attn"):
         llama_bench.depth_command(Path("b"), Path("m"), 2, (512,), 0, (0,), 2, 1)
     with pytest.raises(ValueError, match="bad long-context test"):
@@ -57,7 +59,17 @@ def test_depth_results_become_figures_and_ratios() -> None:
     assert not ratios["long_context.ratio.decode.4096"].met
     assert ratios["long_context.self.decode.4096"].value == pytest.approx(0.5)
     assert ratios["long_context.ratio.decode.2048"].value is None
-    assert set(ratios) | set(figures) == {n for n, _ in lc.figure_names()}
+    # The 8-bit K/V pass: its own figures from the same kind of results, its own ratios.
+    lc.add_peer_results(results, rates, lc.KV8)
+    rates.add(lc._name("protoserve-kv8", "decode", 4096), 150.0)
+    rates.add(lc._name("protoserve-kv8", "decode", "short"), 240.0)
+    figures = {name: rates.figure(name) for name, unit in lc.figure_names() if unit == lc.UNIT}
+    kv8 = {f.name: f for f in lc.ratio_figures(figures, lc.KV8)}
+    assert kv8["long_context.ratio-kv8.decode.4096"].value == pytest.approx(3.0)
+    assert kv8["long_context.ratio-kv8.decode.4096"].met
+    assert kv8["long_context.self-kv8.decode.4096"].value == pytest.approx(0.625)
+    assert kv8["long_context.ratio-kv8.prefill.4096"].value is None  # not measured here
+    assert set(ratios) | set(kv8) | set(figures) == {n for n, _ in lc.figure_names()}
 
 
 def test_without_a_peer_every_figure_is_skipped_with_the_reason(monkeypatch, tmp_path: Path) -> None:
