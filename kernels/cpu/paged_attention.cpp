@@ -263,6 +263,17 @@ constexpr int row_lines(int row_bytes) {
 // transposed keys and interleaved values out of L1.
 constexpr int steps_per_row(int tile_queries) { return tile_queries == 1 ? 1 : 2; }
 
+// One KV head's cached rows of a key block, as the pair walks read them: the head's base plus each key's
+// byte offset in the pool (computed once per block, lanes no query sees pointing at a readable row).
+template <typename KT>
+struct RowsView {
+  const char* base;
+  const int64_t* offsets;
+  __attribute__((always_inline)) const KT* operator[](int u) const {
+    return reinterpret_cast<const KT*>(base + offsets[u]);
+  }
+};
+
 // ---- scores -----------------------------------------------------------------------------
 
 // Scores of one (pre-scaled) query head against the block's 16 key rows (float32).
@@ -364,7 +375,7 @@ __attribute__((always_inline)) inline void transpose16x16(const __m512i in[16], 
 
 // kt (SUBS * P2 vectors, P2 = D / 2) from the block's KEY_BLOCK rows (bfloat16 or int8).
 template <int P2, typename KT>
-inline void transpose_keys(const KT* const krow[KEY_BLOCK], __m512i* kt) {
+inline void transpose_keys(const RowsView<KT>& krow, __m512i* kt) {
   for (int sub = 0; sub < SUBS; ++sub)
     for (int c = 0; c < P2 / 16; ++c) {
       __m512i rows[16];
@@ -645,7 +656,7 @@ inline void block_query_pv(const Problem& pb, float* acc, const float* probs, co
 //
 // vp[(j * C32 + c) * 2 + 0 / 1]: pair j's interleaved chunk c (of C32 = D / 32), low / high half.
 template <int C32, typename KT>
-inline void unpack_values(const KT* const vrow[KEY_BLOCK], __m512i* vp) {
+inline void unpack_values(const RowsView<KT>& vrow, __m512i* vp) {
 #pragma GCC unroll 8
   for (int j = 0; j < KEY_BLOCK / 2; ++j)
 #pragma GCC unroll 4
@@ -686,9 +697,8 @@ inline void pair_weights(const float* probs, const float* vq, uint32_t pairs[G][
   }
 }
 
-// VP: const __m512i* (the block's pairs from unpack_values) or the block's V rows (const uint16_t* const* or
-// const int8_t* const*), interleaved here: a tile of one query, as decode's, reads each pair once. The
-// same chains either way.
+// VP: const __m512i* (the block's pairs from unpack_values) or the block's V rows (RowsView), interleaved
+// here: a tile of one query, as decode's, reads each pair once. The same chains either way.
 // vq, wscale: an int8 pool's weight factors and sums' scale (value_weights).
 template <int G, int CC, typename VP, bool INT16>
 void pv_tile_pairs(float* acc, int head_dim, const float* probs, const float* corr, const float* vq, float wscale,
@@ -842,7 +852,6 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
   const int tile_lo = std::max(first_key(pb, tile.pos0), keys.lo), tile_hi = std::min(tile.pos0 + tile.n - 1, keys.hi);
   const int kb_last = tile_hi / KEY_BLOCK;
   const float* krow[KEY_BLOCK];
-  const KT* kprow[KEY_BLOCK];  // pair products: the cached rows themselves
   const KT* vrow[KEY_BLOCK];
   alignas(64) float kscale[KEY_BLOCK], vscale[KEY_BLOCK];  // int16 products: the rows' scales
   int qa[QUERY_TILE], qb[QUERY_TILE];
@@ -854,6 +863,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
     const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
     block_slots(pb, table, j0, ua, ub, slots);
     for (int u = ua; u <= ub; ++u) offsets[u] = slots[u] * row_bytes;
+    std::fill(offsets, offsets + ua, offsets[ua]);  // lanes no query sees: a readable row (and a finite scale)
+    std::fill(offsets + ub + 1, offsets + KEY_BLOCK, offsets[ub]);
     // The next block's rows, whose first head's are asked for while this block's last head computes
     // (RowsAhead); the last block asks for the next unit's first rows instead.
     int64_t next_offsets[KEY_BLOCK];
@@ -884,39 +895,30 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       ahead.issue(dose);
       const char* kh = reinterpret_cast<const char*>(kbase + h * R);
       const char* vh = reinterpret_cast<const char*>(vbase + h * R);
-      for (int u = ua; u <= ub; ++u) {
-        const PT* k = reinterpret_cast<const PT*>(kh + offsets[u]);
-        const PT* v = reinterpret_cast<const PT*>(vh + offsets[u]);
-        if constexpr (pair_products) {
-          kprow[u] = k;
-          vrow[u] = v;
-          if constexpr (int16_products) kscale[u] = int8_row_scale(k, D), vscale[u] = int8_row_scale(v, D);
-        } else if constexpr (int8_pool) {  // widened once per block and head, not once per query head
-          widen_int8_row(k, D, &s.kbuf[u * D]);
-          if (v != k) widen_int8_row(v, D, &s.vbuf[u * D]);  // one shared pool (latent attention): its rows once
-          krow[u] = &s.kbuf[u * D];
-          vrow[u] = v != k ? &s.vbuf[u * D] : &s.kbuf[u * D];
-        } else {
-          vrow[u] = v;
-          if constexpr (std::is_same_v<KT, float>) {
-            krow[u] = k;
-          } else {  // widen once per block and head, not once per query head
-            float* dst = &s.kbuf[u * D];
-            for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
-            krow[u] = dst;
+      const RowsView<KT> krows{kh, offsets}, vrows{vh, offsets};
+      if constexpr (int16_products)
+        for (int u = 0; u < KEY_BLOCK; ++u) kscale[u] = int8_row_scale(krows[u], D), vscale[u] = int8_row_scale(vrows[u], D);
+      if constexpr (!pair_products) {  // the rows in place or widened
+        for (int u = ua; u <= ub; ++u) {
+          const PT* k = reinterpret_cast<const PT*>(kh + offsets[u]);
+          const PT* v = reinterpret_cast<const PT*>(vh + offsets[u]);
+          if constexpr (int8_pool) {  // widened once per block and head, not once per query head
+            widen_int8_row(k, D, &s.kbuf[u * D]);
+            if (v != k) widen_int8_row(v, D, &s.vbuf[u * D]);  // one shared pool (latent attention): its rows once
+            krow[u] = &s.kbuf[u * D];
+            vrow[u] = v != k ? &s.vbuf[u * D] : &s.kbuf[u * D];
+          } else {
+            vrow[u] = v;
+            if constexpr (std::is_same_v<KT, float>) {
+              krow[u] = k;
+            } else {  // widen once per block and head, not once per query head
+              float* dst = &s.kbuf[u * D];
+              for (int c = 0; c < chunks; ++c) simd::store(dst + c * LANES, load16(k + c * LANES));
+              krow[u] = dst;
+            }
           }
         }
-      }
-      // Lanes no query sees: any readable row (and a finite scale).
-      if constexpr (pair_products) {
-        for (int u = 0; u < ua; ++u) kprow[u] = kprow[ua], vrow[u] = vrow[ua];
-        for (int u = ub + 1; u < KEY_BLOCK; ++u) kprow[u] = kprow[ub], vrow[u] = vrow[ub];
-        if constexpr (int16_products) {
-          std::fill(kscale, kscale + ua, kscale[ua]), std::fill(vscale, vscale + ua, vscale[ua]);
-          std::fill(kscale + ub + 1, kscale + KEY_BLOCK, kscale[ub]), std::fill(vscale + ub + 1, vscale + KEY_BLOCK, vscale[ub]);
-        }
-      } else {
-        for (int u = 0; u < ua; ++u) krow[u] = krow[ua];
+        for (int u = 0; u < ua; ++u) krow[u] = krow[ua];  // lanes no query sees: any readable row
         for (int u = ub + 1; u < KEY_BLOCK; ++u) krow[u] = krow[ub];
       }
 
@@ -924,7 +926,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       if constexpr (pair_products) {
         // The block transposed once for all the tile's query heads, then their scores SCORE_HEADS at a time.
         __m512i* kt = reinterpret_cast<__m512i*>(s.kt.data());
-        transpose_keys<CH * 8>(kprow, kt);
+        transpose_keys<CH * 8>(krows, kt);
         int vis[QUERY_TILE], nvis = 0;
         for (int i = 0; i < tile.n; ++i)
           if (qa[i] <= qb[i]) vis[nvis++] = i;
@@ -965,7 +967,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       ahead.issue(dose);
 #if defined(PROTOSERVE_SIMD_BF16)
       if constexpr (pair_products)
-        if (tile.n > 1) unpack_values<CH / 2>(vrow, reinterpret_cast<__m512i*>(s.vp.data()));
+        if (tile.n > 1) unpack_values<CH / 2>(vrows, reinterpret_cast<__m512i*>(s.vp.data()));
 #endif
       alignas(64) float vq[KEY_BLOCK];
       float wscale = 0.0f;
@@ -983,7 +985,7 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
                                                  ahead);
           else
             block_query_pv_pairs<int16_products>(pb, &s.acc[i * HGD + h * GD], probs, &s.corr[i * HG + h * G], vq,
-                                                 wscale, static_cast<const KT* const*>(vrow), qa[i], qb[i], ahead);
+                                                 wscale, vrows, qa[i], qb[i], ahead);
           continue;
         }
 #endif
