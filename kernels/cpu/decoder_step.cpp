@@ -325,11 +325,9 @@ at::Tensor DecoderStep::forward(at::Tensor x, const at::Tensor& cos, const at::T
           for (int64_t e = 0; e < kv_size; ++e) kdst[e] = c10::BFloat16(kr[e]);
           for (int64_t e = 0; e < kv_size; ++e) vdst[e] = c10::BFloat16(vr[e]);
         } else if (pool_dtype == at::kChar) {  // as the module path's write_kv_int8_
-          const int64_t row = pool0.size(3);
-          for (int64_t hh = 0; hh < KVH; ++hh) {
-            quantize_kv_row(kr + hh * D, D, static_cast<int8_t*>(kpool) + (slots[r] * KVH + hh) * row);
-            quantize_kv_row(vr + hh * D, D, static_cast<int8_t*>(vpool) + (slots[r] * KVH + hh) * row);
-          }
+          const int64_t slot_bytes = KVH * pool0.size(3);
+          quantize_kv_slot(kr, KVH, D, static_cast<int8_t*>(kpool) + slots[r] * slot_bytes);
+          quantize_kv_slot(vr, KVH, D, static_cast<int8_t*>(vpool) + slots[r] * slot_bytes);
         } else {
           std::memcpy(static_cast<float*>(kpool) + slots[r] * kv_size, kr, kv_size * sizeof(float));
           std::memcpy(static_cast<float*>(vpool) + slots[r] * kv_size, vr, kv_size * sizeof(float));

@@ -141,8 +141,9 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
                     int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t sliding_window);
 // The head size of a K/V pool: [num_blocks, bs, KVH, D] float32 or bfloat16, [.., D + 4] int8.
 int64_t kv_pool_head_dim(const at::Tensor& pool);
-// One (token, KV head) row of D values (D % 16 == 0) as an int8 pool's row: D codes, then the float32 scale.
-void quantize_kv_row(const float* x, int64_t D, int8_t* row);
+// One token's `heads` rows of D values (D % 16 == 0) into an int8 pool's slot: per head D codes, then the
+// float32 scale.
+void quantize_kv_slot(const float* x, int64_t heads, int64_t D, int8_t* slot);
 // pool's slots[t] rows = rows[t] ([T, KVH, D] float32), quantized (the module path's K/V write).
 void write_kv_int8_(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows);
 // out [T, H, D] dense; q rows q_stride floats apart; caches float32, bfloat16 or int8 (kv_pool_head_dim).

@@ -1308,6 +1308,8 @@ int64_t kv_pool_head_dim(const at::Tensor& pool) {
   return pool.size(3) - (pool.scalar_type() == at::kChar ? INT8_SCALE_BYTES : 0);
 }
 
+namespace {
+
 void quantize_kv_row(const float* x, int64_t D, int8_t* row) {
   F16 m = simd::zero();
   for (int64_t d = 0; d < D; d += LANES) m = simd::max(m, simd::abs(simd::load(x + d)));
@@ -1318,6 +1320,12 @@ void quantize_kv_row(const float* x, int64_t D, int8_t* row) {
   for (int64_t d = 0; d < D; d += LANES)
     simd::istore_i8_saturated(row + d, simd::iclamp(simd::to_int(simd::mul(simd::load(x + d), inv)), -127, 127));
   std::memcpy(row + D, &scale, sizeof scale);
+}
+
+}  // namespace
+
+void quantize_kv_slot(const float* x, int64_t heads, int64_t D, int8_t* slot) {
+  for (int64_t h = 0; h < heads; ++h) quantize_kv_row(x + h * D, D, slot + h * (D + INT8_SCALE_BYTES));
 }
 
 void write_kv_int8_(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows) {
@@ -1336,7 +1344,7 @@ void write_kv_int8_(const at::Tensor& pool, const at::Tensor& slots, const at::T
   int8_t* dst = pool.data_ptr<int8_t>();
   for (int64_t t = 0; t < rows.size(0); ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
-    for (int64_t h = 0; h < KVH; ++h) quantize_kv_row(xp + (t * KVH + h) * D, D, dst + (sp[t] * KVH + h) * pool.size(3));
+    quantize_kv_slot(xp + t * KVH * D, KVH, D, dst + sp[t] * KVH * pool.size(3));
   }
 }
 
