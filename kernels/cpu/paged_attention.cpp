@@ -154,7 +154,7 @@ inline float load1(const uint16_t* p) {
 
 // An int8 pool keeps each (token, KV head) row as D codes and then, in the next 4 bytes, the row's
 // float32 scale, as GGUF's q8_0 keeps a block's scale beside its codes (llama.cpp's `-ctk q8_0`):
-// scale = max|x| / 127, code = round(x / scale) in -127..127, value = code * scale. Half a bfloat16
+// scale = max|x| / 127, code = round(x * 127 / max|x|) in -127..127, value = code * scale. Half a bfloat16
 // row's bytes (D + 4 against 2D), which a long context's decode streams every step.
 constexpr int INT8_SCALE_BYTES = 4;
 
@@ -855,14 +855,14 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
   const KT* vrow[KEY_BLOCK];
   alignas(64) float kscale[KEY_BLOCK], vscale[KEY_BLOCK];  // int16 products: the rows' scales
   int qa[QUERY_TILE], qb[QUERY_TILE];
-  int64_t slots[KEY_BLOCK], offsets[KEY_BLOCK];  // the block's slots, and their byte offsets in the pool
+  int64_t offsets[KEY_BLOCK];  // the block's rows' byte offsets in the pool (block_slots' slots, scaled)
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(PT));
   const int lines = row_lines(R * static_cast<int>(sizeof(PT)));
   for (int kb = tile_lo / KEY_BLOCK; kb <= kb_last; ++kb) {
     const int j0 = kb * KEY_BLOCK;
     const int ua = std::max(tile_lo - j0, 0), ub = std::min(tile_hi - j0, KEY_BLOCK - 1);
-    block_slots(pb, table, j0, ua, ub, slots);
-    for (int u = ua; u <= ub; ++u) offsets[u] = slots[u] * row_bytes;
+    block_slots(pb, table, j0, ua, ub, offsets);
+    for (int u = ua; u <= ub; ++u) offsets[u] *= row_bytes;
     std::fill(offsets, offsets + ua, offsets[ua]);  // lanes no query sees: a readable row (and a finite scale)
     std::fill(offsets + ub + 1, offsets + KEY_BLOCK, offsets[ub]);
     // The next block's rows, whose first head's are asked for while this block's last head computes
