@@ -41,7 +41,7 @@ class EngineConfig:
     # "bfloat16" halves the pool's bytes (twice the tokens per budget, half the memory a batched
     # decode step streams) at bf16 rounding of K and V; "int8" halves them again (codes and a scale per
     # token and KV head, as llama.cpp's q8_0 K/V; the CPU kernel only); "auto" is the activation dtype,
-    # or bfloat16 for a model served with quantized weights (model_runner.resolve_kv_dtype).
+    # or bfloat16 for a model served with quantized weights (kv_cache.resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
     # New tokens per step (decode tokens included): the chunked-prefill budget. A burst of short

@@ -14,7 +14,6 @@ from protoserve.engine.async_engine import AsyncEngine
 from protoserve.engine.embedding.model import EmbeddingModel
 from protoserve.engine.embedding.worker import EmbeddingWorker
 from protoserve.engine.execution.device import resolve_device
-from protoserve.engine.execution.model_runner import resolve_kv_dtype
 from protoserve.engine.execution.profiling import FusedStepCall, all_position_logits, timed_fused_steps
 from protoserve.engine.llm import LLM, Completion
 from protoserve.engine.llm_engine import LLMEngine
@@ -37,6 +36,7 @@ from protoserve.engine.lora.stack import (
     adapter_problems,
 )
 from protoserve.engine.models.config import ModelConfig
+from protoserve.engine.models.kv_cache import resolve_kv_dtype
 from protoserve.engine.models.moe import MoEBlock, MoEConfig, per_token_forward
 from protoserve.engine.parallel.launch import run_worker_rank, torchrun_worker_rank
 from protoserve.engine.sampling.constraints.compiler import GrammarCompiler

@@ -18,7 +18,7 @@ from protoserve.engine.execution.compute_gate import CPU_GATE
 from protoserve.engine.execution.cuda_graphs import DecodeGraphs
 from protoserve.engine.execution.forward_batch import ForwardBatch
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.engine.models.kv_cache import PagedKVCache, resolve_kv_dtype
 from protoserve.engine.scheduling.sequence import Sequence
 
 
@@ -68,22 +68,6 @@ def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_s
         lora_slots=None if lora_slots is None else torch.from_numpy(
             np.repeat(np.asarray(lora_slots, dtype=np.int64), query_lens)),
     )
-
-
-def resolve_kv_dtype(setting: str, activation_dtype: torch.dtype, quantization: str) -> torch.dtype:
-    """The K/V pools' dtype for ``EngineConfig.kv_cache_dtype``.
-
-    ``auto`` is the activation dtype, except for a model served with quantized weights,
-    whose K and V are stored in bfloat16, as llama.cpp keeps a quantized model's K/V in
-    f16: its weights already carry far more rounding than bf16 K/V add (SmolLM2's Q4_1
-    served int4: mean logit error against float32 0.056, 0.059 with bf16 K/V), and the
-    same budget then holds twice the tokens while a decode step streams half the bytes.
-    """
-    if setting != "auto":
-        return getattr(torch, setting)
-    if quantization != "none" and activation_dtype == torch.float32:
-        return torch.bfloat16
-    return activation_dtype
 
 
 class ModelRunner:

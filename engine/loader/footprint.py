@@ -18,14 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from protoserve.engine.config import DEFAULT_INT4_GROUP_SIZE, EngineConfig, resolve_num_blocks
-from protoserve.engine.execution.model_runner import resolve_kv_dtype
 from protoserve.engine.loader.auto_quantization import AUTO, mode_for_gguf_tensors
 from protoserve.engine.loader.catalogue import resolve_model
 from protoserve.engine.loader.errors import ModelLoadError
 from protoserve.engine.loader.hf_checkpoint import open_hf_checkpoint
 from protoserve.engine.models import families
 from protoserve.engine.models.config import ModelConfig
-from protoserve.engine.models.kv_cache import PagedKVCache
+from protoserve.engine.models.kv_cache import PagedKVCache, resolve_kv_dtype
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Per value of a quantized linear: int4 packs two codes a byte with a float16 scale and min per group;

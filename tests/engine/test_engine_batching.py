@@ -205,8 +205,8 @@ def test_auto_kv_cache_dtype_is_bfloat16_for_quantized_weights(make_engine, tiny
     from dataclasses import replace
 
     from protoserve.engine.config import EngineConfig
-    from protoserve.engine.execution.model_runner import resolve_kv_dtype
     from protoserve.engine.llm_engine import LLMEngine
+    from protoserve.engine.models.kv_cache import resolve_kv_dtype
 
     assert resolve_kv_dtype("auto", torch.float32, "none") == torch.float32
     assert resolve_kv_dtype("auto", torch.bfloat16, "none") == torch.bfloat16
