@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from protoserve.server import exit_codes
 from protoserve.server.agent.tool_registry import ToolRegistryError
 from protoserve.server.runtime.event_loop import loop_name
+from protoserve.server.runtime.heap import freeze_startup_heap
 from protoserve.server.runtime.ports import PortUnavailable
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     # Health is SERVING now: "listening" came first (probes get answers while the model
     # loads), so this is the line that says requests will be answered.
     served = ", ".join(m.name for m in app.models.listing())
+    log.debug("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
     print(f"protoserve ready: serving {served} on {app.grpc_target} (grpc){http}", flush=True)
     await stopping
     await app.drain()
