@@ -51,6 +51,23 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    # The step thread's own: the output held back for EngineConfig.stream_interval, and whether the
+    # request's first token has gone (it goes at once, whatever the interval).
+    held: RequestOutput | None = None
+    started: bool = False
+
+    def due(self, out: RequestOutput, interval: int) -> RequestOutput | None:
+        """``out`` joined to what is held, if the caller is to have it now; else None (held)."""
+        if self.held is not None:
+            out, self.held = _merged(self.held, out), None
+        if interval == 1 or out.finished or out.error is not None:
+            return out
+        tokens = max((len(d.token_ids) for d in out.deltas), default=0)
+        if tokens >= interval or (tokens and not self.started):
+            self.started = True
+            return out
+        self.held = out
+        return None
 
 
 class AsyncEngine:
@@ -380,9 +397,13 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        interval = self.config.stream_interval
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
+                continue
+            out = stream.due(out, interval)
+            if out is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
@@ -401,6 +422,8 @@ class AsyncEngine:
         engine.step()  # nothing is scheduled: this only collects the cancellations
         failed, self._streams = self._streams, {}
         for stream in failed.values():
+            if stream.held is not None:  # the tokens made before the failure come first, as in _stream_items
+                _put(stream, stream.held)
             _put(stream, exc)
         with self._lock:
             self._live.difference_update(failed)

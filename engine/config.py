@@ -102,6 +102,11 @@ class EngineConfig:
     # later (engine/execution/async_step.py); the tokens are the same. None: on for device cuda, off on
     # cpu, where the host runs the forward itself and there is nothing to overlap.
     async_scheduling: bool | None = None
+    # Tokens a stream's caller gets at a time (vLLM's and SGLang's --stream-interval): after its first
+    # token, a request's output is handed over once it has this many new tokens, or when it ends. Each
+    # hand-over costs the serving loop a message (gRPC, SSE) per stream, so a larger interval leaves more
+    # of the cores to the engine at high concurrency, at coarser streaming. The tokens are the same.
+    stream_interval: int = 1
 
     def overlaps_steps(self) -> bool:
         """Whether steps overlap (``async_scheduling`` with its default resolved)."""
@@ -145,6 +150,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_queue < 1:
             raise ValueError("max_queue must be at least 1")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated)")
         if self.priority_aging_steps < 0:

@@ -46,6 +46,7 @@ ENGINE_FLAGS = (
     ("kv_offload_dir", "kv_offload_dir"),
     ("kv_offload_max_bytes", "kv_offload_max_bytes"),
     ("async_scheduling", "async_scheduling"),
+    ("stream_interval", "stream_interval"),
 )
 
 # serve drafts by prompt lookup unless told otherwise (--speculative-ngram 0): verification keeps the
@@ -229,6 +230,13 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
         type=int,
         metavar="N",
         help="shard the model over N ranks on torch.distributed (gloo on cpu, nccl on cuda) [1]",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        metavar="N",
+        help="after a request's first token, stream its tokens N at a time (and the rest when it ends): fewer "
+        "messages per stream for the serving loop at high concurrency, coarser streaming; the same tokens [1]",
     )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
     parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")

@@ -221,3 +221,56 @@ async def test_a_caller_that_falls_behind_gets_the_queued_steps_in_one_output(en
     assert len(merged.logprobs) == len(merged.token_ids) == 48 - len(first.deltas[0].token_ids)
     assert [p.chosen.token_id for p in merged.logprobs] == merged.token_ids
     assert merged.finish_reason == FinishReason.LENGTH
+
+
+def _tokens(outs) -> list[int]:
+    return [t for out in outs for d in out.deltas for t in d.token_ids]
+
+
+async def test_stream_interval_hands_over_the_first_token_then_n_at_a_time(make_engine):
+    eng = AsyncEngine(make_engine(stream_interval=4), model_name="tiny")
+    every = AsyncEngine(make_engine(), model_name="tiny")
+    real = eng.engine.runner.execute
+
+    def slow_step(seqs, num_new_tokens):
+        time.sleep(0.03)  # a caller that keeps up takes each hand-over alone
+        return real(seqs, num_new_tokens)
+
+    eng.engine.runner.execute = slow_step
+    try:
+        outs = await collect(eng, _logprob_request("chunked", 11))
+        steady = await collect(every, _logprob_request("steady", 11))
+    finally:
+        await eng.shutdown()
+        await every.shutdown()
+
+    # The first token at once, then 4 at a time, the rest with the end.
+    assert [len(out.deltas[0].token_ids) for out in outs] == [1, 4, 4, 2]
+    assert outs[-1].finished and outs[-1].stats is not None
+    assert _tokens(outs) == _tokens(steady) and len(_tokens(outs)) == 11
+    assert "".join(d.text for o in outs for d in o.deltas) == "".join(d.text for o in steady for d in o.deltas)
+    assert [p.chosen.token_id for o in outs for p in o.deltas[0].logprobs] == _tokens(outs)
+
+
+async def test_stream_interval_hands_over_held_tokens_before_a_failure(make_engine):
+    eng = AsyncEngine(make_engine(stream_interval=1000), model_name="tiny")
+    real = eng.engine.runner.execute
+    calls = 0
+
+    def explode_on_the_seventh(seqs, num_new_tokens):
+        nonlocal calls
+        calls += 1
+        if calls == 7:
+            raise RuntimeError("kernel exploded")
+        return real(seqs, num_new_tokens)
+
+    eng.engine.runner.execute = explode_on_the_seventh
+    outs = []
+    with pytest.raises(RuntimeError, match="exploded"):
+        async for out in eng.generate(long_request("held", 50)):
+            outs.append(out)
+    await eng.shutdown()
+    # Six forwards made six tokens: the first went at once, the five held went before the error (a
+    # caller that fell behind gets them in one output).
+    assert sum(len(o.deltas[0].token_ids) for o in outs) == 6
+    assert outs and not outs[-1].finished

@@ -61,3 +61,15 @@ def test_async_scheduling_flag_defaults_by_device_and_refuses_tensor_parallel() 
     assert config("--async-scheduling").async_scheduling is True
     with pytest.raises(CliError, match="^--async-scheduling is not served with tensor_parallel_size > 1"):
         config("--async-scheduling", "--tensor-parallel-size", "2")
+
+
+def test_stream_interval_flag_reaches_the_engine_and_refuses_zero(capsys) -> None:
+    from protoserve.engine.config import EngineConfig
+
+    assert _engine_config(build_parser().parse_args(["serve"])).stream_interval == 1
+    assert _engine_config(build_parser().parse_args(["serve", "--stream-interval", "4"])).stream_interval == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--stream-interval", "0"])
+    assert "--stream-interval: invalid value '0': a positive integer" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="stream_interval must be at least 1"):
+        EngineConfig(stream_interval=0).validate()
