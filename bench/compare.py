@@ -1,8 +1,8 @@
 """Comparison figures: one path over another, both measured in this run.
 
-``compare.grpc_vs_engine.*`` is what the gRPC server keeps of the engine's
-speed (target >= 0.95), ``compare.sse_vs_grpc.*`` what the gateway's SSE keeps
-of gRPC's (target >= 0.90), ``compare.det_vs_fast.*`` what deterministic
+``compare.grpc_vs_engine.*`` and ``compare.sse_vs_engine.*`` are what the gRPC
+server and the gateway's SSE keep of the engine's speed (target >= 0.95),
+``compare.sse_vs_grpc.*`` what the gateway's SSE keeps of gRPC's (target >= 0.90), ``compare.det_vs_fast.*`` what deterministic
 (batch-invariant) kernels keep of the fast ones. For latencies the ratio is
 inverted, so above 1 always means the first path is better.
 """
@@ -52,11 +52,13 @@ def comparisons(names: Iterable[str], served: str = "fp32") -> list[Comparison]:
             engine = paired if paired in present else f"prefill.engine.{served}.det.{m[1]}"
             add(f"compare.grpc_vs_engine.prefill.{m[1]}", name, engine)
     for name in names:
-        if m := re.fullmatch(r"serving\.grpc\.((?:long_mix\.)?c\d+)", name):
-            key = m[1]
-            add(f"compare.grpc_vs_engine.{key}", name, f"serving.engine.{key}")
-            add(f"compare.sse_vs_grpc.{key}", f"serving.sse.{key}", name)
-            add(f"compare.openai_vs_grpc.{key}", f"serving.openai-sse.{key}", name)
+        # serving.grpc.c16, and serving.stream4.grpc.c16 from the server streaming 4 tokens a message
+        if m := re.fullmatch(r"serving\.((?:stream\d+\.)?)grpc\.((?:long_mix\.)?c\d+)", name):
+            variant, key = m[1], m[2]
+            add(f"compare.grpc_vs_engine.{variant}{key}", name, f"serving.{variant}engine.{key}")
+            add(f"compare.sse_vs_engine.{variant}{key}", f"serving.{variant}sse.{key}", f"serving.{variant}engine.{key}")
+            add(f"compare.sse_vs_grpc.{variant}{key}", f"serving.{variant}sse.{key}", name)
+            add(f"compare.openai_vs_grpc.{variant}{key}", f"serving.{variant}openai-sse.{key}", name)
     for name in names:
         if m := re.fullmatch(r"(decode|offline)\.engine\.([\w-]+)\.det", name):
             add(f"compare.det_vs_fast.{m[1]}.{m[2]}", name, f"{m[1]}.engine.{m[2]}.fast")

@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 
 
-def make_engine(loaded: LoadedModel, variant: Variant, deterministic: bool) -> LLMEngine:
+def make_engine(loaded: LoadedModel, variant: Variant, deterministic: bool, stream_interval: int = 1) -> LLMEngine:
     """An engine with the server's default settings and the variant's K/V storage, in deterministic
-    (batch-invariant) or fast mode."""
+    (batch-invariant) or fast mode; ``stream_interval`` as ``serve --stream-interval``."""
     from protoserve.engine.api import EngineConfig
     from protoserve.engine.runtime import LLMEngine
 
-    return LLMEngine(loaded, EngineConfig(deterministic=deterministic, kv_cache_dtype=variant.kv_cache_dtype))
+    return LLMEngine(loaded, EngineConfig(deterministic=deterministic, kv_cache_dtype=variant.kv_cache_dtype,
+                                          stream_interval=stream_interval))
 
 
 def run_requests(engine: LLMEngine, specs: Sequence[RequestSpec]) -> list[RequestTimeline]:

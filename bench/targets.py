@@ -19,6 +19,7 @@ TARGETS: dict[str, Target] = {
     "prefill.grpc.512": Target(2200.0, "higher"),  # prompt tokens/s
     "serving.grpc.c16.ttft_p50": Target(0.5, "lower"),  # seconds
     "compare.grpc_vs_engine.*": Target(0.95, "higher"),  # gRPC within 5% of engine-direct
+    "compare.sse_vs_engine.*": Target(0.95, "higher"),  # gateway SSE within 5% of engine-direct
     "compare.sse_vs_grpc.*": Target(0.90, "higher"),  # gateway SSE within 10% of gRPC
     "isolation.itl_p99_ratio*": Target(2.0, "lower"),  # a huge prompt at most doubles others' ITL p99
     # One key's long streams: another key's TTFT p99 within 3x of alone, the first's throughput within 10%.

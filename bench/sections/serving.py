@@ -50,6 +50,7 @@ SECTION = "serving"
 UNIT = "tok/s"
 WORKLOAD = 4
 LONG_MIX = "long_mix"
+STREAM_INTERVAL = 4  # the server's --stream-interval in the serving.stream4.* figures
 
 
 def level_key(concurrency: int) -> str:
@@ -238,6 +239,32 @@ def _transformers_step(ctx: BenchContext) -> Step:
     return Step(SECTION, TransformersModel(), "serving workload, transformers static batches", run, expects)
 
 
+def _in_process_engine(variant: Variant, stream_interval: int = 1) -> Any:
+    """The engine the server runs, loaded here too (its thread sleeps while the server is measured)."""
+    from protoserve.engine.runtime import AsyncEngine
+
+    loaded = load_engine_model(variant)
+    return AsyncEngine(engine_direct.make_engine(loaded, variant, deterministic=True, stream_interval=stream_interval),
+                       "bench")
+
+
+async def _engine_grpc_sse(
+    ctx: BenchContext, server: Any, engine: Any, levels: tuple[int, ...], long_mix: bool, prefix: str, widest: int
+) -> list[Figure]:
+    """Engine-direct, gRPC and (with a gateway) SSE in turn at each level, as ``{prefix}.{path}.{level}``."""
+    engine.start()
+    try:
+        paths = [
+            LoadPath(EngineTransport(engine), f"{prefix}.engine"),
+            LoadPath(GrpcTransport(server.grpc_target), f"{prefix}.grpc", ttft_figures=True),
+        ]
+        if server.http_base_url is not None:
+            paths.append(LoadPath(GatewaySseTransport(server.http_base_url, widest), f"{prefix}.sse"))
+        return await _levels(ctx, paths, levels, long_mix=long_mix, server_pid=server.process.pid)
+    finally:
+        await engine.shutdown()
+
+
 def _server_step(ctx: BenchContext) -> Step:
     p = ctx.profile
     levels = p.concurrencies
@@ -250,24 +277,10 @@ def _server_step(ctx: BenchContext) -> Step:
     variant = ctx.profile.serving_variant
 
     def run(server: Any) -> list[Figure]:
-        from protoserve.engine.runtime import AsyncEngine
-
-        # The engine the server runs, loaded here too (its thread sleeps while the server is measured).
-        loaded = load_engine_model(variant)
-        engine = AsyncEngine(engine_direct.make_engine(loaded, variant, deterministic=True), "bench")
+        engine = _in_process_engine(variant)
 
         async def measure() -> list[Figure]:
-            engine.start()
-            try:
-                paths = [
-                    LoadPath(EngineTransport(engine), "serving.engine"),
-                    LoadPath(GrpcTransport(server.grpc_target), "serving.grpc", ttft_figures=True),
-                ]
-                if server.http_base_url is not None:
-                    paths.append(LoadPath(GatewaySseTransport(server.http_base_url, widest), "serving.sse"))
-                figures = await _levels(ctx, paths, levels, long_mix=True, server_pid=server.process.pid)
-            finally:
-                await engine.shutdown()
+            figures = await _engine_grpc_sse(ctx, server, engine, levels, True, "serving", widest)
             if server.http_base_url is None:
                 return figures + [
                     skipped(n, u, SECTION, "the server started no REST gateway") for n, u in gateway_expects
@@ -289,6 +302,29 @@ def _server_step(ctx: BenchContext) -> Step:
     )
 
 
+def _stream_interval_step(ctx: BenchContext) -> Step:
+    """The same paths at the levels from 16 streams up, server and engine streaming ``STREAM_INTERVAL`` tokens a
+    message after the first (``serve --stream-interval``): what is left of the serving layer's share once it
+    writes a quarter of the messages."""
+    p = ctx.profile
+    levels = tuple(c for c in p.concurrencies if c >= 16) or (max(p.concurrencies),)
+    prefix = f"serving.stream{STREAM_INTERVAL}"
+    variant = p.serving_variant
+
+    def run(server: Any) -> list[Figure]:
+        engine = _in_process_engine(variant, STREAM_INTERVAL)
+        return run_clients(_engine_grpc_sse(ctx, server, engine, levels, False, prefix, max(levels)))
+
+    expects = (
+        _expects(ctx, f"{prefix}.engine", levels, False)
+        + _expects(ctx, f"{prefix}.grpc", levels, False, ttft=True)
+        + _expects(ctx, f"{prefix}.sse", levels, False)
+    )
+    server = Server(variant, label=f"stream{STREAM_INTERVAL}", args=("--stream-interval", str(STREAM_INTERVAL)))
+    return Step(SECTION, server, f"serving load, {STREAM_INTERVAL} tokens a message: engine, gRPC and SSE in turn",
+                run, expects)
+
+
 def _server_variant_step(ctx: BenchContext, variant: Variant) -> Step:
     c = ctx.profile.server_variant_concurrency
     prefix = f"serving.grpc.{variant.label}"
@@ -307,6 +343,6 @@ def _server_variant_step(ctx: BenchContext, variant: Variant) -> Step:
 
 
 def steps(ctx: BenchContext) -> list[Step]:
-    out = [_transformers_step(ctx), _server_step(ctx)]
+    out = [_transformers_step(ctx), _server_step(ctx), _stream_interval_step(ctx)]
     out.extend(_server_variant_step(ctx, v) for v in ctx.profile.server_variants)
     return out

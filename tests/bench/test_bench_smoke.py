@@ -224,11 +224,18 @@ def test_compare_serving_levels() -> None:
         _fig("serving.grpc.c4", 380.0, section="serving"),
         _fig("serving.sse.c4", 361.0, section="serving"),
         _fig("serving.grpc.long_mix.c16", 300.0, section="serving"),
+        _fig("serving.stream4.engine.c64", 500.0, section="serving"),
+        _fig("serving.stream4.grpc.c64", 490.0, section="serving"),
+        _fig("serving.stream4.sse.c64", 480.0, section="serving"),
     ]
     by = {f.name: f.value for f in compare_figures(figures)}
     assert by == {
         "compare.grpc_vs_engine.c4": pytest.approx(0.95),
+        "compare.sse_vs_engine.c4": pytest.approx(0.9025),
         "compare.sse_vs_grpc.c4": pytest.approx(0.95),
+        "compare.grpc_vs_engine.stream4.c64": pytest.approx(0.98),
+        "compare.sse_vs_engine.stream4.c64": pytest.approx(0.96),
+        "compare.sse_vs_grpc.stream4.c64": pytest.approx(480 / 490),
     }
 
 
