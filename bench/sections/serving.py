@@ -15,6 +15,10 @@ process beside the server: their ratios are the issue's targets (gRPC within 5%
 of the engine, SSE within 10% of gRPC), and figures measured minutes apart on
 this shared machine drift by more than that.
 
+A second server started with ``--stream-interval 4`` runs the same paths at 16 and 64
+clients beside an in-process engine at the same setting (``serving.stream4.*``): what is
+left of the serving layer's share when it writes a message per 4 tokens.
+
 Figures: aggregate output tokens/s per (path, level), with TTFT and
 inter-token latency percentiles and error counts beside it, and where the
 CPU went during the run (bench/cpu_usage.py: the server's loop and its other
