@@ -2,8 +2,9 @@
 
 ``compare.grpc_vs_engine.*`` and ``compare.sse_vs_engine.*`` are what the gRPC
 server and the gateway's SSE keep of the engine's speed (target >= 0.95),
-``compare.sse_vs_grpc.*`` what the gateway's SSE keeps of gRPC's (target >= 0.90), ``compare.det_vs_fast.*`` what deterministic
-(batch-invariant) kernels keep of the fast ones. For latencies the ratio is
+``compare.sse_vs_grpc.*`` what the gateway's SSE keeps of gRPC's (target >=
+0.90), ``compare.det_vs_fast.*`` what deterministic (batch-invariant) kernels
+keep of the fast ones. For latencies the ratio is
 inverted, so above 1 always means the first path is better.
 """
 
