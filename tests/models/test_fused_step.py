@@ -185,21 +185,21 @@ def _as_stored(pool: torch.Tensor, dtype: torch.dtype, c: ModelConfig) -> torch.
     return stored
 
 
-# (K/V dtype, family, quantization, the largest logit difference from float32 K/V allowed)
+# (K/V dtype, family, quantization, the largest and the mean logit difference from float32 K/V allowed)
 LOW_PRECISION_POOLS = [
-    (torch.bfloat16, "llama", "int4", 0.3),
-    (torch.bfloat16, "qwen3", "none", 0.3),
-    (torch.bfloat16, "mistral", "int8", 0.3),
-    (torch.int8, "llama", "int4", 0.8),  # measured 0.47 (mean 0.038)
-    (torch.int8, "qwen3", "none", 0.8),  # measured 0.23 (mean 0.021)
+    (torch.bfloat16, "llama", "int4", 0.3, 0.03),
+    (torch.bfloat16, "qwen3", "none", 0.3, 0.03),
+    (torch.bfloat16, "mistral", "int8", 0.3, 0.03),
+    (torch.int8, "llama", "int4", 0.8, 0.06),  # measured 0.47 (mean 0.038)
+    (torch.int8, "qwen3", "none", 0.8, 0.06),  # measured 0.23 (mean 0.021)
 ]
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize(("dtype", "family", "quantization", "max_err"), LOW_PRECISION_POOLS,
-                         ids=[f"{str(d)[6:]}-{f}-{q}" for d, f, q, _ in LOW_PRECISION_POOLS])
+@pytest.mark.parametrize(("dtype", "family", "quantization", "max_err", "max_mean"), LOW_PRECISION_POOLS,
+                         ids=[f"{str(d)[6:]}-{f}-{q}" for d, f, q, _, _ in LOW_PRECISION_POOLS])
 def test_fused_step_with_low_precision_kv_pools_is_bit_identical(
-    tiny_checkpoint, dtype: torch.dtype, family: str, quantization: str, max_err: float
+    tiny_checkpoint, dtype: torch.dtype, family: str, quantization: str, max_err: float, max_mean: float
 ) -> None:
     """EngineConfig(kv_cache_dtype="bfloat16" / "int8"): the fused step rounds K/V as it stores them, the
     way the module path does (k.to(torch.bfloat16), or write_int8_rows' quantizer), and attends over the
@@ -217,7 +217,7 @@ def test_fused_step_with_low_precision_kv_pools_is_bit_identical(
     # The pools hold the float32 run's K/V as stored (same first-layer inputs: bit for bit).
     assert torch.equal(fused[1].k[0], _as_stored(float32_pools.k[0], dtype, c))
     err = torch.cat([(a - b).abs().flatten() for a, b in zip(fused[0], float32_logits, strict=True)])
-    assert 0 < err.max() <= max_err and err.mean() < max_err / 10
+    assert 0 < err.max() <= max_err and err.mean() < max_mean
 
 
 @pytest.mark.parametrize(("family", "quantization"), [("mistral", "none"), ("qwen3", "int4")])
