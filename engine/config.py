@@ -23,6 +23,12 @@ ACTIVATION_PRECISIONS = ("exact", "fast")
 # Where the model runs: "cpu" (the C++ kernels) or "cuda" (the Triton kernels of kernels/triton and
 # torch CUDA tensors); engine/execution/device.py is the one place that turns the name into a device.
 DEVICES = ("cpu", "cuda")
+# Each device's default chunked-prefill budget (EngineConfig.max_num_batched_tokens). On the CPU kernels
+# prefill runs as fast in 256-token chunks as in 512, and smaller steps bring a burst's median first token
+# forward. On a GPU a step with prefill in it runs eagerly (no CUDA graph), bound by the host launching its
+# kernels whatever its size, so fewer, larger steps win: vLLM and SGLang default to 8192 there too
+# (docs/notes/performance-log.md has both measurements).
+DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 8192}
 
 
 @dataclass
@@ -44,11 +50,9 @@ class EngineConfig:
     # or bfloat16 for a model served with quantized weights (kv_cache.resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # sequences in one forward (each choice of n>1 counts)
-    # New tokens per step (decode tokens included): the chunked-prefill budget. A burst of short
-    # prompts gets its first tokens a chunk at a time, so smaller steps bring the median first token
-    # forward; on the CPU kernels prefill runs as fast in 256-token chunks as in 512
-    # (docs/notes/performance-log.md has the measurement).
-    max_num_batched_tokens: int = 256
+    # New tokens per step (decode tokens included): the chunked-prefill budget. None: the device's
+    # default (DEFAULT_BATCHED_TOKENS); token_budget() resolves it.
+    max_num_batched_tokens: int | None = None
     max_queue: int = 1024  # waiting requests beyond this are shed with QueueFullError
     max_model_len: int | None = None  # prompt + generated tokens of one sequence
     enable_prefix_caching: bool = True
@@ -114,6 +118,12 @@ class EngineConfig:
             return self.device == "cuda" and self.tensor_parallel_size == 1
         return self.async_scheduling
 
+    def token_budget(self) -> int:
+        """New tokens per step (``max_num_batched_tokens`` with its device default resolved)."""
+        if self.max_num_batched_tokens is None:
+            return DEFAULT_BATCHED_TOKENS.get(self.device, DEFAULT_BATCHED_TOKENS["cpu"])
+        return self.max_num_batched_tokens
+
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent setting."""
         if self.block_size < 1:
@@ -146,7 +156,7 @@ class EngineConfig:
                              f"(it is {self.tensor_parallel_size}): each rank holds only its heads' K/V")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_queue < 1:
             raise ValueError("max_queue must be at least 1")

@@ -115,7 +115,7 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, batch_rows=self.runner.device.type != "cpu" or overlap)
         self.speculator = Speculator(self.config, self.sampler)
         self.fast_forward = FastForward(self.config.grammar_fast_forward, self.sampler,
-                                        self.config.max_num_batched_tokens)
+                                        self.config.token_budget())
         self.requests: dict[str, RunningRequest] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

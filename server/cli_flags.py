@@ -239,7 +239,8 @@ def add_model_flags(parser: argparse.ArgumentParser, *, several: bool = False) -
         "messages per stream for the serving loop at high concurrency, coarser streaming; the same tokens [1]",
     )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per engine step")
-    parser.add_argument("--max-batch-tokens", type=int, help="new tokens per engine step (chunked prefill)")
+    parser.add_argument("--max-batch-tokens", type=int,
+                        help="new tokens per engine step (chunked prefill) [256 on cpu, 8192 on cuda]")
     parser.add_argument("--max-model-len", type=int, help="context window cap in tokens [the model's]")
     parser.add_argument(
         "--no-deterministic",

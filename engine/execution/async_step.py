@@ -125,7 +125,7 @@ class OverlappedSteps:
         if len(scheduler.running) != len(pending.seqs) or any(s.seq_id not in pending.row_of
                                                              for s in scheduler.running):
             return False  # a request was cancelled, or a sequence ended otherwise
-        if len(scheduler.running) > engine.config.max_num_batched_tokens:
+        if len(scheduler.running) > engine.config.token_budget():
             return False
         bs = scheduler.block_size
         growing = sum(1 for s in scheduler.running if s.num_tokens > len(s.block_table) * bs)

@@ -128,7 +128,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget()
         for seq in self.running:
             self._charge_output(seq)
         self.running.sort(key=self.order_key)
@@ -221,7 +221,7 @@ class Scheduler:
                 # A caller with nothing running gets this step to itself (the tenants ahead of it wait one
                 # step): its first token then waits for one short step, not a full batch's.
                 newcomer = not any(_same_identity(s.tenant, head.tenant) for s in self.running)
-                want = min(head.num_tokens, self.config.max_num_batched_tokens)
+                want = min(head.num_tokens, self.config.token_budget())
                 budget += self._reclaim_budget(batch, head, batch.num_tokens if newcomer else want - budget,
                                                admitted)
                 given = given or newcomer
@@ -324,7 +324,7 @@ class Scheduler:
         if cap and slots + 1 + head.num_pending_forks > cap:
             return True
         # Its first step's blocks at least (prefix hits included: they are held once referenced).
-        first = self.block_manager.blocks_for(min(head.num_tokens, self.config.max_num_batched_tokens))
+        first = self.block_manager.blocks_for(min(head.num_tokens, self.config.token_budget()))
         return blocks + first > self.max_blocks_per_identity
 
     def _charge_prompt(self, seq: Sequence, n: int) -> None:

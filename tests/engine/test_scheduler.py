@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 
 from protoserve.engine.config import EngineConfig
@@ -202,3 +203,19 @@ def test_drafts_take_only_the_budget_a_waiting_prefill_leaves():
     assert scheduled == {0: 1 + 4, 1: 1, 2: 6}  # 12: the arrival whole, then row 0's drafts
     assert (rows[0].num_draft_tokens, rows[1].num_draft_tokens) == (4, 0)
     assert rows[1].token_ids[-1] != 7 and len(rows[1].token_ids) == 4
+
+
+def test_the_chunked_prefill_budget_defaults_to_the_device() -> None:
+    # One 1,000-token prompt: the CPU's default cuts it into 256-token chunks; on cuda, where a prefill
+    # step's cost is the host launching its kernels, it goes in one step; a given budget wins on both.
+    chunks = {}
+    for device, given in (("cpu", None), ("cuda", None), ("cuda", 300)):
+        sched = make_scheduler(num_blocks=400, device=device, max_num_batched_tokens=given)
+        sched.add(make_seq(0, list(range(1000)), 1001))
+        chunks[device, given] = [b.num_new_tokens[0] for b in run_all(sched)]
+    assert chunks["cpu", None] == [256, 256, 256, 232]
+    assert chunks["cuda", None] == [1000]
+    assert chunks["cuda", 300] == [300, 300, 300, 100]
+    assert EngineConfig(device="cuda").token_budget() == 8192
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1"):
+        EngineConfig(max_num_batched_tokens=0).validate()
