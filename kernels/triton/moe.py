@@ -68,7 +68,8 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK
     flat = expert_ids.reshape(-1).long()
     device = expert_ids.device
     num_pairs = flat.numel()
-    if num_pairs and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+    capturing = flat.is_cuda and torch.cuda.is_current_stream_capturing()  # no read-back inside a capture
+    if num_pairs and not capturing and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
         raise ValueError(f"expert_ids must lie in 0..{num_experts - 1}, got {int(flat.min())}..{int(flat.max())}")
     # scatter_add, not bincount: bincount sizes its output from the data (a device sync on a GPU).
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
