@@ -138,10 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = LLMEngine(loaded, EngineConfig(device=args.device, kv_cache_bytes=2 * 1024**3,
                                                 cuda_graphs=mode != "eager",
                                                 async_scheduling=False if mode == "sync" else None))
-        run_load(engine, factory, 4, args.prompt_len, 8, row)  # warm-up: kernels compile here
-        for c in map(int, args.concurrency.split(",")):
-            if c > 1 and mode in ("eager", "sync") and c != max(map(int, args.concurrency.split(","))):
-                continue  # eager or sync beside the default: single stream and the largest load tell the difference
+        levels = [c for c in map(int, args.concurrency.split(","))
+                  # eager or sync beside the default: single stream and the largest load tell the difference
+                  if c == 1 or mode not in ("eager", "sync") or c == max(map(int, args.concurrency.split(",")))]
+        for c in levels:  # warm-up: kernels compile, and each batch size's decode graph is captured, here
+            run_load(engine, factory, c, args.prompt_len, 8, row)
+        for c in levels:
             figures.append(run_load(engine, factory, c, args.prompt_len, args.output_len, row))
             print(json.dumps(asdict(figures[-1])), flush=True)
         del engine, loaded
