@@ -64,27 +64,32 @@ def _bf16(raw: np.ndarray) -> np.ndarray:
 def _q8_0(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks[:, :2])
     q = blocks[:, 2:].view(np.int8).astype(np.float32)
-    return q * d
+    q *= d
+    return q
 
 
 def _q4_0(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
-    return d * q.astype(np.float32)
+    q = (_nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)).astype(np.float32)
+    q *= d
+    return q
 
 
 def _q4_1(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks[:, :2])
     m = _f16(blocks[:, 2:4])
     q = _nibbles(blocks[:, 4:]).astype(np.float32)
-    return d * q + m
+    q *= d
+    q += m
+    return q
 
 
 def _q5_0(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks[:, :2])
     high = _bits(blocks[:, 2:6])
-    q = (_nibbles(blocks[:, 6:]) | (high << 4)).astype(np.int8) - np.int8(16)
-    return d * q.astype(np.float32)
+    q = ((_nibbles(blocks[:, 6:]) | (high << 4)).astype(np.int8) - np.int8(16)).astype(np.float32)
+    q *= d
+    return q
 
 
 def _q5_1(blocks: np.ndarray) -> np.ndarray:
@@ -92,7 +97,9 @@ def _q5_1(blocks: np.ndarray) -> np.ndarray:
     m = _f16(blocks[:, 2:4])
     high = _bits(blocks[:, 4:8])
     q = (_nibbles(blocks[:, 8:]) | (high << 4)).astype(np.float32)
-    return d * q + m
+    q *= d
+    q += m
+    return q
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +132,9 @@ def _q2_k(blocks: np.ndarray) -> np.ndarray:
     dl = (d * (scales & 0x0F).astype(np.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).astype(np.float32)).reshape(n, 16, 1)
     q = _two_bit_groups(blocks[:, 16:80]).astype(np.float32)
-    return (dl * q - ml).reshape(n, QK_K)
+    q *= dl
+    q -= ml
+    return q.reshape(n, QK_K)
 
 
 def _q3_k(blocks: np.ndarray) -> np.ndarray:
@@ -140,8 +149,9 @@ def _q3_k(blocks: np.ndarray) -> np.ndarray:
     ql = _two_bit_groups(blocks[:, 32:96])
     qh = ((hmask.reshape(n, 1, 32) >> _SHIFTS_1BIT[:, None]) & 1).reshape(n, 16, 16)
     # ggml stores the high bit inverted: a clear bit means "subtract 4".
-    q = ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)
-    return (dl * q.astype(np.float32)).reshape(n, QK_K)
+    q = (ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)).astype(np.float32)
+    q *= dl
+    return q.reshape(n, QK_K)
 
 
 def _k_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -161,7 +171,9 @@ def _q4_k(blocks: np.ndarray) -> np.ndarray:
     scale = (d * sc.astype(np.float32)).reshape(n, 8, 1)
     offset = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
     q = _k_nibbles(blocks[:, 16:]).astype(np.float32)
-    return (scale * q - offset).reshape(n, QK_K)
+    q *= scale
+    q -= offset
+    return q.reshape(n, QK_K)
 
 
 def _q5_k(blocks: np.ndarray) -> np.ndarray:
@@ -173,7 +185,9 @@ def _q5_k(blocks: np.ndarray) -> np.ndarray:
     # Bit i of qh[j] is the fifth bit of element j of sub-block i.
     qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _SHIFTS_1BIT[:, None]) & 1
     q = (_k_nibbles(blocks[:, 48:]) | (qh << 4)).astype(np.float32)
-    return (scale * q - offset).reshape(n, QK_K)
+    q *= scale
+    q -= offset
+    return q.reshape(n, QK_K)
 
 
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -186,8 +200,9 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     # element 32k + j.
     low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFTS_2BIT[:, None]) & 3
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-    return (scale * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+    q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(n, 16, 16).astype(np.float32)
+    q *= scale
+    return q.reshape(n, QK_K)
 
 
 # Plain float types take the flat byte array; block types take (n_blocks, type_size).
