@@ -55,10 +55,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shared_ssl_context import share_the_default_ssl_context
 
 from protoserve.engine.execution.omp_policy import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before torch loads: the suite shares 2 cores with live servers
+share_the_default_ssl_context()
 
 # Servers started by the suite (subprocesses inherit this) keep their identity secret in a
 # throwaway data dir, never in the real ~/.local/share/protoserve.
