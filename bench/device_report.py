@@ -129,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = random_smollm2_checkpoint(Path(scratch.name)) if args.random_weights else args.model
     factory = PromptFactory(NonceSource(), seed=0, token_range=(100, 40000))
     figures: list[LoadFigure] = []
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     for row in args.quantization.split(","):
         quantization, _, mode = row.partition("/")
         if quantization == "fp8" and args.device != "cuda":
@@ -138,9 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = LLMEngine(loaded, EngineConfig(device=args.device, kv_cache_bytes=2 * 1024**3,
                                                 cuda_graphs=mode != "eager",
                                                 async_scheduling=False if mode == "sync" else None))
-        levels = [c for c in map(int, args.concurrency.split(","))
-                  # eager or sync beside the default: single stream and the largest load tell the difference
-                  if c == 1 or mode not in ("eager", "sync") or c == max(map(int, args.concurrency.split(",")))]
+        # eager or sync beside the default: single stream and the largest load tell the difference
+        levels = [c for c in concurrencies if c == 1 or mode not in ("eager", "sync") or c == max(concurrencies)]
         for c in levels:  # warm-up: kernels compile, and each batch size's decode graph is captured, here
             run_load(engine, factory, c, args.prompt_len, 8, row)
         for c in levels:

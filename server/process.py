@@ -104,7 +104,8 @@ async def serve(config: ServerConfig, http_gateway: HttpGatewayStarter | None = 
     # Health is SERVING now: "listening" came first (probes get answers while the model
     # loads), so this is the line that says requests will be answered.
     served = ", ".join(m.name for m in app.models.listing())
-    log.debug("froze %d start-up objects out of the garbage collector's walks", freeze_startup_heap())
+    frozen = freeze_startup_heap()
+    log.debug("froze %d start-up objects out of the garbage collector's walks", frozen)
     print(f"protoserve ready: serving {served} on {app.grpc_target} (grpc){http}", flush=True)
     await stopping
     await app.drain()
