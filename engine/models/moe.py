@@ -274,7 +274,7 @@ class GroupedExperts(nn.Module):
         self._stacks: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused device kernel's weights
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        check_routing(routing, x.shape[0], self.num_experts)
+        check_routing(routing, x.shape[0], self.num_experts, ids_checked_later=self._stacks is not None)
         if self._stacks is not None:  # stacked for the device's fused kernel: every expert at once
             return ops_for(x.device).fused_moe(x, *self._stacks, routing.experts, routing.weights).to(x.dtype)
         weights = self._kernel_weights(x)
@@ -358,8 +358,11 @@ class _Binding:
         return None
 
 
-def check_routing(routing: Routing, num_tokens: int, num_experts: int) -> None:
-    """Raise ValueError unless ``routing`` is [num_tokens, k] int64 ids in range with float32 weights."""
+def check_routing(routing: Routing, num_tokens: int, num_experts: int, *, ids_checked_later: bool = False) -> None:
+    """Raise ValueError unless ``routing`` is [num_tokens, k] int64 ids in range with float32 weights.
+
+    ``ids_checked_later``: the kernel that follows checks the ids' range itself (the fused device
+    kernel's ``align_pairs``), so it is not read here: on a GPU each read is a device sync."""
     experts, weights = routing.experts, routing.weights
     if experts.dtype != torch.int64 or experts.dim() != 2 or experts.shape[0] != num_tokens:
         raise ValueError(
@@ -371,8 +374,10 @@ def check_routing(routing: Routing, num_tokens: int, num_experts: int) -> None:
         )
     # Reading the ids back syncs the device, which capturing a CUDA graph forbids; the ids captured are
     # placeholders, and those a graph replays come from the router's top-k, in range by construction.
-    capturing = experts.is_cuda and torch.cuda.is_current_stream_capturing()
-    if experts.numel() and not capturing and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
+    if ids_checked_later or not experts.numel() or (experts.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    low, high = torch.stack(torch.aminmax(experts)).tolist()  # one read-back for both ends
+    if low < 0 or high >= num_experts:
         raise ValueError(f"routing.experts must lie in 0..{num_experts - 1}")
 
 

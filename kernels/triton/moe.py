@@ -68,9 +68,10 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK
     flat = expert_ids.reshape(-1).long()
     device = expert_ids.device
     num_pairs = flat.numel()
-    capturing = flat.is_cuda and torch.cuda.is_current_stream_capturing()  # no read-back inside a capture
-    if num_pairs and not capturing and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert_ids must lie in 0..{num_experts - 1}, got {int(flat.min())}..{int(flat.max())}")
+    if num_pairs and not (flat.is_cuda and torch.cuda.is_current_stream_capturing()):  # no read-back in a capture
+        low, high = torch.stack(torch.aminmax(flat)).tolist()  # one read-back (a device sync) for both ends
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"expert_ids must lie in 0..{num_experts - 1}, got {low}..{high}")
     # scatter_add, not bincount: bincount sizes its output from the data (a device sync on a GPU).
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m

@@ -11,6 +11,7 @@ must be bit-identical alone and in a batch of 64 whose other tokens share its ex
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from protoserve.engine.models import moe as moe_module
 from protoserve.engine.models.linear import (
     Int4Linear,
     Int8Linear,
@@ -36,8 +38,10 @@ from protoserve.engine.models.moe import (
     QWEN_EXPERT_NAMES,
     ExpertNames,
     FloatProjection,
+    GroupedExperts,
     MoEBlock,
     MoEConfig,
+    Routing,
     per_token_forward,
     softmax_top_k,
     token_route,
@@ -254,6 +258,27 @@ def test_token_routing_rejects_bad_input() -> None:
         MoEConfig(HIDDEN, INTER, 8, 2, routing="hash")
     with pytest.raises(ValueError, match="MoEConfig.hidden_act"):
         MoEConfig(HIDDEN, INTER, 8, 2, hidden_act="gelu")
+
+
+def test_out_of_range_experts_are_refused_by_one_check(monkeypatch) -> None:
+    experts = GroupedExperts(2, HIDDEN, INTER, torch.float32)
+    x = torch.randn(3, HIDDEN)
+    bad = Routing(torch.tensor([[0], [2], [1]]), torch.ones(3, 1))
+    with pytest.raises(ValueError, match=r"routing.experts must lie in 0\.\.1"):
+        experts(x, bad)
+    # Stacked for a device's fused kernel, the ids' range is the kernel's to check (align_pairs): on a
+    # GPU each check reads the ids back, a device sync, so the layer leaves it to the kernel.
+    assert experts.stack_for_fused_kernel()
+    calls = []
+
+    def fused_moe(x, w_gate_up, w_down, ids, weights):
+        calls.append(ids)
+        raise ValueError("expert_ids must lie in 0..1, got 0..2")
+
+    monkeypatch.setattr(moe_module, "ops_for", lambda device: SimpleNamespace(fused_moe=fused_moe))
+    with pytest.raises(ValueError, match="expert_ids must lie in"):
+        experts(x, bad)
+    assert len(calls) == 1 and torch.equal(calls[0], bad.experts)
 
 
 # -- batch invariance and quantized experts ---------------------------------------------------
