@@ -6,6 +6,7 @@ timed alone (no sampler, no scheduler). ``--phases`` also splits those steps' ti
 layer loop (kernels/cpu/step_phases.py). Usage:
 
     python -m bench.step_profile --rows 16 64 --context 128 --steps 30 [--phases] [--kv-cache-dtype int8]
+        [--shared-prefix 512]
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import time
 import torch
 
 
-def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[str, float] | None = None) -> list[float]:
+def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[str, float] | None = None,
+                      shared_prefix: int = 0) -> list[float]:
     """Seconds per FusedStep call over ``steps`` decode steps of ``rows`` sequences; ``phases``, when
-    given, gets those steps' seconds per phase added to it."""
+    given, gets those steps' seconds per phase added to it. ``shared_prefix``: the prompts' first tokens
+    are the same (a system prompt), cached by the first sequence for the others."""
     from protoserve.engine.api import SamplingParams, TokenizedRequest
     from protoserve.engine.runtime import timed_fused_steps
 
@@ -28,8 +31,9 @@ def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[
         ids = []
         # Enough new tokens that every sequence is still decoding once the last prompt is in.
         budget = steps + rows * context // 64 + 8
+        prefix = torch.randint(100, 40000, (shared_prefix,), generator=gen).tolist()
         for i in range(rows):
-            prompt = torch.randint(100, 40000, (context,), generator=gen).tolist()
+            prompt = prefix + torch.randint(100, 40000, (context - shared_prefix,), generator=gen).tolist()
             ids.append(f"profile-{rows}-{i}-{time.monotonic_ns()}")
             engine.add_request(
                 TokenizedRequest(
@@ -38,6 +42,9 @@ def time_decode_steps(engine, rows: int, context: int, steps: int, phases: dict[
                     sampling=SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True),
                 )
             )
+            if i == 0 and shared_prefix:  # the prefix in the cache before the others arrive
+                while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+                    engine.step()
         while engine.has_unfinished() and sum(c.num_tokens == rows for c in calls) <= steps:
             engine.step()
         for request_id in ids:
@@ -63,6 +70,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=None, help="K/V cache block size [the engine's]")
     parser.add_argument("--phases", action="store_true", help="also split the decode steps' time by phase")
     parser.add_argument("--kv-cache-dtype", default=None, help="K/V storage [the served variant's, bfloat16]")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt starts with (a system prompt in the prefix cache) [0]")
     args = parser.parse_args()
     from bench.profile import INT4_KV_BF16
     from bench.resources import load_engine_model
@@ -78,9 +87,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for rows in args.rows:
             phases: dict[str, float] | None = {} if args.phases else None
-            t = time_decode_steps(engine, rows, args.context, args.steps, phases)
+            t = time_decode_steps(engine, rows, args.context, args.steps, phases, args.shared_prefix)
             print(
-                f"rows={rows} context={args.context} step median {statistics.median(t) * 1e3:.2f} ms "
+                f"rows={rows} context={args.context} shared prefix={args.shared_prefix} step median {statistics.median(t) * 1e3:.2f} ms "
                 f"min {min(t) * 1e3:.2f} ms -> {rows / statistics.median(t):.0f} tok/s ({len(t)} steps, "
                 f"mean context {time_decode_steps.mean_context:.0f})",
                 flush=True,

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 namespace protoserve {
@@ -109,6 +110,12 @@ struct AttentionTile {
   int32_t n;     // queries in the tile
   int32_t seq;   // sequence
   int32_t pos0;  // position of the first query
+  // A shared tile: one decode query of each of n sequences whose tables hold the same blocks from the
+  // start of pos0's partition up to pos0 (whole key blocks), all of which each of them sees. Its
+  // queries' rows, and the (split) tile of each, which the rest of its partition's walk and its state
+  // go to; null for a tile of consecutive queries.
+  const int64_t* rows = nullptr;
+  const int32_t* members = nullptr;
 };
 // One unit of work: KV heads kvh0 .. kvh0 + nkv - 1 of a tile, over its whole key range (part < 0)
 // or only over its keys in partition `part` (paged_attention.cpp's PARTITION), all heads.
@@ -120,6 +127,8 @@ struct AttentionUnit {
 };
 struct AttentionPlan {
   std::vector<AttentionTile> tiles;
+  std::vector<int64_t> shared_rows;     // what shared tiles' rows point into
+  std::vector<int32_t> shared_members;  // and their members
   std::vector<AttentionUnit> units;  // handed out in this order
   std::vector<int64_t> tile_slot;    // a split tile's first slot of `partials` (one per partition); -1: not split
   int64_t slot_floats = 0;
@@ -141,6 +150,11 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
                     int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t sliding_window);
 // The head size of a K/V pool: [num_blocks, bs, KVH, D] float32 or bfloat16, [.., D + 4] int8.
 int64_t kv_pool_head_dim(const at::Tensor& pool);
+// Of the plan paged_attention would make for these indices: its shared tiles and the queries in them.
+std::tuple<int64_t, int64_t> attention_shared_tiles(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                                    const at::Tensor& seq_lens, int64_t num_heads,
+                                                    int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                                                    int64_t block_size, int64_t sliding_window);
 // One token's `heads` rows of D values (D % 16 == 0) into an int8 pool's slot: per head D codes, then the
 // float32 scale.
 void quantize_kv_slot(const float* x, int64_t heads, int64_t D, int8_t* slot);

@@ -36,6 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether int8 K/V pools (head_dim 32, 64 or 128) multiply in int16 (query and block weights quantized)");
   m.def("paged_attention", &protoserve::paged_attention,
         "Causal batch-invariant attention of q [T, H, D] over a paged K/V cache (float32 out)", no_gil);
+  m.def("attention_shared_tiles", &protoserve::attention_shared_tiles,
+        "(shared tiles, queries in them) of the attention plan for these indices: decodes walking a "
+        "partition of cache blocks their tables share together");
   m.def("write_kv_int8_", &protoserve::write_kv_int8_,
         "pool rows at slots = rows [T, KVH, D] float32 quantized to int8 codes and a float32 scale each",
         py::arg("pool"), py::arg("slots"), py::arg("rows"), no_gil);

@@ -28,6 +28,10 @@
 // A block's scores are four vectors of 16 keys; the step's fixed costs (the max across lanes, the
 // rescale of acc, the bookkeeping) are paid once per 64 keys.
 //
+// Decodes of different sequences whose block tables hold the same cache blocks from a partition's
+// start (a prompt prefix in the prefix cache) form a tile too, over those shared key blocks
+// (share_partitions); each query then walks the rest of its partition alone, from its own state.
+//
 // Long contexts: the keys are cut into partitions of PARTITION positions aligned to position 0. A
 // query runs the walk above from a fresh state (m = -inf, l = 0, acc = 0) in each partition its keys
 // reach, and the partitions' states are folded in ascending order:
@@ -67,6 +71,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -518,6 +524,10 @@ struct Scratch {
   std::vector<float> facc;
   std::vector<float> fm;
   std::vector<F16> fl;
+  // A shared tile's states, held while each of its queries walks the rest of its partition.
+  std::vector<float> hacc;
+  std::vector<float> hm;
+  std::vector<F16> hl;
 
   void fit(const Problem& pb) {  // room for a unit of every KV head
     const size_t gd = static_cast<size_t>(QUERY_TILE) * pb.num_heads * pb.head_dim, g = QUERY_TILE * pb.num_heads;
@@ -535,6 +545,9 @@ struct Scratch {
     grow(facc, gd);
     grow(fm, g);
     grow(fl, g);
+    grow(hacc, gd);
+    grow(hm, g);
+    grow(hl, g);
   }
 
  private:
@@ -783,6 +796,13 @@ inline void store_pair_acc(float* out, const float* acc, int head_dim, F16 denom
 }
 #endif
 
+// A partition's state, or the fold so far: `states` (query, head) pairs of m, 16 l lanes and D accumulators.
+struct StateView {
+  float* m;
+  float* l;  // 16 floats per state
+  float* acc;
+};
+
 // The first key block of the unit a thread computes next: its rows are asked for during the
 // current unit's last block, which would otherwise leave every unit's first block to wait on
 // memory unasked.
@@ -812,7 +832,7 @@ void first_rows(const Problem& pb, const Tile& tile, int kvh0, KeyRange keys, Fi
 // PT: the pool's element type; KT: the type its rows are read as (row_t).
 template <typename PT, int CH>
 void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, KeyRange keys, Scratch& s,
-                     const FirstRows<PT>& after) {
+                     const FirstRows<PT>& after, const StateView* resume = nullptr) {
   using KT = row_t<PT, CH>;
   constexpr bool int8_pool = std::is_same_v<PT, int8_t>;
   const int D = pb.head_dim, R = pb.kv_row, chunks = D / LANES, G = pb.group, GD = G * D, HG = nkv * G, HGD = nkv * GD;
@@ -825,7 +845,8 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
   constexpr bool pair_products = bf16_products || int16_products;
   const F16 scale = simd::set1(pb.scale);
   for (int i = 0; i < tile.n; ++i) {  // the unit's heads are consecutive in a query row
-    const float* qrow = pb.q + (tile.row + i) * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
+    const int64_t row = tile.rows != nullptr ? tile.rows[i] : tile.row + i;
+    const float* qrow = pb.q + row * pb.q_stride + static_cast<int64_t>(kvh0) * GD;
     for (int e = 0; e < HGD; e += LANES) {
       const F16 scaled = simd::mul(simd::load(qrow + e), scale);
 #if defined(PROTOSERVE_SIMD_BF16)
@@ -841,9 +862,15 @@ void attend_tile_vec(const Problem& pb, const Tile& tile, int kvh0, int nkv, Key
       for (int hg = 0; hg < HG; ++hg) s.qscale[i * HG + hg] = quantize_query(&s.q[i * HGD + hg * D], D, &s.qb[i * HGD + hg * D]);
 #endif
   }
-  std::fill(s.acc.begin(), s.acc.begin() + tile.n * HGD, 0.0f);
-  std::fill(s.m.begin(), s.m.begin() + tile.n * HG, NEG_INF);
-  std::fill(s.l.begin(), s.l.begin() + tile.n * HG, simd::zero());
+  if (resume != nullptr) {  // the walk so far, up to keys.lo (a shared tile's): it goes on from there
+    std::copy(resume->m, resume->m + tile.n * HG, s.m.begin());
+    std::copy(resume->l, resume->l + tile.n * HG * LANES, reinterpret_cast<float*>(s.l.data()));
+    std::copy(resume->acc, resume->acc + tile.n * HGD, s.acc.begin());
+  } else {
+    std::fill(s.acc.begin(), s.acc.begin() + tile.n * HGD, 0.0f);
+    std::fill(s.m.begin(), s.m.begin() + tile.n * HG, NEG_INF);
+    std::fill(s.l.begin(), s.l.begin() + tile.n * HG, simd::zero());
+  }
 
   // Key blocks in ascending order. Per block and KV head: the rows of every key any query of the
   // tile sees, then for each query its own lanes qa..qb (none when qa > qb: the block is outside
@@ -1021,13 +1048,6 @@ void write_out(const Problem& pb, const Tile& tile, int kvh0, int nkv, const flo
 
 // ---- partitions ---------------------------------------------------------------------------
 
-// A partition's state, or the fold so far: `states` (query, head) pairs of m, 16 l lanes and D accumulators.
-struct StateView {
-  float* m;
-  float* l;  // 16 floats per state
-  float* acc;
-};
-
 inline StateView scratch_state(Scratch& s) { return {s.m.data(), reinterpret_cast<float*>(s.l.data()), s.acc.data()}; }
 inline StateView fold_state(Scratch& s) { return {s.fm.data(), reinterpret_cast<float*>(s.fl.data()), s.facc.data()}; }
 
@@ -1074,27 +1094,59 @@ inline void fold_in(StateView fold, StateView part, int states, int head_dim) {
 inline int first_part(const Problem& pb, const Tile& tile) { return first_key(pb, tile.pos0) / PARTITION; }
 inline int last_part(const Tile& tile) { return (tile.pos0 + tile.n - 1) / PARTITION; }
 
+// Split tile t's state for partition `part` (all KV heads) into its slot; whichever call leaves the
+// tile's last partition folds them all in ascending order and writes the tile's rows.
+template <typename PT, int CH>
+void leave_part(const Problem& pb, const protoserve::AttentionPlan& plan, int32_t t, int part, StateView state,
+                Scratch& s) {
+  const Tile& tile = plan.tiles[t];
+  const int states = tile.n * pb.num_heads, p0 = first_part(pb, tile), p1 = last_part(tile);
+  float* slots = plan.partials.data() + plan.tile_slot[t] * plan.slot_floats;
+  copy_state(state, slot_state(slots + (part - p0) * plan.slot_floats, pb.num_heads, pb.head_dim), states,
+             pb.head_dim);
+  std::atomic<int32_t>& done = plan.done[t];
+  if (done.fetch_add(1, std::memory_order_acq_rel) != p1 - p0) return;
+  done.store(0, std::memory_order_relaxed);  // the next call's count starts afresh
+  const StateView fold = fold_state(s);
+  clear_fold(fold, states);
+  for (int p = 0; p <= p1 - p0; ++p)
+    fold_in(fold, slot_state(slots + p * plan.slot_floats, pb.num_heads, pb.head_dim), states, pb.head_dim);
+  write_out<row_t<PT, CH>, CH>(pb, tile, 0, pb.num_kv_heads, s.facc.data(), s.fl.data());
+}
+
 // One unit on the vector path. A whole tile walks its partitions in turn (its rows prefetched across
 // the partition boundaries) and folds them; a split tile's partition leaves its state in the plan's
-// slot, and whichever unit finishes the tile's last partition folds them all in ascending order.
+// slot (leave_part). A shared tile walks the key blocks its queries share, from a partition's start,
+// once for all of them; each query then walks the rest of that partition from its own state and leaves
+// it in its member tile's slot: every query's operations are those of its own walk, in its order.
 template <typename PT, int CH>
 void unit_vec(const Problem& pb, const protoserve::AttentionPlan& plan, const protoserve::AttentionUnit& unit,
               Scratch& s, const FirstRows<PT>& after) {
   const Tile& tile = plan.tiles[unit.tile];
   const int states = tile.n * unit.nkv * pb.group, p0 = first_part(pb, tile), p1 = last_part(tile);
-  if (unit.part >= 0) {
-    attend_tile_vec<PT, CH>(pb, tile, unit.kvh0, unit.nkv, KeyRange::of_part(unit.part), s, after);
-    float* slots = plan.partials.data() + plan.tile_slot[unit.tile] * plan.slot_floats;
-    copy_state(scratch_state(s), slot_state(slots + (unit.part - p0) * plan.slot_floats, pb.num_heads, pb.head_dim),
-               states, pb.head_dim);
-    std::atomic<int32_t>& done = plan.done[unit.tile];
-    if (done.fetch_add(1, std::memory_order_acq_rel) != p1 - p0) return;
-    done.store(0, std::memory_order_relaxed);  // the next call's count starts afresh
-    const StateView fold = fold_state(s);
-    clear_fold(fold, states);
-    for (int p = 0; p <= p1 - p0; ++p)
-      fold_in(fold, slot_state(slots + p * plan.slot_floats, pb.num_heads, pb.head_dim), states, pb.head_dim);
-    write_out<row_t<PT, CH>, CH>(pb, tile, unit.kvh0, unit.nkv, s.facc.data(), s.fl.data());
+  if (unit.part >= 0) {  // all KV heads (cut_units); a shared tile's keys end at its pos0
+    const KeyRange part = KeyRange::of_part(unit.part);
+    attend_tile_vec<PT, CH>(pb, tile, unit.kvh0, unit.nkv,
+                            tile.members != nullptr ? KeyRange{part.lo, tile.pos0} : part, s, after);
+    if (tile.members == nullptr) {
+      leave_part<PT, CH>(pb, plan, unit.tile, unit.part, scratch_state(s), s);
+      return;
+    }
+    // The shared blocks' states, held: each query walks the rest of its partition from its own.
+    const int64_t H = pb.num_heads, D = pb.head_dim;
+    const StateView held{s.hm.data(), reinterpret_cast<float*>(s.hl.data()), s.hacc.data()};
+    copy_state(scratch_state(s), held, static_cast<int>(tile.n * H), pb.head_dim);
+    const KeyRange rest{tile.pos0 + 1, unit.part * PARTITION + PARTITION - 1};
+    for (int i = 0; i < tile.n; ++i) {
+      const int32_t t = tile.members[i];
+      const StateView mine{held.m + i * H, held.l + i * H * LANES, held.acc + i * H * D};
+      if (plan.tiles[t].pos0 < rest.lo) {  // it sees nothing past the shared blocks
+        leave_part<PT, CH>(pb, plan, t, unit.part, mine, s);
+        continue;
+      }
+      attend_tile_vec<PT, CH>(pb, plan.tiles[t], 0, pb.num_kv_heads, rest, s, after, &mine);
+      leave_part<PT, CH>(pb, plan, t, unit.part, scratch_state(s), s);
+    }
     return;
   }
   if (p0 == p1) {  // the common case: one walk, no fold
@@ -1209,26 +1261,104 @@ void run(const Problem& pb, const protoserve::AttentionPlan& plan, const protose
   }
 }
 
+// Decode rows whose tables hold the same cache blocks from a partition's start (a prompt prefix in the
+// prefix cache, a system prompt many conversations open with) walk those key blocks together, as one
+// shared tile of up to QUERY_TILE queries: the blocks are loaded and transposed once for all of them,
+// as a prompt's consecutive queries share theirs. Each such row's tile is then split by partition, and
+// `shared` gets, per tile, the partitions its shared tiles compute (the rest of such a partition too).
+// Only where every query sees all of the shared keys (no window) and key blocks hold whole cache blocks.
+void share_partitions(protoserve::AttentionPlan& plan, std::vector<int64_t>& tile_work, int64_t block_size,
+                      int64_t head_dim, std::vector<std::vector<int32_t>>& shared) {
+  const size_t tiles = plan.tiles.size();
+  shared.assign(tiles, {});
+  if (plan.sliding_window > 0 || head_dim % LANES != 0 || KEY_BLOCK % block_size != 0 || tiles < 2) return;
+  const int64_t per_key_block = KEY_BLOCK / block_size;
+  const auto table_of = [&](int32_t t) {
+    return plan.block_tables + static_cast<int64_t>(plan.tiles[t].seq) * plan.max_blocks;
+  };
+  // (partition, the block ids of its first key block) -> the decode tiles whose table holds them, in order.
+  std::map<std::vector<int32_t>, std::vector<int32_t>> groups;
+  for (size_t t = 0; t < tiles; ++t) {
+    const Tile& tile = plan.tiles[t];
+    if (tile.n != 1) continue;
+    const int32_t* table = table_of(static_cast<int32_t>(t));
+    for (int p = 0; p * PARTITION + KEY_BLOCK - 1 <= tile.pos0; ++p) {
+      const int64_t first = static_cast<int64_t>(p) * PARTITION / block_size;
+      std::vector<int32_t> key{p};
+      key.insert(key.end(), table + first, table + first + per_key_block);
+      groups[key].push_back(static_cast<int32_t>(t));
+    }
+  }
+  std::vector<std::pair<size_t, int64_t>> made;  // shared tile, its first entry in shared_rows / shared_members
+  plan.shared_rows.clear();
+  plan.shared_members.clear();
+  for (const auto& [key, members] : groups) {
+    const int p = key[0];
+    for (size_t i0 = 0; i0 + 1 < members.size(); i0 += QUERY_TILE) {  // at least two queries a tile
+      const int n = static_cast<int>(std::min<size_t>(QUERY_TILE, members.size() - i0));
+      // Key blocks of the partition that every query of the tile sees and whose cache blocks all hold.
+      int blocks = 1;
+      while (blocks < PARTITION / KEY_BLOCK) {
+        const int64_t end = static_cast<int64_t>(p) * PARTITION + (blocks + 1) * KEY_BLOCK;  // one past the next one
+        const int64_t lo = (end - KEY_BLOCK) / block_size, hi = end / block_size;
+        const int32_t* first = table_of(members[i0]);
+        bool same = true;
+        for (int i = 0; i < n && same; ++i) {
+          const int32_t* table = table_of(members[i0 + i]);
+          same = plan.tiles[members[i0 + i]].pos0 >= end - 1 && std::equal(first + lo, first + hi, table + lo);
+        }
+        if (!same) break;
+        ++blocks;
+      }
+      made.emplace_back(plan.tiles.size(), static_cast<int64_t>(plan.shared_rows.size()));
+      plan.tiles.push_back({-1, n, plan.tiles[members[i0]].seq, p * PARTITION + blocks * KEY_BLOCK - 1});
+      tile_work.push_back(static_cast<int64_t>(n) * blocks * KEY_BLOCK);
+      for (int i = 0; i < n; ++i) {
+        const int32_t m = members[i0 + i];
+        plan.shared_rows.push_back(plan.tiles[m].row);
+        plan.shared_members.push_back(m);
+        shared[m].push_back(p);
+      }
+    }
+  }
+  for (const auto& [t, first] : made) {  // the vectors are complete: point into them
+    plan.tiles[t].rows = plan.shared_rows.data() + first;
+    plan.tiles[t].members = plan.shared_members.data() + first;
+  }
+}
+
 // The plan's units for `threads` threads. While tiles are too few to keep every thread busy (one
 // stream's decode), a tile spanning several partitions is split into one unit per partition (all KV
 // heads: each cached row read whole) and a one-partition tile into a unit per KV head; a tile holding
 // more than its share of the call's work is split too, so that it does not finish last. Otherwise a
-// unit is a whole tile with all its KV heads. Split tiles' units go first: they are the long ones.
+// unit is a whole tile with all its KV heads. A tile with partitions in shared tiles
+// (share_partitions) is split, its own units covering the rest; shared tiles are a unit each. Split
+// and shared tiles' units go first: they are the long ones.
 void cut_units(protoserve::AttentionPlan& plan, const std::vector<int64_t>& tile_work, int64_t total_work,
-               int num_kv_heads, int num_heads, int head_dim, int threads) {
+               const std::vector<std::vector<int32_t>>& shared, int num_kv_heads, int num_heads, int head_dim,
+               int threads) {
   const bool few = static_cast<int64_t>(plan.tiles.size()) < 2 * threads;
   const bool vector = head_dim % LANES == 0;
   plan.units.clear();
   plan.tile_slot.assign(plan.tiles.size(), -1);
   int64_t slots = 0;
   std::vector<protoserve::AttentionUnit> rest;
+  static const std::vector<int32_t> none;
   for (size_t t = 0; t < plan.tiles.size(); ++t) {
     const Tile& tile = plan.tiles[t];
     const int p0 = (plan.sliding_window > 0 ? std::max<int64_t>(0, tile.pos0 - plan.sliding_window + 1) : 0) / PARTITION;
     const int p1 = (tile.pos0 + tile.n - 1) / PARTITION;
     const auto ti = static_cast<int32_t>(t);
     const auto kvh = static_cast<int16_t>(num_kv_heads);
-    if (vector && p1 > p0 && threads > 1 && (few || tile_work[t] * 2 * threads > total_work)) {
+    const std::vector<int32_t>& elsewhere = t < shared.size() ? shared[t] : none;
+    if (tile.members != nullptr) {  // its one partition, the one ending at pos0
+      plan.units.push_back({ti, 0, kvh, tile.pos0 / PARTITION});
+    } else if (!elsewhere.empty()) {
+      plan.tile_slot[t] = slots;
+      slots += p1 - p0 + 1;
+      for (int p = p0; p <= p1; ++p)
+        if (std::find(elsewhere.begin(), elsewhere.end(), p) == elsewhere.end()) plan.units.push_back({ti, 0, kvh, p});
+    } else if (vector && p1 > p0 && threads > 1 && (few || tile_work[t] * 2 * threads > total_work)) {
       plan.tile_slot[t] = slots;
       slots += p1 - p0 + 1;
       for (int p = p0; p <= p1; ++p) plan.units.push_back({ti, 0, kvh, p});
@@ -1300,8 +1430,24 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
   plan.max_blocks = max_blocks;
   plan.num_tokens = T;
   plan.sliding_window = sliding_window;
-  cut_units(plan, tile_work, total_work, static_cast<int>(KVH), static_cast<int>(H), static_cast<int>(D),
+  std::vector<std::vector<int32_t>> shared;
+  share_partitions(plan, tile_work, bs, D, shared);
+  cut_units(plan, tile_work, total_work, shared, static_cast<int>(KVH), static_cast<int>(H), static_cast<int>(D),
             std::max(1, at::get_num_threads()));
+}
+
+std::tuple<int64_t, int64_t> attention_shared_tiles(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                                    const at::Tensor& seq_lens, int64_t H, int64_t KVH, int64_t D,
+                                                    int64_t num_blocks, int64_t bs, int64_t sliding_window) {
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.numel() > 0 && query_start_loc.scalar_type() == at::kInt,
+              "query_start_loc must be a non-empty int32 vector");
+  AttentionPlan plan;
+  const int64_t T = query_start_loc.data_ptr<int32_t>()[query_start_loc.numel() - 1];
+  plan_attention(plan, block_tables, query_start_loc, seq_lens, T, H, KVH, D, num_blocks, bs, sliding_window);
+  int64_t tiles = 0, queries = 0;
+  for (const AttentionTile& tile : plan.tiles)
+    if (tile.members != nullptr) ++tiles, queries += tile.n;
+  return {tiles, queries};
 }
 
 int64_t kv_pool_head_dim(const at::Tensor& pool) {

@@ -111,6 +111,27 @@ def paged_attention(
     )
 
 
+def shared_tiles(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_blocks: int,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> tuple[int, int]:
+    """(shared tiles, decode queries in them) of the kernel's plan for these indices, as ``paged_attention``
+    takes them: decodes whose tables hold the same blocks for a whole partition of 256 keys walk it together."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("the paged_attention CPU kernel is not available on this machine")
+    index = [t.to(torch.int32).contiguous() for t in (block_tables, query_start_loc, seq_lens)]
+    return tuple(ext.attention_shared_tiles(*index, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                                            int(sliding_window or 0)))
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,

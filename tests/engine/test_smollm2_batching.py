@@ -47,3 +47,28 @@ def test_smollm2_32_requests_batched_equal_alone(smollm2):
         assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone ({r.sampling})"
         assert logprobs(a) == logprobs(b), f"{r.request_id}: logprobs differ in the last bits"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_requests_over_a_cached_prefix_batched_equal_alone(smollm2):
+    """12 requests over one cached 600-token prefix (a shared system prompt): their decodes walk the prefix's
+    blocks together in the attention kernel (shared tiles), and each still gets the logprobs it gets alone."""
+    rng = fresh_rng()
+    vocab = smollm2.tokenizer.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(600)]
+    reqs = [
+        TokenizedRequest(f"p{i}", prefix + [rng.randrange(vocab) for _ in range(rng.randint(1, 30))],
+                         SamplingParams(max_tokens=4, temperature=0.0, logprobs=True))
+        for i in range(12)
+    ]
+    config = dict(max_kv_blocks=1024, max_num_batched_tokens=256, max_num_seqs=16)
+    results = []
+    for batched in (True, False):
+        llm = LLM(engine=LLMEngine(smollm2, EngineConfig(**config)))
+        llm.run([TokenizedRequest("warm", list(prefix), SamplingParams(max_tokens=1, temperature=0.0))])
+        results.append(llm.run([clone(r) for r in reqs]) if batched else [llm.run([clone(r)])[0] for r in reqs])
+        # Every request found the prefix's 37 full blocks cached: its decodes read the same blocks.
+        assert llm.engine.stats().prefix_cache_hits >= 12 * 592
+    for r, b, a in zip(reqs, *results, strict=True):
+        assert tokens(a) == tokens(b), f"{r.request_id} differs batched vs alone"
+        assert logprobs(a) == logprobs(b), f"{r.request_id}: logprobs differ in the last bits"

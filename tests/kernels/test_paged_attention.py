@@ -419,6 +419,108 @@ def test_long_context_same_bits_split_or_walked(dtype: torch.dtype, window: int)
         assert torch.equal(out, first), f"differs {name}"
 
 
+# -- decodes sharing a cached prefix's blocks ----------------------------------------------------------
+
+SHARED = [(torch.float32, 16), (torch.bfloat16, 16), (torch.int8, 16), (torch.bfloat16, 4)]
+
+
+def shared_prefix_cache(dtype: torch.dtype, block_size: int) -> tuple[Cache, list[torch.Tensor], list[int]]:
+    """35 sequences whose tables start with the same blocks (a 600-token prompt prefix cached once: two
+    whole partitions and 88 keys of a third), one sharing only the first partition with them, one sharing
+    nothing; and where each decodes (two at a partition's last key: the shared keys are all they see of it)."""
+    g = torch.Generator().manual_seed(31 + block_size)
+    group = 35  # more than one shared tile's 32 queries
+    lens = [640 + 9 * i for i in range(group)] + [520, 300]
+    cache = make_cache(lens, 3, 64, block_size, dtype, g)
+    prefix = 600 // block_size
+    for table in cache.tables[1:group]:
+        table[:prefix] = cache.tables[0][:prefix]
+    cache.tables[group][: 256 // block_size] = cache.tables[0][: 256 // block_size]
+    q_all = [torch.randn(n, 9, 64, generator=g) for n in cache.lens]
+    positions = [n - 1 - 5 * (i % 4) for i, n in enumerate(lens)]
+    positions[3], positions[4] = 255, 511
+    return cache, q_all, positions
+
+
+@pytest.mark.parametrize("dtype,block_size", SHARED, ids=[f"{str(d)[6:]}-bs{b}" for d, b in SHARED])
+def test_decodes_sharing_prefix_blocks_same_bits_as_alone(dtype: torch.dtype, block_size: int) -> None:
+    """Decodes whose tables hold the same blocks from a partition's start walk those keys together (shared
+    tiles), then each the rest of its partition alone; each query's bits are still those of its own walk,
+    on 1 or 2 threads, beside a prompt chunk too."""
+    cache, q_all, positions = shared_prefix_cache(dtype, block_size)
+    decodes = [(s, p, 1) for s, p in enumerate(positions)]
+    step = Step(decodes)
+    tables = torch.zeros(len(decodes), max(map(len, cache.tables)), dtype=torch.int32)
+    for i, table in enumerate(cache.tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    qsl = torch.arange(len(decodes) + 1, dtype=torch.int32)
+    seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+    # Partition 0: the 35 and the 36th, in tiles of 32 and 4; partition 1: the 34 of the 35 that see all of
+    # it (32 and 2); partition 2's first 64 keys (512-575, in the 600 shared): the 33 that see them, 32 in a
+    # tile (the 33rd walks alone).
+    assert pa.shared_tiles(tables, qsl, seq_lens, 9, 3, 64, cache.k.shape[0], block_size) == (5, 102)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [run(cache, q_all, Step([d]), 0.125, 0)[0] for d in decodes]
+        results = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results[f"together, {threads} threads"] = run(cache, q_all, step, 0.125, 0)
+            chunk = (len(decodes) - 1, 100, 60)  # the unshared sequence's prompt chunk, decodes around it
+            results[f"beside a prompt chunk, {threads} threads"] = [
+                out for out, entry in zip(run(cache, q_all, Step([*decodes[:-1], chunk]), 0.125, 0),
+                                          [*decodes[:-1], chunk], strict=True) if entry[2] == 1
+            ]
+    finally:
+        torch.set_num_threads(before)
+    for name, outs in results.items():
+        for s, (a, b) in enumerate(zip(outs, alone, strict=False)):
+            assert torch.equal(a, b), f"sequence {s} differs {name}"
+    in_bf16 = pa.multiplies_in_bf16(dtype, 64)
+    in_int16 = dtype == torch.int8 and pa.multiplies_int8_in_int16(64)
+    max_v = values(cache.v).abs().max().item()
+    tolerance = 2**-9 * max_v if in_bf16 else 2**-12 * max_v if in_int16 else 1e-5
+    exact = Cache(values(cache.k), values(cache.v), cache.tables, cache.lens, cache.block_size)
+    reference = functools.partial(pa.paged_attention_reference, round_query=in_bf16)
+    for a, b in zip(results["together, 2 threads"], run(exact, q_all, step, 0.125, 0, fn=reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=tolerance)
+
+
+def test_short_decodes_share_the_key_blocks_of_a_prefix_within_one_partition() -> None:
+    """Contexts under 256 keys sharing a 150-token prefix: two 64-key blocks walked together, the rest alone."""
+    g = torch.Generator().manual_seed(41)
+    lens = [160 + 3 * i for i in range(20)]
+    cache = make_cache(lens, 3, 64, 16, torch.bfloat16, g)
+    for table in cache.tables[1:]:
+        table[: 150 // 16] = cache.tables[0][: 150 // 16]
+    q_all = [torch.randn(n, 9, 64, generator=g) for n in cache.lens]
+    decodes = [(s, n - 1, 1) for s, n in enumerate(lens)]
+    tables = torch.zeros(len(lens), max(map(len, cache.tables)), dtype=torch.int32)
+    for i, table in enumerate(cache.tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    assert pa.shared_tiles(tables, qsl, torch.tensor(lens, dtype=torch.int32), 9, 3, 64, cache.k.shape[0], 16) == (1, 20)
+    together = run(cache, q_all, Step(decodes), 0.125, 0)
+    for d, out in zip(decodes, together, strict=True):
+        assert torch.equal(out, run(cache, q_all, Step([d]), 0.125, 0)[0]), f"sequence {d[0]} differs"
+
+def test_no_shared_tiles_under_a_window_or_for_blocks_not_dividing_a_key_block() -> None:
+    cache, _, positions = shared_prefix_cache(torch.float32, 16)
+    tables = torch.zeros(len(positions), max(map(len, cache.tables)), dtype=torch.int32)
+    for i, table in enumerate(cache.tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    qsl = torch.arange(len(positions) + 1, dtype=torch.int32)
+    seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+    blocks = cache.k.shape[0]
+    assert pa.shared_tiles(tables, qsl, seq_lens, 9, 3, 64, blocks, 16)[0] > 0
+    assert pa.shared_tiles(tables, qsl, seq_lens, 9, 3, 64, blocks, 16, sliding_window=300) == (0, 0)
+    # 24-token blocks: a 64-key block would start inside a cache block.
+    wide = tables[:, : max(map(len, cache.tables)) * 16 // 24]
+    assert pa.shared_tiles(wide, qsl, seq_lens, 9, 3, 64, blocks, 24) == (0, 0)
+    assert pa.shared_tiles(tables, qsl, seq_lens, 9, 3, 24, blocks, 16) == (0, 0)  # head size: the scalar walk
+
+
 # -- in the engine's cache -------------------------------------------------------------------
 
 
