@@ -130,8 +130,7 @@ struct AttentionPlan {
   std::vector<int64_t> shared_rows;     // what shared tiles' rows point into
   std::vector<int32_t> shared_members;  // and their members
   std::vector<AttentionUnit> units;  // handed out in this order
-  std::vector<int64_t> tile_slot;    // a split tile's first slot of `partials` (one per partition); -1: not split
-  int64_t slot_floats = 0;
+  std::vector<int64_t> tile_slot;    // where a split tile's slots (one per partition) start in `partials`; -1: not split
   int64_t total_work = 0;  // query heads x visible keys x head_dim, for the fork/join decision
   const int32_t* block_tables = nullptr;
   int64_t max_blocks = 0;

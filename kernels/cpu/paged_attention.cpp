@@ -74,6 +74,7 @@
 #include <map>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace simd = protoserve::simd;
@@ -1051,11 +1052,10 @@ void write_out(const Problem& pb, const Tile& tile, int kvh0, int nkv, const flo
 inline StateView scratch_state(Scratch& s) { return {s.m.data(), reinterpret_cast<float*>(s.l.data()), s.acc.data()}; }
 inline StateView fold_state(Scratch& s) { return {s.fm.data(), reinterpret_cast<float*>(s.fl.data()), s.facc.data()}; }
 
-// A split tile's slot in plan.partials: [QUERY_TILE * H] m, then l lanes, then accumulators.
-inline StateView slot_state(float* slot, int num_heads, int head_dim) {
-  const int64_t states = static_cast<int64_t>(QUERY_TILE) * num_heads;
-  return {slot, slot + states, slot + states * (1 + LANES)};
-}
+// A split tile's slot in plan.partials, one per partition: its `states` (query, head) pairs' m, then l
+// lanes, then accumulators.
+inline int64_t slot_floats(int64_t states, int head_dim) { return states * (1 + LANES + head_dim); }
+inline StateView slot_state(float* slot, int64_t states) { return {slot, slot + states, slot + states * (1 + LANES)}; }
 
 inline void copy_state(StateView from, StateView to, int states, int head_dim) {
   std::copy(from.m, from.m + states, to.m);
@@ -1101,16 +1101,16 @@ void leave_part(const Problem& pb, const protoserve::AttentionPlan& plan, int32_
                 Scratch& s) {
   const Tile& tile = plan.tiles[t];
   const int states = tile.n * pb.num_heads, p0 = first_part(pb, tile), p1 = last_part(tile);
-  float* slots = plan.partials.data() + plan.tile_slot[t] * plan.slot_floats;
-  copy_state(state, slot_state(slots + (part - p0) * plan.slot_floats, pb.num_heads, pb.head_dim), states,
-             pb.head_dim);
+  float* slots = plan.partials.data() + plan.tile_slot[t];
+  const int64_t stride = slot_floats(states, pb.head_dim);
+  copy_state(state, slot_state(slots + (part - p0) * stride, states), states, pb.head_dim);
   std::atomic<int32_t>& done = plan.done[t];
   if (done.fetch_add(1, std::memory_order_acq_rel) != p1 - p0) return;
   done.store(0, std::memory_order_relaxed);  // the next call's count starts afresh
   const StateView fold = fold_state(s);
   clear_fold(fold, states);
   for (int p = 0; p <= p1 - p0; ++p)
-    fold_in(fold, slot_state(slots + p * plan.slot_floats, pb.num_heads, pb.head_dim), states, pb.head_dim);
+    fold_in(fold, slot_state(slots + p * stride, states), states, pb.head_dim);
   write_out<row_t<PT, CH>, CH>(pb, tile, 0, pb.num_kv_heads, s.facc.data(), s.fl.data());
 }
 
@@ -1276,12 +1276,17 @@ void share_partitions(protoserve::AttentionPlan& plan, std::vector<int64_t>& til
   const auto table_of = [&](int32_t t) {
     return plan.block_tables + static_cast<int64_t>(plan.tiles[t].seq) * plan.max_blocks;
   };
+  // Cached prefixes are shared from their first block on: decodes whose first block no other holds share
+  // nothing, and cost no more than this count.
+  std::unordered_map<int32_t, int32_t> first_blocks;
+  for (size_t t = 0; t < tiles; ++t)
+    if (plan.tiles[t].n == 1 && plan.tiles[t].pos0 >= KEY_BLOCK - 1) ++first_blocks[table_of(static_cast<int32_t>(t))[0]];
   // (partition, the block ids of its first key block) -> the decode tiles whose table holds them, in order.
   std::map<std::vector<int32_t>, std::vector<int32_t>> groups;
   for (size_t t = 0; t < tiles; ++t) {
     const Tile& tile = plan.tiles[t];
-    if (tile.n != 1) continue;
     const int32_t* table = table_of(static_cast<int32_t>(t));
+    if (tile.n != 1 || tile.pos0 < KEY_BLOCK - 1 || first_blocks[table[0]] < 2) continue;
     for (int p = 0; p * PARTITION + KEY_BLOCK - 1 <= tile.pos0; ++p) {
       const int64_t first = static_cast<int64_t>(p) * PARTITION / block_size;
       std::vector<int32_t> key{p};
@@ -1341,7 +1346,7 @@ void cut_units(protoserve::AttentionPlan& plan, const std::vector<int64_t>& tile
   const bool vector = head_dim % LANES == 0;
   plan.units.clear();
   plan.tile_slot.assign(plan.tiles.size(), -1);
-  int64_t slots = 0;
+  int64_t floats = 0;  // of plan.partials, for the split tiles' slots
   std::vector<protoserve::AttentionUnit> rest;
   static const std::vector<int32_t> none;
   for (size_t t = 0; t < plan.tiles.size(); ++t) {
@@ -1354,13 +1359,13 @@ void cut_units(protoserve::AttentionPlan& plan, const std::vector<int64_t>& tile
     if (tile.members != nullptr) {  // its one partition, the one ending at pos0
       plan.units.push_back({ti, 0, kvh, tile.pos0 / PARTITION});
     } else if (!elsewhere.empty()) {
-      plan.tile_slot[t] = slots;
-      slots += p1 - p0 + 1;
+      plan.tile_slot[t] = floats;
+      floats += (p1 - p0 + 1) * slot_floats(static_cast<int64_t>(tile.n) * num_heads, head_dim);
       for (int p = p0; p <= p1; ++p)
         if (std::find(elsewhere.begin(), elsewhere.end(), p) == elsewhere.end()) plan.units.push_back({ti, 0, kvh, p});
     } else if (vector && p1 > p0 && threads > 1 && (few || tile_work[t] * 2 * threads > total_work)) {
-      plan.tile_slot[t] = slots;
-      slots += p1 - p0 + 1;
+      plan.tile_slot[t] = floats;
+      floats += (p1 - p0 + 1) * slot_floats(static_cast<int64_t>(tile.n) * num_heads, head_dim);
       for (int p = p0; p <= p1; ++p) plan.units.push_back({ti, 0, kvh, p});
     } else if (few && threads > 1) {
       for (int h = 0; h < num_kv_heads; ++h) rest.push_back({ti, static_cast<int16_t>(h), 1, -1});
@@ -1369,9 +1374,7 @@ void cut_units(protoserve::AttentionPlan& plan, const std::vector<int64_t>& tile
     }
   }
   plan.units.insert(plan.units.end(), rest.begin(), rest.end());
-  plan.slot_floats = static_cast<int64_t>(QUERY_TILE) * num_heads * (1 + LANES + head_dim);
-  if (static_cast<int64_t>(plan.partials.size()) < slots * plan.slot_floats)
-    plan.partials.resize(slots * plan.slot_floats);
+  if (static_cast<int64_t>(plan.partials.size()) < floats) plan.partials.resize(floats);
   if (plan.done_size < static_cast<int64_t>(plan.tiles.size())) {
     plan.done_size = static_cast<int64_t>(plan.tiles.size());
     plan.done = std::make_unique<std::atomic<int32_t>[]>(plan.done_size);
