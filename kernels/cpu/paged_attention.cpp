@@ -30,7 +30,7 @@
 //
 // Decodes of different sequences whose block tables hold the same cache blocks from a partition's
 // start (a prompt prefix in the prefix cache) form a tile too, over those shared key blocks
-// (share_partitions); each query then walks the rest of its partition alone, from its own state.
+// (share_prefix_blocks); each query then walks the rest of its partition alone, from its own state.
 //
 // Long contexts: the keys are cut into partitions of PARTITION positions aligned to position 0. A
 // query runs the walk above from a fresh state (m = -inf, l = 0, acc = 0) in each partition its keys
@@ -1267,7 +1267,7 @@ void run(const Problem& pb, const protoserve::AttentionPlan& plan, const protose
 // as a prompt's consecutive queries share theirs. Each such row's tile is then split by partition, and
 // `shared` gets, per tile, the partitions its shared tiles compute (the rest of such a partition too).
 // Only where every query sees all of the shared keys (no window) and key blocks hold whole cache blocks.
-void share_partitions(protoserve::AttentionPlan& plan, std::vector<int64_t>& tile_work, int64_t block_size,
+void share_prefix_blocks(protoserve::AttentionPlan& plan, std::vector<int64_t>& tile_work, int64_t block_size,
                       int64_t head_dim, std::vector<std::vector<int32_t>>& shared) {
   const size_t tiles = plan.tiles.size();
   shared.assign(tiles, {});
@@ -1337,7 +1337,7 @@ void share_partitions(protoserve::AttentionPlan& plan, std::vector<int64_t>& til
 // heads: each cached row read whole) and a one-partition tile into a unit per KV head; a tile holding
 // more than its share of the call's work is split too, so that it does not finish last. Otherwise a
 // unit is a whole tile with all its KV heads. A tile with partitions in shared tiles
-// (share_partitions) is split, its own units covering the rest; shared tiles are a unit each. Split
+// (share_prefix_blocks) is split, its own units covering the rest; shared tiles are a unit each. Split
 // and shared tiles' units go first: they are the long ones.
 void cut_units(protoserve::AttentionPlan& plan, const std::vector<int64_t>& tile_work, int64_t total_work,
                const std::vector<std::vector<int32_t>>& shared, int num_kv_heads, int num_heads, int head_dim,
@@ -1434,7 +1434,7 @@ void plan_attention(AttentionPlan& plan, const at::Tensor& block_tables, const a
   plan.num_tokens = T;
   plan.sliding_window = sliding_window;
   std::vector<std::vector<int32_t>> shared;
-  share_partitions(plan, tile_work, bs, D, shared);
+  share_prefix_blocks(plan, tile_work, bs, D, shared);
   cut_units(plan, tile_work, total_work, shared, static_cast<int>(KVH), static_cast<int>(H), static_cast<int>(D),
             std::max(1, at::get_num_threads()));
 }
