@@ -148,6 +148,7 @@ def start_server_process(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     api_keys: tuple[str, ...] = (),
+    attempts: int = 3,
 ) -> LiveServer:
     """Run ``protoserve serve --port 0`` and wait for its listen line (and for SERVING if asked)."""
     log_file = tempfile.NamedTemporaryFile(prefix="protoserve-", suffix=".log", delete=False)
@@ -191,9 +192,13 @@ def start_server_process(
     threading.Thread(target=read_stdout, daemon=True).start()
     if not found.wait(LOAD_TIMEOUT_S) or not match:
         process.kill()
-        raise RuntimeError(
-            f"server printed no listen line:\n{Path(log_file.name).read_text(errors='replace')}"
-        )
+        log = Path(log_file.name).read_text(errors="replace")
+        # The HTTP port free_port() saw free can be taken before the server binds it (another test's
+        # server, a tensor-parallel server's ranks opening their own ports): start again on another.
+        if attempts > 1 and "(HTTP): address already in use" in log:
+            return start_server_process(*extra_args, env=env, wait_ready=wait_ready, api_keys=api_keys,
+                                        attempts=attempts - 1)
+        raise RuntimeError(f"server printed no listen line:\n{log}")
     target, http = match[0].group(1), match[0].group(2)
     server = LiveServer(
         grpc_target=target,
