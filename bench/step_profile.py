@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt starts with (a system prompt in the prefix cache) [0]")
     args = parser.parse_args()
+    if not 0 <= args.shared_prefix <= args.context:
+        parser.error(f"--shared-prefix must lie in 0..--context ({args.context}), got {args.shared_prefix}")
     from bench.profile import INT4_KV_BF16
     from bench.resources import load_engine_model
     from protoserve.engine.api import EngineConfig
