@@ -73,6 +73,19 @@ class Step:
     entries: list[tuple[int, int, int]]
 
 
+def step_indices(cache: Cache, step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's block tables (padded, like the engine's), query_start_loc and seq_lens, as the kernel takes them."""
+    width = max(len(cache.tables[s]) for s, _, _ in step.entries) + 2
+    tables = torch.zeros(len(step.entries), width, dtype=torch.int32)
+    for i, (s, _, _) in enumerate(step.entries):
+        tables[i, : len(cache.tables[s])] = torch.tensor(cache.tables[s], dtype=torch.int32)
+    counts = torch.tensor([n for _, _, n in step.entries], dtype=torch.int32)
+    qsl = torch.zeros(len(step.entries) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(counts, 0)
+    seq_lens = torch.tensor([p + n for _, p, n in step.entries], dtype=torch.int32)  # context after the step
+    return tables, qsl, seq_lens
+
+
 def run(
     cache: Cache,
     q_all: list[torch.Tensor],
@@ -83,16 +96,9 @@ def run(
 ) -> list[torch.Tensor]:
     """Attend the step's queries (rows of q_all[seq] at their positions); one [n, H, D] per entry."""
     q = torch.cat([q_all[s][p : p + n] for s, p, n in step.entries])
-    width = max(len(cache.tables[s]) for s, _, _ in step.entries) + 2  # padded, like the engine's
-    tables = torch.zeros(len(step.entries), width, dtype=torch.int32)
-    for i, (s, _, _) in enumerate(step.entries):
-        tables[i, : len(cache.tables[s])] = torch.tensor(cache.tables[s], dtype=torch.int32)
-    counts = torch.tensor([n for _, _, n in step.entries], dtype=torch.int32)
-    qsl = torch.zeros(len(step.entries) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(counts, 0)
-    seq_lens = torch.tensor([p + n for _, p, n in step.entries], dtype=torch.int32)  # context after the step
+    tables, qsl, seq_lens = step_indices(cache, step)
     out = fn(q, cache.k, cache.v, tables, qsl, seq_lens, scale, window)
-    return list(out.split(counts.tolist()))
+    return list(out.split([n for _, _, n in step.entries]))
 
 
 def test_kernel_loads_on_this_machine() -> None:
@@ -450,11 +456,7 @@ def test_decodes_sharing_prefix_blocks_same_bits_as_alone(dtype: torch.dtype, bl
     cache, q_all, positions = shared_prefix_cache(dtype, block_size)
     decodes = [(s, p, 1) for s, p in enumerate(positions)]
     step = Step(decodes)
-    tables = torch.zeros(len(decodes), max(map(len, cache.tables)), dtype=torch.int32)
-    for i, table in enumerate(cache.tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    qsl = torch.arange(len(decodes) + 1, dtype=torch.int32)
-    seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+    tables, qsl, seq_lens = step_indices(cache, step)
     # Partition 0: the 35 and the 36th, in tiles of 32 and 4; partition 1: the 34 of the 35 that see all of
     # it (32 and 2); partition 2's first 64 keys (512-575, in the 600 shared): the 33 that see them, 32 in a
     # tile (the 33rd walks alone).
@@ -496,22 +498,15 @@ def test_short_decodes_share_the_key_blocks_of_a_prefix_within_one_partition() -
         table[: 150 // 16] = cache.tables[0][: 150 // 16]
     q_all = [torch.randn(n, 9, 64, generator=g) for n in cache.lens]
     decodes = [(s, n - 1, 1) for s, n in enumerate(lens)]
-    tables = torch.zeros(len(lens), max(map(len, cache.tables)), dtype=torch.int32)
-    for i, table in enumerate(cache.tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
-    assert pa.shared_tiles(tables, qsl, torch.tensor(lens, dtype=torch.int32), 9, 3, 64, cache.k.shape[0], 16) == (1, 20)
+    assert pa.shared_tiles(*step_indices(cache, Step(decodes)), 9, 3, 64, cache.k.shape[0], 16) == (1, 20)
     together = run(cache, q_all, Step(decodes), 0.125, 0)
     for d, out in zip(decodes, together, strict=True):
         assert torch.equal(out, run(cache, q_all, Step([d]), 0.125, 0)[0]), f"sequence {d[0]} differs"
 
+
 def test_no_shared_tiles_under_a_window_or_for_blocks_not_dividing_a_key_block() -> None:
     cache, _, positions = shared_prefix_cache(torch.float32, 16)
-    tables = torch.zeros(len(positions), max(map(len, cache.tables)), dtype=torch.int32)
-    for i, table in enumerate(cache.tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    qsl = torch.arange(len(positions) + 1, dtype=torch.int32)
-    seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+    tables, qsl, seq_lens = step_indices(cache, Step([(s, p, 1) for s, p in enumerate(positions)]))
     blocks = cache.k.shape[0]
     assert pa.shared_tiles(tables, qsl, seq_lens, 9, 3, 64, blocks, 16)[0] > 0
     assert pa.shared_tiles(tables, qsl, seq_lens, 9, 3, 64, blocks, 16, sliding_window=300) == (0, 0)
